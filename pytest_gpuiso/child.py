@@ -1,0 +1,298 @@
+"""Child side of an isolated run: bootstrap, run exactly one job, send frames, ``os._exit``.
+
+Two kinds of job run here:
+
+* ``ItemJob``: rebuild the pytest config from the parent's invocation arguments
+  (the way xdist workers do), collect only the target test's module, run the one
+  item through ``pytest_runtest_protocol`` and ship every report as
+  ``pytest_report_to_serializable`` data.
+* ``CallJob``: call a picklable function (``run_isolated``) and ship its value
+  or its exception.
+
+Frames sent to the parent: ``report``, ``warning``, ``error``, ``result``,
+``exception`` and finally ``done``. The child leaves with ``os._exit`` once
+``done`` is sent, so a non-daemon thread left running by a test cannot keep it
+alive.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import pickle
+import sys
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any, Callable
+
+import pytest
+
+from ._linux import die_with_parent
+from .ipc import send_frame
+
+CHILD_PLUGIN = "gpuiso-child"
+
+_keep: list[Any] = []  # objects that must live as long as the process (faulthandler's file)
+
+
+@dataclass(frozen=True)
+class Bootstrap:
+    parent_pid: int
+    output: str | None  # file for fds 1 and 2; None: keep the parent's (pytest -s)
+    stack_file: str
+    stack_signal: int
+    spill_dir: str
+
+
+def main(boot: Bootstrap, job: Any, conn: Connection) -> None:
+    """Entry point of the spawned process."""
+    _bootstrap(boot, conn)
+    status = 0
+    try:
+        job.run(Channel(conn, boot.spill_dir))
+    except BaseException:
+        status = 1
+        try:
+            send_frame(conn, "error", "internal error in the isolated process:\n" + traceback.format_exc(), boot.spill_dir)
+        except Exception:
+            pass
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+    os._exit(status)
+
+
+def _bootstrap(boot: Bootstrap, conn: Connection) -> None:
+    # Own process group: the parent signals the test's whole tree at once, and
+    # the terminal's Ctrl-C goes to pytest, which then takes the group down.
+    try:
+        os.setpgid(0, 0)
+    except OSError:
+        pass
+    die_with_parent(boot.parent_pid)
+    # Only this process may hold the pipe's write end: a forked grandchild
+    # holding it would keep the pipe open after we die.
+    fd = conn.fileno()
+    os.set_inheritable(fd, False)
+    os.register_at_fork(after_in_child=lambda: _close_quietly(fd))
+    if boot.output is not None:
+        out = os.open(boot.output, os.O_WRONLY | os.O_APPEND)
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        os.close(out)
+    stack = open(boot.stack_file, "w")  # noqa: SIM115 - must stay open for faulthandler
+    _keep.append(stack)
+    faulthandler.register(boot.stack_signal, file=stack, all_threads=True, chain=False)
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+
+
+def _close_quietly(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+class Channel:
+    """The child's end of the pipe."""
+
+    def __init__(self, conn: Connection, spill_dir: str) -> None:
+        self.conn = conn
+        self.spill_dir = spill_dir
+
+    def send(self, kind: str, payload: Any) -> None:
+        send_frame(self.conn, kind, payload, self.spill_dir)
+
+
+# --------------------------------------------------------------------------- calls
+
+
+@dataclass(frozen=True)
+class CallJob:
+    func: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+    def run(self, channel: Channel) -> None:
+        try:
+            value = self.func(*self.args, **self.kwargs)
+        except BaseException as exc:
+            channel.send("exception", describe_exception(exc))
+        else:
+            try:
+                channel.send("result", value)
+            except Exception as exc:
+                channel.send(
+                    "exception",
+                    {
+                        "type": "PicklingError",
+                        "message": f"the return value of {_name(self.func)} cannot be pickled: {exc}",
+                        "traceback": "",
+                        "pickled": None,
+                    },
+                )
+        channel.send("done", 0)
+
+
+def describe_exception(exc: BaseException) -> dict[str, Any]:
+    """An exception as data: always its text, and the object itself when it pickles."""
+    try:
+        message = str(exc)
+    except Exception:
+        message = repr(exc)
+    try:
+        pickled = pickle.dumps(exc, protocol=pickle.HIGHEST_PROTOCOL)
+        pickle.loads(pickled)
+    except Exception:
+        pickled = None
+    return {
+        "type": _name(type(exc)),
+        "message": message,
+        "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+        "pickled": pickled,
+    }
+
+
+def _name(obj: Any) -> str:
+    module = getattr(obj, "__module__", None)
+    qualname = getattr(obj, "__qualname__", repr(obj))
+    return qualname if module in (None, "builtins") else f"{module}.{qualname}"
+
+
+# --------------------------------------------------------------------------- items
+
+
+@dataclass(frozen=True)
+class ItemJob:
+    nodeid: str
+    collect_arg: str  # what to collect: "path::Class::func" or the file path
+    args: tuple[str, ...]  # the parent's invocation arguments
+    invocation_dir: str
+    basetemp: str
+
+    def run(self, channel: Channel) -> None:
+        from _pytest.config import _prepareconfig
+
+        os.chdir(self.invocation_dir)
+        plugin = ChildPlugin(self, channel)
+        config = _prepareconfig(list(self.args), plugins=[plugin])
+        _override_options(config.option, self.basetemp)
+        status = config.hook.pytest_cmdline_main(config=config)
+        channel.send("done", int(status))
+
+
+# Options that must not take effect in the child: the parent debugs, distributes,
+# writes result files and keeps the last-failed cache; the child only runs one test.
+_CHILD_OVERRIDES: dict[str, Any] = {
+    "usepdb": False,
+    "trace": False,
+    "xmlpath": None,
+    "numprocesses": None,
+    "maxprocesses": None,
+    "dist": "no",
+    "tx": [],
+    "looponfail": False,
+    "report_log": None,
+    "htmlpath": None,
+    "lf": False,
+    "failedfirst": False,
+    "newfirst": False,
+    "stepwise": False,
+    "stepwise_skip": False,
+    "gpu_isolate_report": None,
+}
+
+
+def _override_options(option: Any, basetemp: str) -> None:
+    for name, value in _CHILD_OVERRIDES.items():
+        if hasattr(option, name):
+            setattr(option, name, value)
+    option.basetemp = basetemp
+
+
+class ChildPlugin:
+    """Collects just the target item, runs it and forwards reports and warnings."""
+
+    __name__ = CHILD_PLUGIN  # pluggy registers the plugin under this name
+
+    def __init__(self, job: ItemJob, channel: Channel) -> None:
+        self.job = job
+        self.channel = channel
+        self.collect_errors: list[str] = []
+        self.config: Any = None
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_configure(self, config: Any) -> None:
+        self.config = config
+        # The parent keeps the last-failed / new-first caches and the stepwise state.
+        for name in ("lfplugin", "nfplugin", "stepwiseplugin"):
+            found = config.pluginmanager.get_plugin(name)
+            if found is not None:
+                config.pluginmanager.unregister(found)
+        # The parent prints; the child's terminal output would only bury the crash tail.
+        reporter = config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            config.pluginmanager.unregister(reporter)
+            quiet = pytest.TerminalReporter(config, open(os.devnull, "w"))  # noqa: SIM115
+            config.pluginmanager.register(quiet, "terminalreporter")
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collection(self, session: Any) -> bool:
+        session.perform_collect([self.job.collect_arg])
+        return True
+
+    @pytest.hookimpl(trylast=True)  # after -k / -m deselection
+    def pytest_collection_modifyitems(self, items: list) -> None:
+        items[:] = [item for item in items if item.nodeid == self.job.nodeid]
+
+    def pytest_collectreport(self, report: Any) -> None:
+        if report.failed:
+            self.collect_errors.append(f"{report.nodeid}:\n{report.longreprtext}")
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtestloop(self, session: Any) -> bool:
+        if not session.items:
+            detail = "\n".join(self.collect_errors) or "the test was not collected"
+            self.channel.send(
+                "error",
+                f"the isolated process could not collect {self.job.nodeid!r}:\n{detail}",
+            )
+            return True
+        item = session.items[0]
+        item.config.hook.pytest_runtest_protocol(item=item, nextitem=None)
+        return True
+
+    def pytest_runtest_logreport(self, report: Any) -> None:
+        data = self.config.hook.pytest_report_to_serializable(config=self.config, report=report)
+        self.channel.send("report", data)
+
+    def pytest_warning_recorded(self, warning_message: Any, when: str, nodeid: str, location: Any) -> None:
+        if when == "runtest":
+            self.channel.send("warning", serialize_warning(warning_message, nodeid))
+
+    @pytest.hookimpl(optionalhook=True, tryfirst=True)
+    def pytest_timeout_set_timer(self, item: Any, settings: Any) -> bool:
+        return True  # the parent enforces the timeout; pytest-timeout must not fire here too
+
+    @pytest.hookimpl(optionalhook=True, tryfirst=True)
+    def pytest_timeout_cancel_timer(self, item: Any) -> bool:
+        return True
+
+    def pytest_internalerror(self, excrepr: Any, excinfo: Any) -> None:
+        self.channel.send("error", f"internal pytest error in the isolated process:\n{excrepr}")
+
+
+def serialize_warning(message: Any, nodeid: str) -> dict[str, Any]:
+    category = message.category
+    return {
+        "message": str(message.message),
+        "category_module": category.__module__,
+        "category_name": category.__qualname__,
+        "filename": message.filename,
+        "lineno": message.lineno,
+        "nodeid": nodeid,
+    }

@@ -1,0 +1,276 @@
+"""pytest hooks: options, marker, dispatch of isolated items, reporting glue.
+
+The work itself lives elsewhere: settings in ``spec``, the parent side of a run
+in ``supervisor``, the child side in ``child``, reports in ``results`` and
+``report``.
+"""
+
+from __future__ import annotations
+
+import functools
+import tempfile
+import warnings
+from dataclasses import dataclass, field
+from importlib import import_module
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from . import report, workdir
+from ._linux import set_child_subreaper
+from .call import run_isolated
+from .child import CHILD_PLUGIN, ItemJob
+from .results import RECORD_ATTR, item_reports, spec_error_reports
+from .spec import MARKER, Settings, SpecError, spec_for_item, wants_isolation
+from .supervisor import Supervisor
+
+MARKER_DOC = (
+    f"{MARKER}(timeout=None, grace=None, gpus=None): run this test in a fresh spawned "
+    "process with a clean CUDA context (pytest-gpuiso)"
+)
+
+
+@dataclass
+class State:
+    settings: Settings
+    report_path: Path | None
+    records: list[dict[str, Any]] = field(default_factory=list)
+    supervisor: Supervisor | None = None
+
+
+STATE = pytest.StashKey[State]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("gpu-isolate", "GPU test isolation (pytest-gpuiso)")
+    group.addoption(
+        "--gpu-isolate",
+        action="store_true",
+        dest="gpu_isolate",
+        default=None,
+        help="run every test in a fresh spawned process (ini: gpu_isolate).",
+    )
+    group.addoption(
+        "--no-gpu-isolate",
+        action="store_false",
+        dest="gpu_isolate",
+        default=None,
+        help="run every test in-process, marked tests included (e.g. for --pdb).",
+    )
+    group.addoption(
+        "--gpu-isolate-timeout",
+        dest="gpu_isolate_timeout",
+        metavar="SECONDS",
+        help="timeout of an isolated test, start-up included (default 900; "
+        "ini: gpu_isolate_timeout).",
+    )
+    group.addoption(
+        "--gpu-isolate-grace",
+        dest="gpu_isolate_grace",
+        metavar="SECONDS",
+        help="time between SIGTERM and SIGKILL on timeout (default 5; ini: gpu_isolate_grace).",
+    )
+    group.addoption(
+        "--gpu-isolate-report",
+        dest="gpu_isolate_report",
+        metavar="PATH",
+        help="write a JSON report of the isolated tests to PATH (ini: gpu_isolate_report).",
+    )
+    parser.addini("gpu_isolate", "isolate every test (true/false)", default="false")
+    parser.addini("gpu_isolate_timeout", "timeout of an isolated test in seconds", default="")
+    parser.addini("gpu_isolate_grace", "seconds between SIGTERM and SIGKILL", default="")
+    parser.addini("gpu_isolate_report", "path of the JSON report", default="")
+
+
+def _is_child(config: pytest.Config) -> bool:
+    return config.pluginmanager.has_plugin(CHILD_PLUGIN)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", MARKER_DOC)
+    if _is_child(config):
+        return
+    settings = Settings.from_config(config)
+    report_path = None
+    if settings.report_path:
+        report_path = Path(config.invocation_params.dir, settings.report_path).resolve()
+    state = State(settings=settings, report_path=report_path)
+    config.stash[STATE] = state
+    config.pluginmanager.register(Recorder(config, state), "gpuiso-recorder")
+    if settings.mode != "off":
+        workdir.clean_stale()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if STATE in config.stash:
+        workdir.remove_process_dir()
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    state = config.stash.get(STATE, None)
+    if state is None:
+        return []
+    s = state.settings
+    if s.mode == "off":
+        return ["gpu-isolate: off (--no-gpu-isolate): every test runs in-process"]
+    scope = "every test" if s.mode == "all" else f"tests marked {MARKER}"
+    timeout = f"{s.timeout:g} s ({s.timeout_source})" if s.timeout else "900 s (default)"
+    lines = [f"gpu-isolate: {scope} in a fresh spawn process, timeout {timeout}, grace {s.grace:g} s"]
+    if config.option.usepdb:
+        lines.append("gpu-isolate: --pdb cannot reach into isolated tests; use --no-gpu-isolate")
+    return lines
+
+
+def _isolated(item: pytest.Item) -> bool:
+    state = item.config.stash.get(STATE, None)
+    return state is not None and wants_isolation(item, state.settings)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
+    if not _isolated(item):
+        return None
+    state = item.config.stash[STATE]
+    ihook = item.ihook
+    ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+    try:
+        spec = spec_for_item(item, state.settings)
+    except SpecError as exc:
+        reports = spec_error_reports(item, str(exc))
+    else:
+        outcome = _supervisor(item.config, state).run(
+            _item_job(item), timeout=spec.timeout, grace=spec.grace
+        )
+        _replay_warnings(item.config, outcome.frames_of("warning"))
+        reports = item_reports(item, spec, outcome)
+    _teardown_parent_stack(item, nextitem, reports)
+    for rep in reports:
+        ihook.pytest_runtest_logreport(report=rep)
+    ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+    return True
+
+
+def _supervisor(config: pytest.Config, state: State) -> Supervisor:
+    if state.supervisor is None:
+        set_child_subreaper()
+        capture = config.getoption("capture") not in ("no", "tee-sys")
+        state.supervisor = Supervisor(workdir.process_dir(), capture_output=capture)
+    return state.supervisor
+
+
+def _item_job(item: pytest.Item) -> ItemJob:
+    config = item.config
+    factory = getattr(config, "_tmp_path_factory", None)
+    parent = factory.getbasetemp() if factory is not None else Path(tempfile.gettempdir())
+    return ItemJob(
+        nodeid=item.nodeid,
+        collect_arg=_collect_arg(item),
+        args=tuple(config.invocation_params.args),
+        invocation_dir=str(config.invocation_params.dir),
+        basetemp=tempfile.mkdtemp(prefix="isolated-", dir=parent),
+    )
+
+
+def _collect_arg(item: pytest.Item) -> str:
+    """Narrow the child's collection to the test function when its name allows it.
+
+    Parameter ids may hold ``::``, ``[`` or spaces, so the ``[...]`` part is never
+    passed; the child picks the exact node id among what it collected.
+    """
+    path = str(item.path)
+    _, sep, rest = item.nodeid.partition("::")
+    names = rest.split("[", 1)[0]
+    if sep and names and all(part.isidentifier() for part in names.split("::")):
+        return f"{path}::{names}"
+    return path
+
+
+def _replay_warnings(config: pytest.Config, payloads: list[dict[str, Any]]) -> None:
+    for data in payloads:
+        try:
+            category = getattr(import_module(data["category_module"]), data["category_name"])
+            if not (isinstance(category, type) and issubclass(category, Warning)):
+                raise TypeError
+        except Exception:
+            category = UserWarning
+        try:
+            message: Any = category(data["message"])
+        except Exception:
+            message = UserWarning(data["message"])
+        record = warnings.WarningMessage(
+            message=message,
+            category=category,
+            filename=data["filename"],
+            lineno=data["lineno"],
+        )
+        config.hook.pytest_warning_recorded.call_historic(
+            kwargs=dict(warning_message=record, when="runtest", nodeid=data["nodeid"], location=None)
+        )
+
+
+def _teardown_parent_stack(item: pytest.Item, nextitem: pytest.Item | None, reports: list) -> None:
+    """Tear down fixtures that earlier in-process tests left up and ``nextitem`` no longer needs.
+
+    In-process, this teardown would belong to the test run just before
+    ``nextitem``, so an error in it fails this test's teardown.
+    """
+    setupstate = getattr(item.session, "_setupstate", None)
+    if setupstate is None or not setupstate.stack:
+        return
+    call = pytest.CallInfo.from_call(lambda: setupstate.teardown_exact(nextitem), when="teardown")
+    if call.excinfo is None or not reports or reports[-1].when != "teardown":
+        return
+    failed = pytest.TestReport.from_item_and_call(item, call)
+    failed.sections = list(reports[-1].sections) + list(failed.sections)
+    record = getattr(reports[-1], RECORD_ATTR, None)
+    if record is not None:
+        record["outcome"] = "failed" if record["outcome"] == "failed" else "error"
+        setattr(failed, RECORD_ATTR, record)
+    reports[-1] = failed
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> bool | None:
+    """pytest-timeout must not also fire in the parent: the supervisor enforces the timeout."""
+    return True if _isolated(item) else None
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_timeout_cancel_timer(item: pytest.Item) -> bool | None:
+    return True if _isolated(item) else None
+
+
+class Recorder:
+    """Collects the JSON records of isolated tests and writes the reports.
+
+    Records ride on teardown reports, so under xdist the controller receives
+    every worker's records test by test, even from a worker that later crashes.
+    """
+
+    def __init__(self, config: pytest.Config, state: State) -> None:
+        self.config = config
+        self.state = state
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        record = getattr(report, RECORD_ATTR, None)
+        if isinstance(record, dict):
+            self.state.records.append(record)
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        path = self.state.report_path
+        if path is not None and not hasattr(self.config, "workerinput"):
+            report.write_json(path, self.state.records)
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        if self.state.records:
+            report.terminal_summary(terminalreporter, self.state.records, self.state.report_path)
+
+
+@pytest.fixture
+def gpu_isolated_run(request: pytest.FixtureRequest):
+    """``gpu_isolated_run(func, *args, timeout=None, gpus=0, **kwargs)``: call ``func`` in a
+    fresh spawned process and return its value (see ``pytest_gpuiso.run_isolated``)."""
+    state = request.config.stash.get(STATE, None)
+    grace = state.settings.grace if state is not None else 5.0
+    return functools.partial(run_isolated, grace=grace)

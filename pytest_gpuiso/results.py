@@ -1,0 +1,165 @@
+"""Turn one isolated run's ``Outcome`` into pytest reports and a JSON record.
+
+The child's own reports are used as they are. When the child did not deliver a
+complete set (timeout, crash, early exit), the missing phase becomes a failure
+whose text says what happened, with the stack at the timeout and the tail of the
+child's output, and the protocol is closed with a teardown report so terminal,
+junitxml and xdist see a normal test.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from .spec import IsolationSpec
+from .supervisor import Outcome
+
+RECORD_ATTR = "gpu_isolate"  # attribute of the teardown report; survives xdist serialization
+
+
+def item_reports(item: pytest.Item, spec: IsolationSpec, outcome: Outcome) -> list[pytest.TestReport]:
+    config = item.config
+    reports: list[pytest.TestReport] = []
+    for data in outcome.frames_of("report"):
+        rep = config.hook.pytest_report_from_serializable(config=config, data=data)
+        if isinstance(rep, pytest.TestReport):
+            reports.append(rep)
+    complete = bool(outcome.frames_of("done")) and any(r.when == "teardown" for r in reports)
+    if not complete:
+        _close_with_failure(item, reports, lambda phase: describe_problem(outcome, spec, phase))
+    setattr(reports[-1], RECORD_ATTR, make_record(item.nodeid, reports, outcome, spec))
+    return reports
+
+
+def spec_error_reports(item: pytest.Item, message: str) -> list[pytest.TestReport]:
+    """A bad marker argument: an error in setup naming the argument; nothing was run."""
+    reports: list[pytest.TestReport] = []
+    _close_with_failure(item, reports, lambda phase: f"gpu-isolate: {message}")
+    setattr(reports[-1], RECORD_ATTR, make_record(item.nodeid, reports, None, None))
+    return reports
+
+
+def _close_with_failure(item: pytest.Item, reports: list, problem) -> None:
+    """Fail the first phase that has no report and end with a teardown report."""
+    if reports and reports[-1].when == "teardown":
+        last = reports.pop()
+        failed = synthetic_report(item, "teardown", problem("teardown"))
+        failed.sections = list(last.sections)
+        reports.append(failed)
+        return
+    if not reports:
+        phase = "setup"
+    elif reports[-1].when == "setup" and reports[-1].passed:
+        phase = "call"
+    else:
+        phase = "teardown"
+    reports.append(synthetic_report(item, phase, problem(phase)))
+    if phase != "teardown":
+        reports.append(synthetic_report(item, "teardown", None))
+
+
+def synthetic_report(item: pytest.Item, when: str, problem: str | None) -> pytest.TestReport:
+    now = time.time()
+    rep = pytest.TestReport(
+        nodeid=item.nodeid,
+        location=item.location,
+        keywords={name: 1 for name in item.keywords},
+        outcome="passed" if problem is None else "failed",
+        longrepr=problem,
+        when=when,
+        start=now,
+        stop=now,
+        user_properties=list(item.user_properties),
+    )
+    if problem is not None and when == "call":
+        _apply_xfail(item, rep)
+    return rep
+
+
+def _apply_xfail(item: pytest.Item, rep: pytest.TestReport) -> None:
+    """A crash or timeout of an xfail test is an expected failure, as an exception would be."""
+    if item.config.option.runxfail:
+        return
+    try:
+        from _pytest.skipping import evaluate_xfail_marks
+
+        xfailed = evaluate_xfail_marks(item)
+    except Exception:
+        return
+    if xfailed is not None and xfailed.raises is None:
+        rep.outcome = "skipped"
+        rep.wasxfail = xfailed.reason
+
+
+def describe_problem(outcome: Outcome, spec: IsolationSpec, phase: str) -> str:
+    code = outcome.exitcode
+    if outcome.timed_out:
+        ended = f"; it was ended by {outcome.signal_name}" if outcome.signal_name else ""
+        head = (
+            f"Timeout: the isolated test timed out after {spec.timeout:g} s "
+            f"(timeout from {spec.timeout_source}) during {phase}{ended} "
+            f"(escalation: stack dump, SIGTERM, {spec.grace:g} s grace, SIGKILL)"
+        )
+    elif outcome.signal_name:
+        head = (
+            f"Crashed: the isolated test process crashed with {outcome.signal_name} "
+            f"(exit code {code}) during {phase}"
+        )
+    elif outcome.frames_of("error") and not outcome.frames_of("report"):
+        head = f"The isolated test process could not run the test (exit code {code})"
+    else:
+        head = (
+            f"The isolated test process exited with code {code} during {phase} "
+            "before reporting a complete result"
+        )
+    parts = [head]
+    parts += outcome.frames_of("error")
+    if outcome.timed_out:
+        parts.append(
+            f"Stack of the test process (pid {outcome.pid}) at the timeout:\n"
+            + (outcome.stack or "(no stack dump: the process did not answer)")
+        )
+    if outcome.output_tail:
+        parts.append(f"Last output of the test process (pid {outcome.pid}):\n{outcome.output_tail}")
+    return "\n\n".join(parts)
+
+
+def final_outcome(reports: list[pytest.TestReport]) -> str:
+    by_phase = {r.when: r for r in reports}
+    call = by_phase.get("call")
+    if call is not None:
+        if hasattr(call, "wasxfail"):
+            return "xfailed" if call.skipped else "xpassed"
+        if call.failed:
+            return "failed"
+        if call.skipped:
+            return "skipped"
+    setup = by_phase.get("setup")
+    if setup is not None and setup.skipped:
+        return "xfailed" if hasattr(setup, "wasxfail") else "skipped"
+    if any(r.failed for r in reports):
+        return "error"
+    return "passed"
+
+
+def make_record(
+    nodeid: str, reports: list, outcome: Outcome | None, spec: IsolationSpec | None
+) -> dict[str, Any]:
+    """One test's entry in the JSON report (schema version 1)."""
+    return {
+        "nodeid": nodeid,
+        "outcome": final_outcome(reports),
+        "duration": round(outcome.duration, 6) if outcome else 0.0,
+        "pid": outcome.pid if outcome else None,
+        "timeout": spec.timeout if spec else None,
+        "exit": {
+            "code": outcome.exitcode if outcome else None,
+            "signal": outcome.signal_name if outcome else None,
+            "timed_out": outcome.timed_out if outcome else False,
+        },
+        "escaped": list(outcome.escaped) if outcome else [],
+        "leaks": [],
+    }

@@ -1,0 +1,183 @@
+"""Turn CLI, ini, marker and pytest-timeout values into frozen settings records.
+
+Every validation error is raised here and names where the bad value came from
+(``--gpu-isolate-timeout``, ``ini gpu_isolate_timeout``, ``marker argument timeout``).
+Precedence, lowest to highest: built-in default < ini < command line < marker.
+pytest-timeout's value is used as the isolated test's timeout only when no
+gpu-isolate timeout was given anywhere.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+MARKER = "gpu_isolated"
+DEFAULT_TIMEOUT = 900.0
+DEFAULT_GRACE = 5.0
+MARKER_KWARGS = ("timeout", "grace", "gpus")
+
+
+class SpecError(ValueError):
+    """A bad setting. The message is one line naming the source and the value."""
+
+
+def parse_seconds(value: Any, what: str, *, allow_zero: bool) -> float:
+    """Parse a duration in seconds; ``what`` names the source for the error message."""
+    bound = ">= 0" if allow_zero else "> 0"
+    problem = f"invalid value {value!r} for {what}: expected a number of seconds {bound}"
+    if isinstance(value, bool):
+        raise SpecError(problem)
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    elif isinstance(value, str):
+        try:
+            seconds = float(value.strip())
+        except ValueError:
+            raise SpecError(problem) from None
+    else:
+        raise SpecError(problem)
+    if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not allow_zero):
+        raise SpecError(problem)
+    return seconds
+
+
+def parse_count(value: Any, what: str) -> int:
+    """Parse a non-negative integer (a GPU count)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise SpecError(f"invalid value {value!r} for {what}: expected an integer >= 0")
+    return value
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Session-wide settings, validated once at configure time."""
+
+    mode: str  # "all" (every test), "marked" (marked tests only) or "off"
+    timeout: float | None  # None: not given on the command line or in the ini file
+    timeout_source: str
+    grace: float
+    grace_source: str
+    report_path: str | None
+
+    @classmethod
+    def from_config(cls, config: pytest.Config) -> Settings:
+        """Read and validate options; raise ``pytest.UsageError`` naming the culprit."""
+        try:
+            return cls._from_config(config)
+        except SpecError as exc:
+            raise pytest.UsageError(f"gpu-isolate: {exc}") from None
+
+    @classmethod
+    def _from_config(cls, config: pytest.Config) -> Settings:
+        flag = config.getoption("gpu_isolate")
+        if flag is None:
+            ini = config.getini("gpu_isolate").strip().lower()
+            truthy = {"true": True, "yes": True, "on": True, "1": True}
+            falsy = {"false": False, "no": False, "off": False, "0": False, "": False}
+            if ini not in truthy and ini not in falsy:
+                raise SpecError(
+                    f"invalid value {ini!r} for ini gpu_isolate: expected true or false"
+                )
+            flag = truthy.get(ini, False)
+            mode = "all" if flag else "marked"
+        else:
+            mode = "all" if flag else "off"
+        timeout, timeout_source = _option_or_ini(config, "gpu_isolate_timeout", allow_zero=False)
+        grace, grace_source = _option_or_ini(config, "gpu_isolate_grace", allow_zero=True)
+        if grace is None:
+            grace, grace_source = DEFAULT_GRACE, "default"
+        report = config.getoption("gpu_isolate_report") or config.getini("gpu_isolate_report")
+        return cls(
+            mode=mode,
+            timeout=timeout,
+            timeout_source=timeout_source,
+            grace=grace,
+            grace_source=grace_source,
+            report_path=report.strip() or None if isinstance(report, str) else None,
+        )
+
+
+def _option_or_ini(config: pytest.Config, dest: str, *, allow_zero: bool) -> tuple[float | None, str]:
+    cli = config.getoption(dest)
+    if cli is not None:
+        what = "--" + dest.replace("_", "-")
+        return parse_seconds(cli, what, allow_zero=allow_zero), what
+    ini = config.getini(dest)
+    if isinstance(ini, str) and ini.strip():
+        what = f"ini {dest}"
+        return parse_seconds(ini, what, allow_zero=allow_zero), what
+    return None, ""
+
+
+@dataclass(frozen=True)
+class IsolationSpec:
+    """How one isolated test runs."""
+
+    timeout: float
+    timeout_source: str  # "marker", "--gpu-isolate-timeout", "pytest-timeout", "default", ...
+    grace: float
+    gpus: int | None  # None: not given (the lease layer decides)
+
+
+def wants_isolation(item: pytest.Item, settings: Settings) -> bool:
+    if settings.mode == "off":
+        return False
+    return settings.mode == "all" or item.get_closest_marker(MARKER) is not None
+
+
+def spec_for_item(item: pytest.Item, settings: Settings) -> IsolationSpec:
+    """Resolve the item's spec; raise ``SpecError`` for a bad marker argument."""
+    marker = item.get_closest_marker(MARKER)
+    kwargs: dict[str, Any] = dict(marker.kwargs) if marker is not None else {}
+    if marker is not None and marker.args:
+        raise SpecError(
+            f"invalid {MARKER} marker: positional arguments {marker.args!r} are not accepted; "
+            f"use keyword arguments ({', '.join(MARKER_KWARGS)})"
+        )
+    unknown = sorted(set(kwargs) - set(MARKER_KWARGS))
+    if unknown:
+        raise SpecError(
+            f"invalid {MARKER} marker argument {unknown[0]!r}: "
+            f"expected one of {', '.join(MARKER_KWARGS)}"
+        )
+
+    if "timeout" in kwargs:
+        timeout = parse_seconds(kwargs["timeout"], f"{MARKER} marker argument timeout", allow_zero=False)
+        timeout_source = "marker"
+    elif settings.timeout is not None:
+        timeout, timeout_source = settings.timeout, settings.timeout_source
+    else:
+        external = pytest_timeout_value(item)
+        if external is not None:
+            timeout, timeout_source = external, "pytest-timeout"
+        else:
+            timeout, timeout_source = DEFAULT_TIMEOUT, "default"
+
+    if "grace" in kwargs:
+        grace = parse_seconds(kwargs["grace"], f"{MARKER} marker argument grace", allow_zero=True)
+    else:
+        grace = settings.grace
+
+    gpus = None
+    if "gpus" in kwargs:
+        gpus = parse_count(kwargs["gpus"], f"{MARKER} marker argument gpus")
+    return IsolationSpec(timeout=timeout, timeout_source=timeout_source, grace=grace, gpus=gpus)
+
+
+def pytest_timeout_value(item: pytest.Item) -> float | None:
+    """The timeout pytest-timeout would apply to ``item`` (marker, --timeout, ini, env), if any."""
+    if not item.config.pluginmanager.hasplugin("timeout"):
+        return None
+    try:
+        import pytest_timeout
+
+        settings = pytest_timeout._get_item_settings(item)
+    except Exception:  # a bad pytest-timeout marker is pytest-timeout's to report
+        return None
+    if settings.timeout is None or settings.timeout <= 0:
+        return None
+    return float(settings.timeout)

@@ -1,0 +1,301 @@
+"""Parent side of one isolated run: start the child, wait, escalate, reap, sweep.
+
+What happens on timeout, in order (all of it is in ``Supervisor.run``):
+
+1. ask the child for a stack dump (faulthandler registered on ``STACK_SIGNAL``
+   dumps every thread even when the test is stuck in C code);
+2. SIGTERM to the child's process group;
+3. wait ``grace`` seconds, still draining the pipe;
+4. SIGKILL to the group (and to every descendant seen before step 2);
+5. after the child is reaped, sweep descendants that escaped the group: this
+   process is a child subreaper, so double-forked or ``setsid`` orphans of the
+   test are re-parented here, where ``psutil`` finds them.
+
+The parent waits on the pipe and on a pidfd of the child together with
+``multiprocessing.connection.wait``; it never sleep-polls while the child runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from . import child
+from .ipc import recv_frame
+
+STACK_SIGNAL = int(signal.SIGRTMIN) + 2  # unlikely to collide with a test's own handlers
+OUTPUT_TAIL_BYTES = 8192
+OUTPUT_TAIL_LINES = 60
+_STACK_WAIT = 2.0  # upper bound for faulthandler to write the dump
+_REAP_WAIT = 10.0  # upper bound for the kernel to reap a SIGKILLed child
+
+
+class StartError(RuntimeError):
+    """The child could not be started (e.g. the job could not be pickled)."""
+
+
+@dataclass
+class Outcome:
+    """What one isolated run produced and how the child ended."""
+
+    frames: list[tuple[str, Any]]
+    pid: int
+    exitcode: int | None
+    timed_out: bool
+    duration: float
+    stack: str = ""
+    output_tail: str = ""
+    escaped: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def signal_name(self) -> str | None:
+        if self.exitcode is None or self.exitcode >= 0:
+            return None
+        try:
+            return signal.Signals(-self.exitcode).name
+        except ValueError:
+            return f"signal {-self.exitcode}"
+
+    def frames_of(self, kind: str) -> list[Any]:
+        return [payload for k, payload in self.frames if k == kind]
+
+
+class Supervisor:
+    """Runs jobs in fresh ``spawn`` processes, one at a time, with files under ``workdir``."""
+
+    def __init__(self, workdir: Path, *, capture_output: bool = True) -> None:
+        self.workdir = workdir
+        self.capture_output = capture_output
+        self._ctx = multiprocessing.get_context("spawn")
+        self._counter = 0
+
+    def run(self, job: Any, *, timeout: float | None, grace: float) -> Outcome:
+        """Run ``job`` (an object with ``run(conn, boot)``) in a fresh process."""
+        self._counter += 1
+        tag = f"{os.getpid()}-{self._counter}"
+        output = self._private_file(f"out-{tag}.log") if self.capture_output else None
+        stack_file = self._private_file(f"stack-{tag}.txt")
+        boot = child.Bootstrap(
+            parent_pid=os.getpid(),
+            output=str(output) if output else None,
+            stack_file=str(stack_file),
+            stack_signal=STACK_SIGNAL,
+            spill_dir=str(self.workdir),
+        )
+        reader, writer = self._ctx.Pipe(duplex=False)
+        # The tracker is a long-lived helper of ours, not something the test left behind.
+        _ensure_resource_tracker()
+        before = _descendant_keys()
+        proc = self._ctx.Process(target=child.main, args=(boot, job, writer), daemon=False)
+        try:
+            proc.start()
+        except Exception as exc:
+            reader.close()
+            raise StartError(f"could not start the isolated process: {exc}") from exc
+        finally:
+            writer.close()
+        started = time.monotonic()
+        sentinel = _pidfd(proc)
+        frames: list[tuple[str, Any]] = []
+        timed_out = False
+        stack = ""
+        try:
+            deadline = None if timeout is None else started + timeout
+            if not _pump(reader, sentinel, frames, deadline):
+                timed_out = True
+                stack = _dump_stack(proc.pid, stack_file)
+                _terminate(proc, reader, sentinel, frames, grace)
+        except BaseException:  # KeyboardInterrupt: take the child's tree down before leaving
+            _terminate(proc, reader, sentinel, frames, min(grace, 1.0))
+            raise
+        finally:
+            duration = time.monotonic() - started
+            proc.join(_REAP_WAIT)
+            escaped = _sweep(before, grace)
+            reader.close()
+            if isinstance(sentinel, int):
+                os.close(sentinel)
+            tail = _tail(output) if output else ""
+            for path in (output, stack_file):
+                if path is not None:
+                    with contextlib.suppress(OSError):
+                        path.unlink()
+        return Outcome(
+            frames=frames,
+            pid=proc.pid,
+            exitcode=proc.exitcode,
+            timed_out=timed_out,
+            duration=duration,
+            stack=stack,
+            output_tail=tail,
+            escaped=escaped,
+        )
+
+    def _private_file(self, name: str) -> Path:
+        path = self.workdir / name
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        return path
+
+
+def _pump(reader: Connection, sentinel: Any, frames: list, deadline: float | None) -> bool:
+    """Collect frames until the child exits (True) or the deadline passes (False)."""
+    waitables = [reader, sentinel]
+    while True:
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
+            return False
+        ready = wait(waitables, remaining)
+        if reader in ready and not _receive(reader, frames):
+            waitables.remove(reader)
+        if sentinel in ready:
+            while reader in waitables and reader.poll(0) and _receive(reader, frames):
+                pass
+            return True
+
+
+def _receive(reader: Connection, frames: list) -> bool:
+    """Read one frame; False once the pipe is closed or unreadable."""
+    try:
+        frames.append(recv_frame(reader))
+    except (EOFError, OSError):
+        return False
+    except Exception as exc:  # a garbled frame: keep the evidence, stop reading
+        frames.append(("error", f"unreadable message from the test process: {exc!r}"))
+        return False
+    return True
+
+
+def _pidfd(proc: multiprocessing.process.BaseProcess) -> Any:
+    """A descriptor that becomes readable when the child exits.
+
+    ``Process.sentinel`` is a pipe the child holds, which any process it forks
+    also inherits, so it would not fire while a grandchild lives on; a pidfd does.
+    """
+    with contextlib.suppress(AttributeError, OSError):
+        return os.pidfd_open(proc.pid)
+    return proc.sentinel
+
+
+def _dump_stack(pid: int, stack_file: Path) -> str:
+    """Ask the child's faulthandler for a dump of every thread and read it back."""
+    try:
+        os.kill(pid, STACK_SIGNAL)
+    except ProcessLookupError:
+        return ""
+    deadline = time.monotonic() + _STACK_WAIT
+    size, text = -1, ""
+    # faulthandler writes from the signal handler without any notification;
+    # the only way to know it is done is that the file stopped growing.
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        text = stack_file.read_text(errors="replace")
+        if text and len(text) == size:
+            break
+        size = len(text)
+    return text.strip()
+
+
+def _signal_tree(proc: multiprocessing.process.BaseProcess, sig: int, extra: list[psutil.Process]) -> None:
+    """Signal the child's process group (or the child alone before it made one) and ``extra``."""
+    try:
+        if os.getpgid(proc.pid) == proc.pid:
+            os.killpg(proc.pid, sig)
+        else:
+            os.kill(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+    for p in extra:
+        with contextlib.suppress(psutil.Error):
+            p.send_signal(sig)
+
+
+def _terminate(proc, reader: Connection, sentinel: Any, frames: list, grace: float) -> None:
+    """SIGTERM the tree, wait ``grace`` (draining the pipe), then SIGKILL what is left."""
+    try:
+        tree = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.Error:
+        tree = []
+    _signal_tree(proc, signal.SIGTERM, tree)
+    deadline = time.monotonic() + grace
+    if _pump(reader, sentinel, frames, deadline):
+        rest = max(0.0, deadline - time.monotonic())
+        _, alive = psutil.wait_procs([p for p in tree if _alive(p)], timeout=rest)
+        if not alive:
+            return
+    _signal_tree(proc, signal.SIGKILL, tree)
+    wait([sentinel], _REAP_WAIT)
+
+
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _key(p: psutil.Process) -> tuple[int, float]:
+    try:
+        return (p.pid, p.create_time())
+    except psutil.Error:
+        return (p.pid, 0.0)
+
+
+def _descendant_keys() -> set[tuple[int, float]]:
+    return {_key(p) for p in psutil.Process().children(recursive=True)}
+
+
+def _ensure_resource_tracker() -> None:
+    with contextlib.suppress(Exception):
+        from multiprocessing import resource_tracker
+
+        resource_tracker.ensure_running()
+
+
+def _sweep(before: set[tuple[int, float]], grace: float) -> list[dict[str, Any]]:
+    """Kill (TERM, grace, KILL) and reap descendants that appeared during the run.
+
+    Returns the ones that were still running, with pid and command line.
+    """
+    new = [p for p in psutil.Process().children(recursive=True) if _key(p) not in before]
+    escaped = []
+    for p in new:
+        if not _alive(p):
+            continue
+        try:
+            cmdline = " ".join(p.cmdline()) or p.name()
+        except psutil.Error:
+            cmdline = "?"
+        escaped.append({"pid": p.pid, "cmdline": cmdline})
+        with contextlib.suppress(psutil.Error):
+            p.terminate()
+    _, alive = psutil.wait_procs(new, timeout=grace if escaped else 0)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(alive, timeout=_REAP_WAIT)  # also reaps zombies re-parented to us
+    return escaped
+
+
+def _tail(path: Path) -> str:
+    """The last lines of the child's stdout/stderr."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - OUTPUT_TAIL_BYTES))
+            data = f.read()
+    except OSError:
+        return ""
+    lines = data.decode("utf-8", "replace").splitlines()
+    if size > OUTPUT_TAIL_BYTES and lines:
+        lines = lines[1:]  # the first line is probably cut
+    return "\n".join(lines[-OUTPUT_TAIL_LINES:])
