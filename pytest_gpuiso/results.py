@@ -120,11 +120,42 @@ def describe_problem(outcome: Outcome, spec: IsolationSpec, phase: str) -> str:
     if outcome.timed_out:
         parts.append(
             f"Stack of the test process (pid {outcome.pid}) at the timeout:\n"
-            + (outcome.stack or "(no stack dump: the process did not answer)")
+            + (trim_stack(outcome.stack) or "(no stack dump: the process did not answer)")
         )
     if outcome.output_tail:
         parts.append(f"Last output of the test process (pid {outcome.pid}):\n{outcome.output_tail}")
     return "\n\n".join(parts)
+
+
+_INTERNAL = ("/_pytest/", "/pluggy/", "/multiprocessing/", "/pytest_gpuiso/", '"<string>"')
+
+
+def trim_stack(dump: str) -> str:
+    """Keep each thread's frames down to where pytest's own machinery starts.
+
+    faulthandler lists the most recent call first, so the test's frames come
+    first and the 30-odd frames of pytest, pluggy and our bootstrap follow.
+    """
+    out: list[str] = []
+    hidden = 0
+    in_internals = False
+    for line in dump.splitlines():
+        is_frame = line.startswith("  File ")
+        if not is_frame:
+            if hidden:
+                out.append(f"  ... {hidden} frames of pytest and pytest-gpuiso internals")
+            hidden, in_internals = 0, False
+            out.append(line)
+            continue
+        user_seen = bool(out) and out[-1].startswith("  File ")
+        if in_internals or (user_seen and any(marker in line for marker in _INTERNAL)):
+            in_internals = True
+            hidden += 1
+        else:
+            out.append(line)
+    if hidden:
+        out.append(f"  ... {hidden} frames of pytest and pytest-gpuiso internals")
+    return "\n".join(out).strip()
 
 
 def final_outcome(reports: list[pytest.TestReport]) -> str:
