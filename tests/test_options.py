@@ -1,0 +1,159 @@
+"""Options, ini keys and marker arguments: validation, precedence and where tests run."""
+
+from __future__ import annotations
+
+import pytest
+
+USAGE_ERROR = 4
+
+
+@pytest.mark.parametrize(
+    ("args", "culprit"),
+    [
+        (["--gpu-isolate-timeout=abc"], "invalid value 'abc' for --gpu-isolate-timeout"),
+        (["--gpu-isolate-timeout=-1"], "invalid value '-1' for --gpu-isolate-timeout"),
+        (["--gpu-isolate-timeout=0"], "invalid value '0' for --gpu-isolate-timeout"),
+        (["--gpu-isolate-timeout=nan"], "invalid value 'nan' for --gpu-isolate-timeout"),
+        (["--gpu-isolate-grace=-1"], "invalid value '-1' for --gpu-isolate-grace"),
+        (["--gpu-isolate-grace=soon"], "invalid value 'soon' for --gpu-isolate-grace"),
+    ],
+)
+def test_bad_command_line_value_is_a_usage_error(gpuiso, args, culprit):
+    """A bad CLI value stops the session with one line naming the option and value."""
+    gpuiso.copy("test_where.py")
+    result = gpuiso.run(*args)
+    assert result.ret == USAGE_ERROR
+    result.stderr.fnmatch_lines([f"ERROR: gpu-isolate: {culprit}: expected a number of seconds*"])
+    assert "Traceback" not in result.stderr.str() + result.stdout.str()
+
+
+@pytest.mark.parametrize(
+    ("ini", "culprit"),
+    [
+        ("gpu_isolate_timeout = abc", "invalid value 'abc' for ini gpu_isolate_timeout"),
+        ("gpu_isolate_grace = -2", "invalid value '-2' for ini gpu_isolate_grace"),
+        ("gpu_isolate = maybe", "invalid value 'maybe' for ini gpu_isolate"),
+    ],
+)
+def test_bad_ini_value_is_a_usage_error(gpuiso, ini, culprit):
+    gpuiso.copy("test_where.py")
+    gpuiso.pytester.makeini(f"[pytest]\n{ini}\n")
+    result = gpuiso.run()
+    assert result.ret == USAGE_ERROR
+    result.stderr.fnmatch_lines([f"ERROR: gpu-isolate: {culprit}*"])
+    assert "Traceback" not in result.stderr.str()
+
+
+def test_grace_zero_is_valid(gpuiso):
+    gpuiso.copy("test_where.py")
+    gpuiso.run("--gpu-isolate-grace=0").assert_outcomes(passed=2)
+
+
+def test_bad_marker_arguments_fail_only_their_test(gpuiso):
+    """Each bad marker argument is an error of that test, named in one line; neighbours run."""
+    gpuiso.copy("test_markers.py")
+    result = gpuiso.run("-rA")
+    result.assert_outcomes(passed=2, errors=5)
+    result.stdout.fnmatch_lines_random(
+        [
+            "gpu-isolate: invalid value 'abc' for gpu_isolated marker argument timeout: "
+            "expected a number of seconds > 0",
+            "gpu-isolate: invalid value -1 for gpu_isolated marker argument grace: "
+            "expected a number of seconds >= 0",
+            "gpu-isolate: invalid value 1.5 for gpu_isolated marker argument gpus: "
+            "expected an integer >= 0",
+            "gpu-isolate: invalid gpu_isolated marker argument 'timout': "
+            "expected one of timeout, grace, gpus",
+            "gpu-isolate: invalid gpu_isolated marker: positional arguments (5,) are not "
+            "accepted; use keyword arguments (timeout, grace, gpus)",
+            "ERROR test_markers.py::test_bad_timeout - *",
+            "ERROR test_markers.py::test_positional_argument - *",
+            "PASSED test_markers.py::test_good_marker",
+            "PASSED test_markers.py::test_neighbour",
+        ]
+    )
+    assert "Traceback" not in result.stdout.str()
+
+
+def test_marker_isolates_only_marked_tests(gpuiso):
+    gpuiso.copy("test_where.py")
+    gpuiso.run().assert_outcomes(passed=2)
+
+
+def test_gpu_isolate_flag_isolates_every_test(gpuiso):
+    gpuiso.copy("test_where.py")
+    result = gpuiso.run("--gpu-isolate", "-rA")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["FAILED test_where.py::test_unmarked_runs_in_process*"])
+
+
+def test_ini_gpu_isolate_true_isolates_every_test(gpuiso):
+    gpuiso.copy("test_where.py")
+    gpuiso.pytester.makeini("[pytest]\ngpu_isolate = true\n")
+    gpuiso.run().assert_outcomes(passed=1, failed=1)
+
+
+def test_no_gpu_isolate_runs_everything_in_process(gpuiso):
+    """--no-gpu-isolate beats the ini file and the marker (for --pdb debugging)."""
+    gpuiso.copy("test_where.py")
+    gpuiso.pytester.makeini("[pytest]\ngpu_isolate = true\n")
+    result = gpuiso.run("--no-gpu-isolate", "-rA")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["FAILED test_where.py::test_marked_runs_isolated*"])
+    result.stdout.fnmatch_lines(["gpu-isolate: off*"])
+
+
+def test_report_header_describes_settings(gpuiso):
+    gpuiso.copy("test_where.py")
+    result = gpuiso.run("--gpu-isolate", "--gpu-isolate-timeout=30", "--gpu-isolate-grace=2")
+    result.stdout.fnmatch_lines(
+        ["gpu-isolate: every test in a fresh spawn process, timeout 30 s "
+         "(--gpu-isolate-timeout), grace 2 s"]
+    )
+
+
+def test_pdb_note_in_header(gpuiso):
+    gpuiso.copy("test_where.py")
+    result = gpuiso.run("--pdb", "-k", "marked")
+    result.stdout.fnmatch_lines(["gpu-isolate: --pdb cannot reach into isolated tests*"])
+
+
+def _timeout_line(result: pytest.RunResult) -> str:
+    lines = [line for line in result.stdout.lines if "timed out after" in line]
+    assert lines, result.stdout.str()
+    return lines[0]
+
+
+def test_precedence_ini_then_cli_then_marker(gpuiso):
+    """ini < command line < marker: the most specific setting wins."""
+    gpuiso.copy("test_sleep_two.py")
+    gpuiso.pytester.makeini("[pytest]\ngpu_isolate_timeout = 0.5\n")
+    # ini alone: 0.5 s is too short for a 2 s test
+    result = gpuiso.run("--gpu-isolate", "--gpu-isolate-grace=0")
+    result.assert_outcomes(failed=1)
+    assert "timed out after 0.5 s (timeout from ini gpu_isolate_timeout)" in _timeout_line(result)
+    # command line beats ini
+    result = gpuiso.run("--gpu-isolate", "--gpu-isolate-timeout=0.7", "--gpu-isolate-grace=0")
+    assert "timed out after 0.7 s (timeout from --gpu-isolate-timeout)" in _timeout_line(result)
+    # marker beats both
+    gpuiso.pytester.makeconftest(
+        "import pytest\n"
+        "def pytest_collection_modifyitems(items):\n"
+        "    for item in items:\n"
+        "        item.add_marker(pytest.mark.gpu_isolated(timeout=30))\n"
+    )
+    result = gpuiso.run("--gpu-isolate-timeout=0.7")
+    result.assert_outcomes(passed=1)
+
+
+def test_marker_grace_is_used(gpuiso):
+    gpuiso.copy("test_hangs.py")
+    gpuiso.pytester.makeconftest(
+        "import pytest\n"
+        "def pytest_collection_modifyitems(items):\n"
+        "    for item in items:\n"
+        "        item.add_marker(pytest.mark.gpu_isolated(timeout=1, grace=0.25))\n"
+    )
+    result = gpuiso.run("-k", "sleeps_forever")
+    result.assert_outcomes(failed=1)
+    assert "0.25 s grace" in _timeout_line(result)

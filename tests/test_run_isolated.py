@@ -1,0 +1,104 @@
+"""run_isolated / the gpu_isolated_run fixture: values, remote exceptions, timeouts, crashes."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from pytest_gpuiso import IsolatedTimeout, IsolationError, RemoteError, run_isolated
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "fixtures" / "programs"))
+import isolated_funcs as funcs  # noqa: E402
+
+
+def test_returns_the_value_from_another_process():
+    assert run_isolated(funcs.add, 2, 3, scale=10) == 50
+    assert run_isolated(funcs.whoami) != os.getpid()
+
+
+def test_big_result_comes_back():
+    assert run_isolated(funcs.big_result) == b"r" * 5_000_000
+
+
+def test_remote_exception_is_reraised_with_remote_traceback():
+    with pytest.raises(ValueError, match="^boom") as info:
+        run_isolated(funcs.raise_value_error, "boom")
+    assert str(info.value) == "boom"
+    cause = str(info.value.__cause__)
+    assert "Remote traceback" in cause
+    assert "in raise_value_error" in cause
+
+
+def test_ten_megabyte_exception_message_arrives_whole():
+    with pytest.raises(RuntimeError) as info:
+        run_isolated(funcs.big_message)
+    assert str(info.value) == "B" * 10_000_000
+
+
+def test_unpicklable_exception_comes_back_as_text():
+    with pytest.raises(RemoteError) as info:
+        run_isolated(funcs.raise_unpicklable)
+    assert info.value.type_name == "isolated_funcs.Unpicklable"
+    assert "lock inside" in str(info.value)
+    assert "in raise_unpicklable" in info.value.remote_traceback
+
+
+def test_unpicklable_return_value_is_an_error_naming_it():
+    with pytest.raises(RemoteError, match="return value of isolated_funcs.return_unpicklable"):
+        run_isolated(funcs.return_unpicklable)
+
+
+def test_timeout_raises_with_the_stack():
+    with pytest.raises(IsolatedTimeout) as info:
+        run_isolated(funcs.hang, timeout=1, grace=0.5)
+    message = str(info.value)
+    assert "timed out after 1 s" in message
+    assert "in hang" in message
+    assert isinstance(info.value, TimeoutError)
+
+
+def test_crash_names_the_signal():
+    with pytest.raises(IsolationError, match="crashed with SIGSEGV"):
+        run_isolated(funcs.segfault)
+
+
+def test_silent_exit_is_an_error():
+    with pytest.raises(IsolationError, match="exited with code 0"):
+        run_isolated(funcs.exit_quietly)
+
+
+def test_unpicklable_function_cannot_start():
+    with pytest.raises(IsolationError, match="could not start the isolated process"):
+        run_isolated(lambda: 1)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "culprit"),
+    [
+        ({"timeout": "abc"}, "invalid value 'abc' for run_isolated argument timeout"),
+        ({"timeout": 0}, "invalid value 0 for run_isolated argument timeout"),
+        ({"gpus": -1}, "invalid value -1 for run_isolated argument gpus"),
+        ({"grace": -1}, "invalid value -1 for run_isolated argument grace"),
+    ],
+)
+def test_bad_arguments_name_the_culprit(kwargs, culprit):
+    with pytest.raises(ValueError, match=culprit):
+        run_isolated(funcs.add, 1, 2, **kwargs)
+
+
+def test_fixture_inside_a_pytest_session(gpuiso):
+    gpuiso.copy("isolated_funcs.py")
+    gpuiso.pytester.makepyfile(
+        test_phases="""
+        import os
+        import isolated_funcs
+
+        def test_phases(gpu_isolated_run):
+            assert gpu_isolated_run(isolated_funcs.add, 1, 2) == 3
+            assert gpu_isolated_run(isolated_funcs.whoami) != os.getpid()
+        """
+    )
+    gpuiso.run().assert_outcomes(passed=1)
