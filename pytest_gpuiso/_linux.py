@@ -15,7 +15,7 @@ _libc = None
 
 def _prctl(option: int, arg: int) -> bool:
     global _libc
-    if not hasattr(os, "getpgid") or not os.uname().sysname == "Linux":
+    if not hasattr(os, "getpgid") or os.uname().sysname != "Linux":
         return False
     if _libc is None:
         _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)

@@ -9,7 +9,8 @@ level in an importable module.
 from __future__ import annotations
 
 import pickle
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from . import workdir
 from .child import CallJob
@@ -107,7 +108,9 @@ def _unwrap(func: Callable[..., Any], outcome: Outcome, timeout: float | None) -
     )
     suffix = f"\n\n{detail}" if detail else ""
     if outcome.timed_out:
-        raise IsolatedTimeout(f"run_isolated({name}) timed out after {timeout:g} s{suffix}", outcome)
+        raise IsolatedTimeout(
+            f"run_isolated({name}) timed out after {timeout:g} s{suffix}", outcome
+        )
     how = (
         f"crashed with {outcome.signal_name}"
         if outcome.signal_name

@@ -17,14 +17,16 @@ alive.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import pickle
 import sys
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
@@ -53,26 +55,25 @@ def main(boot: Bootstrap, job: Any, conn: Connection) -> None:
         job.run(Channel(conn, boot.spill_dir))
     except BaseException:
         status = 1
-        try:
-            send_frame(conn, "error", "internal error in the isolated process:\n" + traceback.format_exc(), boot.spill_dir)
-        except Exception:
-            pass
+        with contextlib.suppress(Exception):
+            send_frame(
+                conn,
+                "error",
+                "internal error in the isolated process:\n" + traceback.format_exc(),
+                boot.spill_dir,
+            )
     finally:
         for stream in (sys.stdout, sys.stderr):
-            try:
+            with contextlib.suppress(Exception):
                 stream.flush()
-            except Exception:
-                pass
     os._exit(status)
 
 
 def _bootstrap(boot: Bootstrap, conn: Connection) -> None:
     # Own process group: the parent signals the test's whole tree at once, and
     # the terminal's Ctrl-C goes to pytest, which then takes the group down.
-    try:
+    with contextlib.suppress(OSError):
         os.setpgid(0, 0)
-    except OSError:
-        pass
     die_with_parent(boot.parent_pid)
     # Only this process may hold the pipe's write end: a forked grandchild
     # holding it would keep the pipe open after we die.
@@ -91,10 +92,8 @@ def _bootstrap(boot: Bootstrap, conn: Connection) -> None:
 
 
 def _close_quietly(fd: int) -> None:
-    try:
+    with contextlib.suppress(OSError):
         os.close(fd)
-    except OSError:
-        pass
 
 
 class Channel:
@@ -130,7 +129,8 @@ class CallJob:
                     "exception",
                     {
                         "type": "PicklingError",
-                        "message": f"the return value of {_name(self.func)} cannot be pickled: {exc}",
+                        "message": f"the return value of {_name(self.func)} "
+                        f"cannot be pickled: {exc}",
                         "traceback": "",
                         "pickled": None,
                     },
@@ -270,7 +270,9 @@ class ChildPlugin:
         data = self.config.hook.pytest_report_to_serializable(config=self.config, report=report)
         self.channel.send("report", data)
 
-    def pytest_warning_recorded(self, warning_message: Any, when: str, nodeid: str, location: Any) -> None:
+    def pytest_warning_recorded(
+        self, warning_message: Any, when: str, nodeid: str, location: Any
+    ) -> None:
         if when == "runtest":
             self.channel.send("warning", serialize_warning(warning_message, nodeid))
 

@@ -116,7 +116,9 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         return ["gpu-isolate: off (--no-gpu-isolate): every test runs in-process"]
     scope = "every test" if s.mode == "all" else f"tests marked {MARKER}"
     timeout = f"{s.timeout:g} s ({s.timeout_source})" if s.timeout else "900 s (default)"
-    lines = [f"gpu-isolate: {scope} in a fresh spawn process, timeout {timeout}, grace {s.grace:g} s"]
+    lines = [
+        f"gpu-isolate: {scope} in a fresh spawn process, timeout {timeout}, grace {s.grace:g} s"
+    ]
     if config.option.usepdb:
         lines.append("gpu-isolate: --pdb cannot reach into isolated tests; use --no-gpu-isolate")
     return lines
@@ -205,7 +207,9 @@ def _replay_warnings(config: pytest.Config, payloads: list[dict[str, Any]]) -> N
             lineno=data["lineno"],
         )
         config.hook.pytest_warning_recorded.call_historic(
-            kwargs=dict(warning_message=record, when="runtest", nodeid=data["nodeid"], location=None)
+            kwargs=dict(
+                warning_message=record, when="runtest", nodeid=data["nodeid"], location=None
+            )
         )
 
 

@@ -20,7 +20,9 @@ from .supervisor import Outcome
 RECORD_ATTR = "gpu_isolate"  # attribute of the teardown report; survives xdist serialization
 
 
-def item_reports(item: pytest.Item, spec: IsolationSpec, outcome: Outcome) -> list[pytest.TestReport]:
+def item_reports(
+    item: pytest.Item, spec: IsolationSpec, outcome: Outcome
+) -> list[pytest.TestReport]:
     config = item.config
     reports: list[pytest.TestReport] = []
     for data in outcome.frames_of("report"):

@@ -101,7 +101,9 @@ class Settings:
         )
 
 
-def _option_or_ini(config: pytest.Config, dest: str, *, allow_zero: bool) -> tuple[float | None, str]:
+def _option_or_ini(
+    config: pytest.Config, dest: str, *, allow_zero: bool
+) -> tuple[float | None, str]:
     cli = config.getoption(dest)
     if cli is not None:
         what = "--" + dest.replace("_", "-")
@@ -146,7 +148,9 @@ def spec_for_item(item: pytest.Item, settings: Settings) -> IsolationSpec:
         )
 
     if "timeout" in kwargs:
-        timeout = parse_seconds(kwargs["timeout"], f"{MARKER} marker argument timeout", allow_zero=False)
+        timeout = parse_seconds(
+            kwargs["timeout"], f"{MARKER} marker argument timeout", allow_zero=False
+        )
         timeout_source = "marker"
     elif settings.timeout is not None:
         timeout, timeout_source = settings.timeout, settings.timeout_source

@@ -204,7 +204,9 @@ def _dump_stack(pid: int, stack_file: Path) -> str:
     return text.strip()
 
 
-def _signal_tree(proc: multiprocessing.process.BaseProcess, sig: int, extra: list[psutil.Process]) -> None:
+def _signal_tree(
+    proc: multiprocessing.process.BaseProcess, sig: int, extra: list[psutil.Process]
+) -> None:
     """Signal the child's process group (or the child alone before it made one) and ``extra``."""
     try:
         if os.getpgid(proc.pid) == proc.pid:

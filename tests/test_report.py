@@ -1,0 +1,85 @@
+"""The JSON report (schema version 1) and the terminal summary, with and without xdist."""
+
+from __future__ import annotations
+
+import pytest
+
+EXPECTED = {
+    "test_crashes.py::test_segfault": ("failed", "SIGSEGV", -11),
+    "test_crashes.py::test_abort": ("failed", "SIGABRT", -6),
+    "test_crashes.py::test_self_sigkill": ("failed", "SIGKILL", -9),
+    "test_crashes.py::test_os_exit_zero": ("failed", None, 0),
+    "test_crashes.py::test_sys_exit_nonzero": ("failed", None, 0),
+    "test_crashes.py::test_after_crashes": ("passed", None, 0),
+    "test_outcomes.py::test_passes": ("passed", None, 0),
+    "test_outcomes.py::test_skip_inside": ("skipped", None, 0),
+    "test_outcomes.py::test_xfail_fails": ("xfailed", None, 0),
+    "test_outcomes.py::test_xfail_passes": ("xpassed", None, 0),
+    "test_outcomes.py::test_setup_error": ("error", None, 0),
+}
+
+
+def _check_schema(document: dict) -> dict[str, dict]:
+    assert document["version"] == 1
+    tests = document["tests"]
+    for record in tests:
+        assert set(record) >= {"nodeid", "outcome", "duration", "pid", "exit", "leaks"}
+        assert set(record["exit"]) == {"code", "signal", "timed_out"}
+        assert isinstance(record["duration"], float) and record["duration"] > 0
+        assert isinstance(record["pid"], int)
+        assert record["leaks"] == []
+    nodeids = [r["nodeid"] for r in tests]
+    assert len(nodeids) == len(set(nodeids)), "a test was reported twice"
+    return {r["nodeid"]: r for r in tests}
+
+
+@pytest.mark.parametrize("xdist", [[], ["-n", "2"]], ids=["no-xdist", "xdist"])
+def test_json_report_records_every_isolated_test(gpuiso, xdist):
+    """Every isolated test appears once with its outcome and how its process ended."""
+    gpuiso.copy("test_crashes.py", "test_outcomes.py")
+    args = ["--gpu-isolate", "--gpu-isolate-report=report.json", *xdist]
+    result = gpuiso.run(
+        *args,
+        "test_crashes.py",
+        "test_outcomes.py::test_passes",
+        "test_outcomes.py::test_skip_inside",
+        "test_outcomes.py::test_xfail_fails",
+        "test_outcomes.py::test_xfail_passes",
+        "test_outcomes.py::test_setup_error",
+    )
+    records = _check_schema(gpuiso.report())
+    assert set(records) == set(EXPECTED), result.stdout.str()
+    for nodeid, (outcome, signal, code) in EXPECTED.items():
+        record = records[nodeid]
+        assert record["outcome"] == outcome, nodeid
+        assert record["exit"]["signal"] == signal, nodeid
+        assert record["exit"]["code"] == code, nodeid
+        assert record["exit"]["timed_out"] is False
+    result.stdout.fnmatch_lines(["gpu-isolate: JSON report written to *report.json"])
+
+
+def test_report_path_from_ini_is_relative_to_invocation_dir(gpuiso):
+    gpuiso.copy("test_where.py")
+    gpuiso.pytester.makeini("[pytest]\ngpu_isolate_report = out/gpu.json\n")
+    gpuiso.run().assert_outcomes(passed=2)
+    records = _check_schema(gpuiso.report("out/gpu.json"))
+    assert list(records) == ["test_where.py::test_marked_runs_isolated"]
+
+
+def test_terminal_summary_lists_timeouts_and_crashes(gpuiso):
+    gpuiso.copy("test_crashes.py", "test_hangs.py")
+    result = gpuiso.run(
+        "--gpu-isolate",
+        "--gpu-isolate-timeout=1",
+        "--gpu-isolate-grace=0",
+        "test_crashes.py::test_segfault",
+        "test_hangs.py::test_sleeps_forever",
+    )
+    result.stdout.fnmatch_lines(
+        [
+            "*- gpu-isolate -*",
+            "gpu-isolate: 2 isolated, 1 timed out, 1 crashed",
+            "  TIMEOUT test_hangs.py::test_sleeps_forever (after 1 s)",
+            "  CRASHED test_crashes.py::test_segfault (SIGSEGV)",
+        ]
+    )
