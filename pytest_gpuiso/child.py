@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import itertools
 import os
 import pickle
 import sys
@@ -45,14 +46,17 @@ class Bootstrap:
     stack_file: str
     stack_signal: int
     spill_dir: str
+    capture_prefix: str  # pytest's capture files get these names, so a crash can't lose them
 
 
 def main(boot: Bootstrap, job: Any, conn: Connection) -> None:
     """Entry point of the spawned process."""
     _bootstrap(boot, conn)
+    channel = Channel(conn, boot.spill_dir)
     status = 0
     try:
-        job.run(Channel(conn, boot.spill_dir))
+        channel.send("ready", os.getpid())
+        job.run(channel, boot)
     except BaseException:
         status = 1
         with contextlib.suppress(Exception):
@@ -116,7 +120,7 @@ class CallJob:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
 
-    def run(self, channel: Channel) -> None:
+    def run(self, channel: Channel, boot: Bootstrap) -> None:
         try:
             value = self.func(*self.args, **self.kwargs)
         except BaseException as exc:
@@ -174,15 +178,36 @@ class ItemJob:
     invocation_dir: str
     basetemp: str
 
-    def run(self, channel: Channel) -> None:
+    def run(self, channel: Channel, boot: Bootstrap) -> None:
         from _pytest.config import _prepareconfig
 
+        _name_capture_files(boot.capture_prefix)
         os.chdir(self.invocation_dir)
         plugin = ChildPlugin(self, channel)
         config = _prepareconfig(list(self.args), plugins=[plugin])
         _override_options(config.option, self.basetemp)
         status = config.hook.pytest_cmdline_main(config=config)
         channel.send("done", int(status))
+
+
+def _name_capture_files(prefix: str) -> None:
+    """Give pytest's fd-capture files names in our private directory.
+
+    pytest captures into anonymous temporary files; when the test crashes they
+    vanish with the process, and with them whatever the test printed just before.
+    Named files (0600, removed by the parent after the test) survive the crash.
+    """
+    import _pytest.capture as capture
+
+    if not hasattr(capture, "TemporaryFile"):
+        return
+    counter = itertools.count(1)
+
+    def named_temporary_file(buffering: int = -1, **_: Any) -> Any:
+        fd = os.open(f"{prefix}{next(counter)}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        return open(fd, "w+b", buffering=buffering)  # noqa: SIM115 - pytest owns and closes it
+
+    capture.TemporaryFile = named_temporary_file
 
 
 # Options that must not take effect in the child: the parent debugs, distributes,

@@ -29,7 +29,11 @@ def item_reports(
         rep = config.hook.pytest_report_from_serializable(config=config, data=data)
         if isinstance(rep, pytest.TestReport):
             reports.append(rep)
-    complete = bool(outcome.frames_of("done")) and any(r.when == "teardown" for r in reports)
+    complete = (
+        not outcome.timed_out
+        and bool(outcome.frames_of("done"))
+        and any(r.when == "teardown" for r in reports)
+    )
     if not complete:
         _close_with_failure(item, reports, lambda phase: describe_problem(outcome, spec, phase))
     setattr(reports[-1], RECORD_ATTR, make_record(item.nodeid, reports, outcome, spec))
@@ -120,12 +124,21 @@ def describe_problem(outcome: Outcome, spec: IsolationSpec, phase: str) -> str:
     parts = [head]
     parts += outcome.frames_of("error")
     if outcome.timed_out:
+        if not outcome.started:
+            missing = "(no stack dump: the process was still starting up)"
+        else:
+            missing = "(no stack dump: the process did not answer)"
         parts.append(
             f"Stack of the test process (pid {outcome.pid}) at the timeout:\n"
-            + (trim_stack(outcome.stack) or "(no stack dump: the process did not answer)")
+            + (trim_stack(outcome.stack) or missing)
         )
+    for n, text in enumerate(outcome.captured, 1):
+        parts.append(f"Output the test wrote before it ended (captured stream {n}):\n{text}")
     if outcome.output_tail:
-        parts.append(f"Last output of the test process (pid {outcome.pid}):\n{outcome.output_tail}")
+        parts.append(
+            f"Last output of the test process (pid {outcome.pid}):\n"
+            + trim_stack(outcome.output_tail)
+        )
     return "\n\n".join(parts)
 
 

@@ -55,6 +55,18 @@ class Outcome:
     stack: str = ""
     output_tail: str = ""
     escaped: list[dict[str, Any]] = field(default_factory=list)
+    cutoff: int | None = None  # on timeout: how many frames had arrived by the deadline
+    captured: list[str] = field(default_factory=list)  # tails of the test's captured output
+
+    @property
+    def started(self) -> bool:
+        """The child finished its bootstrap (and can answer a stack-dump request)."""
+        return any(kind == "ready" for kind, _ in self.frames)
+
+    @property
+    def frames_in_time(self) -> list[tuple[str, Any]]:
+        """Frames that arrived before the deadline; a timed-out test's later reports don't count."""
+        return self.frames if self.cutoff is None else self.frames[: self.cutoff]
 
     @property
     def signal_name(self) -> str | None:
@@ -66,7 +78,8 @@ class Outcome:
             return f"signal {-self.exitcode}"
 
     def frames_of(self, kind: str) -> list[Any]:
-        return [payload for k, payload in self.frames if k == kind]
+        """Payloads of one kind; after a timeout, only what arrived before the deadline."""
+        return [payload for k, payload in self.frames_in_time if k == kind]
 
 
 class Supervisor:
@@ -84,12 +97,14 @@ class Supervisor:
         tag = f"{os.getpid()}-{self._counter}"
         output = self._private_file(f"out-{tag}.log") if self.capture_output else None
         stack_file = self._private_file(f"stack-{tag}.txt")
+        capture_prefix = self.workdir / f"cap-{tag}-"
         boot = child.Bootstrap(
             parent_pid=os.getpid(),
             output=str(output) if output else None,
             stack_file=str(stack_file),
             stack_signal=STACK_SIGNAL,
             spill_dir=str(self.workdir),
+            capture_prefix=str(capture_prefix),
         )
         reader, writer = self._ctx.Pipe(duplex=False)
         # The tracker is a long-lived helper of ours, not something the test left behind.
@@ -107,25 +122,33 @@ class Supervisor:
         sentinel = _pidfd(proc)
         frames: list[tuple[str, Any]] = []
         timed_out = False
+        cutoff = None
         stack = ""
         try:
             deadline = None if timeout is None else started + timeout
             if not _pump(reader, sentinel, frames, deadline):
-                timed_out = True
-                stack = _dump_stack(proc.pid, stack_file)
+                timed_out, cutoff = True, len(frames)
+                # Before its bootstrap the child has no handler and the signal would kill it.
+                if any(kind == "ready" for kind, _ in frames):
+                    stack = _dump_stack(proc.pid, stack_file)
                 _terminate(proc, reader, sentinel, frames, grace)
         except BaseException:  # KeyboardInterrupt: take the child's tree down before leaving
             _terminate(proc, reader, sentinel, frames, min(grace, 1.0))
             raise
         finally:
             duration = time.monotonic() - started
-            proc.join(_REAP_WAIT)
+            _reap(proc, sentinel)
             escaped = _sweep(before, grace)
             reader.close()
             if isinstance(sentinel, int):
                 os.close(sentinel)
             tail = _tail(output) if output else ""
-            for path in (output, stack_file):
+            captures = sorted(
+                self.workdir.glob(capture_prefix.name + "*"),
+                key=lambda p: int(p.name.rsplit("-", 1)[1]),
+            )
+            captured = [text for text in map(_tail, captures) if text.strip()]
+            for path in (output, stack_file, *captures):
                 if path is not None:
                     with contextlib.suppress(OSError):
                         path.unlink()
@@ -138,6 +161,8 @@ class Supervisor:
             stack=stack,
             output_tail=tail,
             escaped=escaped,
+            cutoff=cutoff,
+            captured=captured,
         )
 
     def _private_file(self, name: str) -> Path:
@@ -172,6 +197,19 @@ def _receive(reader: Connection, frames: list) -> bool:
         frames.append(("error", f"unreadable message from the test process: {exc!r}"))
         return False
     return True
+
+
+def _reap(proc: multiprocessing.process.BaseProcess, sentinel: Any) -> None:
+    """Collect the child's exit status.
+
+    ``Process.join(timeout)`` waits on the sentinel pipe, which a forked grandchild
+    may still hold; once the pidfd says the child exited, a blocking join is just
+    ``waitpid`` on a zombie and returns at once.
+    """
+    if wait([sentinel], _REAP_WAIT):
+        proc.join()
+    else:
+        proc.join(0)
 
 
 def _pidfd(proc: multiprocessing.process.BaseProcess) -> Any:

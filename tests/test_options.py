@@ -159,3 +159,10 @@ def test_marker_grace_is_used(gpuiso):
     result = gpuiso.run("-k", "sleeps_forever")
     result.assert_outcomes(failed=1)
     assert "0.25 s grace" in _timeout_line(result)
+
+
+def test_marker_on_module_and_class_and_closest_wins(gpuiso):
+    gpuiso.copy("test_marker_scopes.py")
+    result = gpuiso.run("--gpu-isolate-grace=0")
+    result.assert_outcomes(passed=2, failed=1)
+    assert "timed out after 1 s (timeout from marker)" in _timeout_line(result)

@@ -1,0 +1,564 @@
+"""How isolated tests die, and what the report says about it.
+
+Every test here drives a real pytest session (``gpuiso`` fixture) over the
+misbehaving programs in fixtures/programs/ and checks the terminal report, the
+JSON record and the processes left (or not left) behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PROGRAMS = ROOT / "fixtures" / "programs"
+
+TIMEOUT = "--gpu-isolate-timeout=2"
+GRACE = "--gpu-isolate-grace=1"
+REPORT = "--gpu-isolate-report=report.json"
+
+# Small copies of the helpers in tests/conftest.py: ``from conftest import ...`` resolves to
+# whichever conftest module pytest imported last, which breaks once another test directory
+# grows a conftest.py of its own.
+
+
+def wait_for_file(path: Path, timeout: float = 60) -> str:
+    """Wait until ``path`` exists and is not empty; return its text."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text().strip():
+            return path.read_text().strip()
+        time.sleep(0.05)
+    raise AssertionError(f"{path} did not appear within {timeout} s")
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def wait_gone(pids: list[int], timeout: float) -> list[int]:
+    """Wait up to ``timeout`` for all ``pids`` to exit; return the ones still alive."""
+    deadline = time.monotonic() + timeout
+    alive = list(pids)
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if pid_alive(p)]
+        if alive:
+            time.sleep(0.02)
+    return [p for p in alive if pid_alive(p)]
+
+
+def kill_quietly(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def line_of(program: str, func: str, needle: str) -> int:
+    """1-based line number of the first ``needle`` inside ``def func`` of a program."""
+    lines = (PROGRAMS / program).read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"def {func}("))
+    return next(i for i in range(start, len(lines)) if needle in lines[i]) + 1
+
+
+_HEADER = re.compile(r"^_+ (.+?) _+$")
+
+
+def section(result: pytest.RunResult, title: str) -> pytest.LineMatcher:
+    """The lines of the failure or error section whose header is exactly ``title``."""
+    lines = result.outlines
+    for i, line in enumerate(lines):
+        m = _HEADER.match(line)
+        if m and m.group(1) == title:
+            end = i + 1
+            while end < len(lines) and not (
+                _HEADER.match(lines[end]) or lines[end].startswith(("=====", "----- gpu-isolate"))
+            ):
+                end += 1
+            return pytest.LineMatcher(lines[i + 1 : end])
+    raise AssertionError(f"no section {title!r} in:\n{result.stdout.str()}")
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes whose process group is ``pgid``."""
+    members = []
+    for pid in psutil.pids():
+        try:
+            if os.getpgid(pid) == pgid and pid_alive(pid):
+                members.append(pid)
+        except OSError:
+            pass
+    return members
+
+
+@pytest.fixture
+def private_tmpdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh $TMPDIR for the pytest runs; returns where their private directories go."""
+    tmp = tmp_path / "tmpdir"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    return tmp / f"pytest-gpuiso-{os.getuid()}"
+
+
+# --------------------------------------------------------------------------- timeouts
+
+
+def test_timeout_reports_source_phase_and_stack(gpuiso) -> None:
+    """A timeout names its value and source, fails the running phase and shows the test's
+    own frame in the stack dump, for Python sleep, C code and a hanging fixture."""
+    gpuiso.copy("test_hangs.py", "fail_stuck_in_c_read.py")
+    result = gpuiso.run(
+        "--gpu-isolate",
+        TIMEOUT,
+        GRACE,
+        REPORT,
+        "test_hangs.py::test_sleeps_forever",
+        "test_hangs.py::test_hangs_in_setup",
+        "fail_stuck_in_c_read.py",
+    )
+    result.assert_outcomes(failed=2, errors=1)
+    head = "Timeout: the isolated test timed out after 2 s (timeout from --gpu-isolate-timeout)"
+    sleep_line = line_of("test_hangs.py", "test_sleeps_forever", "time.sleep")
+    section(result, "test_sleeps_forever").fnmatch_lines(
+        [
+            f"{head} during call; it was ended by SIGTERM "
+            "(escalation: stack dump, SIGTERM, 1 s grace, SIGKILL)",
+            "Stack of the test process (pid *) at the timeout:",
+            "Current thread * (most recent call first):",
+            f'  File "*test_hangs.py", line {sleep_line} in test_sleeps_forever',
+            "  ... * frames of pytest and pytest-gpuiso internals",
+        ]
+    )
+    # Blocked in libc, where Python never gets control back: the dump still has the frame.
+    read_line = line_of("fail_stuck_in_c_read.py", "test_stuck_in_c_read", ".read(")
+    section(result, "test_stuck_in_c_read").fnmatch_lines(
+        [
+            f"{head} during call; it was ended by SIGTERM *",
+            "Stack of the test process (pid *) at the timeout:",
+            f'  File "*fail_stuck_in_c_read.py", line {read_line} in test_stuck_in_c_read',
+        ]
+    )
+    setup_line = line_of("test_hangs.py", "slow_setup", "time.sleep")
+    section(result, "ERROR at setup of test_hangs_in_setup").fnmatch_lines(
+        [
+            f"{head} during setup; it was ended by SIGTERM *",
+            "Stack of the test process (pid *) at the timeout:",
+            f'  File "*test_hangs.py", line {setup_line} in slow_setup',
+        ]
+    )
+    result.stdout.fnmatch_lines(
+        [
+            "gpu-isolate: 3 isolated, 3 timed out, 0 crashed",
+            "  TIMEOUT test_hangs.py::test_sleeps_forever (after 2 s)",
+            "  TIMEOUT test_hangs.py::test_hangs_in_setup (after 2 s)",
+            "  TIMEOUT fail_stuck_in_c_read.py::test_stuck_in_c_read (after 2 s)",
+        ]
+    )
+    records = gpuiso.records()
+    assert {nodeid: r["outcome"] for nodeid, r in records.items()} == {
+        "test_hangs.py::test_sleeps_forever": "failed",
+        "test_hangs.py::test_hangs_in_setup": "error",
+        "fail_stuck_in_c_read.py::test_stuck_in_c_read": "failed",
+    }
+    for record in records.values():
+        assert record["exit"] == {"code": -15, "signal": "SIGTERM", "timed_out": True}, record
+        assert record["timeout"] == 2.0
+
+
+def test_sigterm_ignoring_test_is_killed_after_grace(gpuiso, tmp_path: Path, monkeypatch) -> None:
+    """A test that ignores SIGTERM is SIGKILLed once the grace is over: gone within
+    timeout + grace (+ slack), its pid no longer exists, and the report says SIGKILL."""
+    gpuiso.copy("test_hangs.py")
+    pidfile = tmp_path / "pid"
+    monkeypatch.setenv("GPUISO_PIDFILE", str(pidfile))
+    pid = None
+    try:
+        result = gpuiso.run(
+            "--gpu-isolate", TIMEOUT, GRACE, REPORT, "test_hangs.py::test_ignores_sigterm"
+        )
+        pid = int(pidfile.read_text())
+        result.assert_outcomes(failed=1)
+        section(result, "test_ignores_sigterm").fnmatch_lines(
+            [
+                "Timeout: the isolated test timed out after 2 s "
+                "(timeout from --gpu-isolate-timeout) during call; it was ended by SIGKILL "
+                "(escalation: stack dump, SIGTERM, 1 s grace, SIGKILL)",
+                "Stack of the test process (pid *) at the timeout:",
+                "*in test_ignores_sigterm",
+            ]
+        )
+        record = gpuiso.records()["test_hangs.py::test_ignores_sigterm"]
+        assert record["pid"] == pid
+        assert record["exit"] == {"code": -9, "signal": "SIGKILL", "timed_out": True}
+        # SIGKILL comes no sooner than timeout + grace, and not much later either.
+        assert 2 + 1 <= record["duration"] <= 2 + 1 + 1.5, record
+        assert not pid_alive(pid)
+        assert not psutil.pid_exists(pid)
+    finally:
+        if pid is not None:
+            kill_quietly([pid])
+
+
+def test_timed_out_test_never_passes(gpuiso) -> None:
+    """A test that exceeded its timeout fails the phase it was in, whatever it managed to
+    report after the deadline; test_stuck_in_c_code (libc sleep) shows its frame."""
+    gpuiso.copy("test_hangs.py", "fail_timeout_then_pass.py")
+    result = gpuiso.run(
+        "--gpu-isolate",
+        TIMEOUT,
+        "--gpu-isolate-grace=3",
+        REPORT,
+        "test_hangs.py::test_stuck_in_c_code",
+        "fail_timeout_then_pass.py",
+    )
+    records = gpuiso.records()
+    assert all(r["exit"]["timed_out"] for r in records.values()), records
+    # fail_timeout_then_pass.py ignores SIGTERM, so it always gets to report "passed" in
+    # time; test_stuck_in_c_code reports "passed" for its call, and sometimes completes.
+    assert {nodeid: r["outcome"] for nodeid, r in records.items()} == {
+        "test_hangs.py::test_stuck_in_c_code": "failed",
+        "fail_timeout_then_pass.py::test_blocked_in_c_ignoring_sigterm": "failed",
+    }
+    result.assert_outcomes(failed=2)
+    sleep_line = line_of("test_hangs.py", "test_stuck_in_c_code", "libc.sleep")
+    section(result, "test_stuck_in_c_code").fnmatch_lines(
+        [
+            "Timeout: the isolated test timed out after 2 s * during call*",
+            "Stack of the test process (pid *) at the timeout:",
+            f'  File "*test_hangs.py", line {sleep_line} in test_stuck_in_c_code',
+        ]
+    )
+
+
+def test_timeout_during_start_up_is_ended_by_the_escalation(gpuiso) -> None:
+    """A timeout that fires while the child is still starting is ended by SIGTERM (or
+    SIGKILL), not by the stack-dump request."""
+    gpuiso.copy("test_crashes.py")
+    result = gpuiso.run(
+        "--gpu-isolate",
+        "--gpu-isolate-timeout=0.01",
+        GRACE,
+        REPORT,
+        "test_crashes.py::test_after_crashes",
+    )
+    result.assert_outcomes(errors=1)
+    record = gpuiso.records()["test_crashes.py::test_after_crashes"]
+    assert record["exit"]["timed_out"]
+    assert "ended by signal" not in result.stdout.str()
+    assert record["exit"]["signal"] in ("SIGTERM", "SIGKILL"), record
+
+
+# --------------------------------------------------------------------------- crashes
+
+
+def test_crashes_are_failures_naming_the_signal(gpuiso) -> None:
+    """Segfault, abort and SIGKILL fail naming signal and exit code with the child's output
+    tail; os._exit(0) and sys.exit(7) fail too; the session goes on after them."""
+    gpuiso.copy("test_crashes.py")
+    result = gpuiso.run("--gpu-isolate", "--gpu-isolate-timeout=60", GRACE, REPORT)
+    result.assert_outcomes(failed=5, passed=1)
+    crashed = "Crashed: the isolated test process crashed with {} (exit code {}) during call"
+    segv_line = line_of("test_crashes.py", "test_segfault", "string_at")
+    section(result, "test_segfault").fnmatch_lines(
+        [
+            crashed.format("SIGSEGV", -11),
+            "Last output of the test process (pid *):",
+            "Fatal Python error: Segmentation fault",
+            f'  File "*test_crashes.py", line {segv_line} in test_segfault',
+        ]
+    )
+    section(result, "test_abort").fnmatch_lines(
+        [
+            crashed.format("SIGABRT", -6),
+            "Last output of the test process (pid *):",
+            "Fatal Python error: Aborted",
+            "*in test_abort",
+        ]
+    )
+    section(result, "test_self_sigkill").fnmatch_lines([crashed.format("SIGKILL", -9)])
+    section(result, "test_os_exit_zero").fnmatch_lines(
+        [
+            "The isolated test process exited with code 0 during call "
+            "before reporting a complete result"
+        ]
+    )
+    section(result, "test_sys_exit_nonzero").fnmatch_lines(["E       SystemExit: 7"])
+    result.stdout.fnmatch_lines(
+        [
+            "gpu-isolate: 6 isolated, 0 timed out, 3 crashed",
+            "  CRASHED test_crashes.py::test_segfault (SIGSEGV)",
+            "  CRASHED test_crashes.py::test_abort (SIGABRT)",
+            "  CRASHED test_crashes.py::test_self_sigkill (SIGKILL)",
+        ]
+    )
+    records = gpuiso.records()
+    exits = {nodeid.split("::")[1]: r["exit"] for nodeid, r in records.items()}
+    assert exits["test_segfault"] == {"code": -11, "signal": "SIGSEGV", "timed_out": False}
+    assert exits["test_abort"] == {"code": -6, "signal": "SIGABRT", "timed_out": False}
+    assert exits["test_self_sigkill"] == {"code": -9, "signal": "SIGKILL", "timed_out": False}
+    assert exits["test_os_exit_zero"] == {"code": 0, "signal": None, "timed_out": False}
+    outcomes = {nodeid.split("::")[1]: r["outcome"] for nodeid, r in records.items()}
+    assert outcomes == {
+        "test_segfault": "failed",
+        "test_abort": "failed",
+        "test_self_sigkill": "failed",
+        "test_os_exit_zero": "failed",
+        "test_sys_exit_nonzero": "failed",
+        "test_after_crashes": "passed",
+    }
+
+
+def test_crash_tail_holds_what_the_test_printed(gpuiso) -> None:
+    """The output tail of a crashed test includes the test's own last prints."""
+    gpuiso.copy("test_crashes.py")
+    result = gpuiso.run("--gpu-isolate", "--gpu-isolate-timeout=60", "test_crashes.py::test_abort")
+    result.assert_outcomes(failed=1)
+    section(result, "test_abort").fnmatch_lines(
+        [
+            "Output the test wrote before it ended (captured stream 1):",
+            "about to abort",
+            "Last output of the test process (pid *):",
+            "Fatal Python error: Aborted",
+            '  File "*test_crashes.py", line * in test_abort',
+            "  ... * frames of pytest and pytest-gpuiso internals",
+        ]
+    )
+
+
+def test_crash_of_a_test_that_forked_names_the_signal(gpuiso, tmp_path: Path, monkeypatch) -> None:
+    """A test that forked a still-running grandchild and then segfaults is reported as
+    SIGSEGV, promptly."""
+    gpuiso.copy("fail_fork_then_crash.py")
+    pidfile = tmp_path / "pid"
+    monkeypatch.setenv("GPUISO_PIDFILE", str(pidfile))
+    try:
+        result = gpuiso.run(
+            "--gpu-isolate", "--gpu-isolate-timeout=60", GRACE, REPORT, "fail_fork_then_crash.py"
+        )
+        result.assert_outcomes(failed=1)
+        record = gpuiso.records()["fail_fork_then_crash.py::test_forks_then_segfaults"]
+        # The forked grandchild is swept either way.
+        grandchild = int(pidfile.read_text())
+        assert [e["pid"] for e in record["escaped"]] == [grandchild]
+        assert not pid_alive(grandchild)
+        assert record["exit"] == {"code": -11, "signal": "SIGSEGV", "timed_out": False}, record
+        section(result, "test_forks_then_segfaults").fnmatch_lines(
+            ["Crashed: the isolated test process crashed with SIGSEGV (exit code -11) during call"]
+        )
+    finally:
+        if pidfile.exists():
+            kill_quietly([int(pidfile.read_text())])
+
+
+# --------------------------------------------------------------------------- payloads
+
+
+def test_big_payloads_arrive_whole_and_leave_no_spill_files(gpuiso, private_tmpdir: Path) -> None:
+    """5 MB of captured stdout and a 10 MB exception message come back complete (no
+    deadlock), an unpicklable exception keeps its text, and the spill files are deleted
+    as they are read: none mid-session, and no private directory after the session."""
+    gpuiso.copy("test_payloads.py", "fail_no_spill_left.py")
+    result = gpuiso.run(
+        "--gpu-isolate",
+        "--gpu-isolate-timeout=60",
+        GRACE,
+        "--tb=line",
+        "--junitxml=junit.xml",
+        "-k",
+        "not non_daemon",
+        "test_payloads.py",
+        "fail_no_spill_left.py",
+    )
+    result.assert_outcomes(failed=3, passed=1)
+    lines = result.outlines
+
+    # 5 MB of stdout: every one of the 50 000 lines, in the captured stdout section.
+    assert "Captured stdout call" in result.stdout.str()
+    assert sum(1 for line in lines if line == "x" * 99) == 50_000
+
+    # 10 MB message, whole: in the terminal and in the JUnit XML.
+    message = "M" * 10_000_000 + "END-OF-MESSAGE"
+    shown = [
+        line.split("ValueError: ", 1)[1]
+        for line in lines
+        if "ValueError: MMM" in line and not line.startswith("FAILED ")  # summary: cut
+    ]
+    assert len(shown) == 2, "the 10 MB message is missing from the terminal"
+    assert all(text == message for text in shown), [len(text) for text in shown]
+    cases = {tc.get("name"): tc for tc in ET.parse(gpuiso.path / "junit.xml").iter("testcase")}
+    failure = cases["test_ten_megabyte_message"].find("failure")
+    assert failure is not None and failure.text is not None
+    assert failure.text.rstrip().endswith("ValueError: " + message)
+
+    # The exception that cannot be pickled is reported with its text.
+    result.stdout.fnmatch_lines(
+        ["*test_payloads.py:*: test_payloads.Unpicklable: cannot be pickled"]
+    )
+
+    # fail_no_spill_left.py passed (no spill files mid-session); afterwards nothing is left.
+    assert private_tmpdir.is_dir()
+    assert list(private_tmpdir.rglob("*")) == []
+
+
+def test_non_daemon_thread_does_not_hang_the_child(gpuiso) -> None:
+    """A non-daemon thread left running does not keep the child alive: it passes well
+    before its timeout and the process is gone."""
+    gpuiso.copy("test_payloads.py")
+    result = gpuiso.run(
+        "--gpu-isolate",
+        "--gpu-isolate-timeout=20",
+        GRACE,
+        REPORT,
+        "test_payloads.py::test_leaves_non_daemon_thread",
+    )
+    result.assert_outcomes(passed=1)
+    record = gpuiso.records()["test_payloads.py::test_leaves_non_daemon_thread"]
+    assert record["exit"] == {"code": 0, "signal": None, "timed_out": False}
+    assert record["duration"] < 20
+    assert not pid_alive(record["pid"])
+
+
+# --------------------------------------------------------------------------- signals to pytest
+
+
+def test_child_dies_with_its_parent(gpuiso, tmp_path: Path) -> None:
+    """SIGKILL of the pytest process takes the isolated child down within 1 s
+    (PR_SET_PDEATHSIG)."""
+    gpuiso.copy("test_pid_hang.py")
+    pidfile = tmp_path / "pid"
+    proc = gpuiso.popen("test_pid_hang.py", env={"GPUISO_PIDFILE": str(pidfile)})
+    child = None
+    try:
+        child = int(wait_for_file(pidfile))
+        assert pid_alive(child)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        started = time.monotonic()
+        still = wait_gone([child], timeout=1.0)
+        assert still == [], f"child {child} alive {time.monotonic() - started:.2f} s after"
+    finally:
+        kill_quietly([proc.pid] + ([child] if child else []))
+        proc.communicate(timeout=30)
+
+
+def test_ctrl_c_takes_the_child_group_down(gpuiso, tmp_path: Path, private_tmpdir: Path) -> None:
+    """SIGINT to pytest interrupts the session (exit code 2, KeyboardInterrupt), kills the
+    child and every process of its group, and removes the session's private directory."""
+    gpuiso.copy("fail_group_hang.py")
+    pidfile = tmp_path / "pid"
+    proc = gpuiso.popen("fail_group_hang.py", env={"GPUISO_PIDFILE": str(pidfile)})
+    pids: list[int] = []
+    try:
+        child, grandchild = (int(p) for p in wait_for_file(pidfile).split())
+        pids = [child, grandchild]
+        assert os.getpgid(child) == child
+        assert sorted(group_members(child)) == sorted(pids)
+        os.kill(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+        text = out.decode(errors="replace")
+        assert proc.returncode == 2, text
+        assert "KeyboardInterrupt" in text
+        assert not pid_alive(child)
+        assert group_members(child) == []
+        assert not pid_alive(grandchild)
+        assert list(private_tmpdir.iterdir()) == []
+    finally:
+        kill_quietly([proc.pid, *pids])
+        if proc.returncode is None:
+            proc.communicate(timeout=30)
+
+
+# --------------------------------------------------------------------------- leftovers
+
+
+def test_escaped_processes_are_killed_and_listed(gpuiso, tmp_path: Path, monkeypatch) -> None:
+    """A double-forked daemon and a setsid Popen are killed after their test and listed
+    (pid + command line) in the JSON record; a clean subprocess lists nothing."""
+    gpuiso.copy("test_escape.py")
+    pidfile = tmp_path / "pids"
+    monkeypatch.setenv("GPUISO_PIDFILE", str(pidfile))
+    pids: list[int] = []
+    try:
+        result = gpuiso.run("--gpu-isolate", "--gpu-isolate-timeout=60", GRACE, REPORT)
+        pids = [int(p) for p in pidfile.read_text().split()]
+        result.assert_outcomes(passed=3)
+        assert len(pids) == 2
+        assert [p for p in pids if pid_alive(p)] == []
+        records = gpuiso.records()
+        daemon = records["test_escape.py::test_double_fork_daemon"]["escaped"]
+        popen = records["test_escape.py::test_setsid_popen"]["escaped"]
+        assert [e["pid"] for e in daemon] == [pids[0]]
+        assert [e["pid"] for e in popen] == [pids[1]]
+        assert "python" in daemon[0]["cmdline"]
+        assert "time.sleep(1000)" in popen[0]["cmdline"]
+        assert records["test_escape.py::test_clean_subprocess"]["escaped"] == []
+        result.stdout.fnmatch_lines(["gpu-isolate: 3 isolated, *, 2 escaped processes killed"])
+    finally:
+        kill_quietly(pids)
+
+
+def test_stale_private_directories_are_removed(gpuiso, private_tmpdir: Path) -> None:
+    """A session removes private directories of processes that no longer exist (or whose
+    pid was reused) and keeps those of live processes; its own is gone at the end."""
+    gpuiso.copy("test_crashes.py")
+    private_tmpdir.mkdir(mode=0o700)
+    dead_pid = 999_999
+    while psutil.pid_exists(dead_pid):
+        dead_pid += 1
+    me = psutil.Process()
+    live = private_tmpdir / f"{me.pid}-{int(me.create_time() * 1000)}"
+    stale = [private_tmpdir / f"{dead_pid}-1", private_tmpdir / f"{me.pid}-1"]
+    for path in [*stale, live]:
+        path.mkdir(mode=0o700)
+        (path / "spill-x.pickle").write_bytes(b"x")
+
+    result = gpuiso.run(
+        "--gpu-isolate", "--gpu-isolate-timeout=60", "test_crashes.py::test_after_crashes"
+    )
+    result.assert_outcomes(passed=1)
+    assert [p for p in stale if p.exists()] == []
+    assert (live / "spill-x.pickle").exists()
+    assert list(private_tmpdir.iterdir()) == [live]
+
+
+# --------------------------------------------------------------------------- pytest-timeout
+
+
+def test_pytest_timeout_values_drive_the_isolated_timeout(gpuiso) -> None:
+    """pytest-timeout's marker and --timeout become the isolated timeout; a gpu_isolated
+    timeout wins over them, and pytest-timeout fires neither in the child nor the parent."""
+    pytest.importorskip("pytest_timeout")
+    gpuiso.copy("test_timeouts_plugin.py")
+    result = gpuiso.run("--gpu-isolate", GRACE, REPORT, "--timeout=3")
+    # The 1 s timeout includes the child's start-up: on a slow machine it may fire before
+    # the call phase, which makes it an error in setup rather than a failure.
+    counts = result.parseoutcomes()
+    assert (counts.get("passed"), counts.get("failed", 0) + counts.get("errors", 0)) == (1, 2)
+    head = "Timeout: the isolated test timed out after {} s (timeout from pytest-timeout) during *"
+    section(result, "test_pytest_timeout_marker_is_honoured").fnmatch_lines([head.format(1)])
+    section(result, "test_uses_command_line_timeout").fnmatch_lines([head.format(3)])
+    records = {nodeid.split("::")[1]: r for nodeid, r in gpuiso.records().items()}
+    marked = records["test_pytest_timeout_marker_is_honoured"]
+    assert (marked["timeout"], marked["exit"]["timed_out"]) == (1.0, True)
+    assert marked["duration"] < 3  # not the --timeout=3 of the command line
+    unmarked = records["test_uses_command_line_timeout"]
+    assert (unmarked["timeout"], unmarked["exit"]["timed_out"]) == (3.0, True)
+    assert unmarked["outcome"] == "failed"
+    both = records["test_pytest_timeout_does_not_fire_in_child"]
+    assert both["outcome"] == "passed"
+    assert both["timeout"] == 10.0
+    assert both["exit"]["timed_out"] is False
+    assert both["duration"] >= 2
