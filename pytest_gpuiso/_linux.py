@@ -6,6 +6,7 @@ import ctypes
 import ctypes.util
 import os
 import signal
+import sys
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -15,7 +16,7 @@ _libc = None
 
 def _prctl(option: int, arg: int) -> bool:
     global _libc
-    if not hasattr(os, "getpgid") or os.uname().sysname != "Linux":
+    if not sys.platform.startswith("linux"):
         return False
     if _libc is None:
         _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)

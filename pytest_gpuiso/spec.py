@@ -90,14 +90,16 @@ class Settings:
         grace, grace_source = _option_or_ini(config, "gpu_isolate_grace", allow_zero=True)
         if grace is None:
             grace, grace_source = DEFAULT_GRACE, "default"
-        report = config.getoption("gpu_isolate_report") or config.getini("gpu_isolate_report")
+        report = (
+            config.getoption("gpu_isolate_report") or config.getini("gpu_isolate_report")
+        ).strip()
         return cls(
             mode=mode,
             timeout=timeout,
             timeout_source=timeout_source,
             grace=grace,
             grace_source=grace_source,
-            report_path=report.strip() or None if isinstance(report, str) else None,
+            report_path=report or None,
         )
 
 
