@@ -1,105 +1,13 @@
-"""Helpers for driving real pytest sessions over the programs in fixtures/."""
+"""Fixtures shared by the project's tests; the helpers themselves live in tests/helpers.py."""
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import shutil
-import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
-
-import psutil
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-PROGRAMS = ROOT / "fixtures" / "programs"
-
-
-_FAST = ("-p", "no:hypothesispytest")
-
-
-class GpuIso:
-    """Copy fixture programs into a pytester directory and run pytest on them."""
-
-    def __init__(self, pytester: pytest.Pytester) -> None:
-        self.pytester = pytester
-        self.path = pytester.path
-
-    def copy(self, *names: str) -> None:
-        """Copy files or directories from fixtures/programs/ into the test directory."""
-        for name in names:
-            src = PROGRAMS / name
-            dst = self.path / Path(name).name
-            if src.is_dir():
-                shutil.copytree(src, dst, dirs_exist_ok=True)
-            else:
-                shutil.copy(src, dst)
-
-    def run(self, *args: str, timeout: float = 180) -> pytest.RunResult:
-        """Run pytest in a subprocess (real signals, process groups, pdeathsig)."""
-        return self.run_with_cache("-p", "no:cacheprovider", *args, timeout=timeout)
-
-    def run_with_cache(self, *args: str, timeout: float = 180) -> pytest.RunResult:
-        # hypothesis's pytest plugin costs ~0.6 s in every process, isolated children
-        # included; @given tests work without it, so the runs here leave it out.
-        return self.pytester.runpytest_subprocess(*_FAST, *args, timeout=timeout)
-
-    def report(self, name: str = "report.json") -> dict:
-        return json.loads((self.path / name).read_text())
-
-    def records(self, name: str = "report.json") -> dict[str, dict]:
-        return {t["nodeid"]: t for t in self.report(name)["tests"]}
-
-    def popen(self, *args: str, env: dict | None = None) -> subprocess.Popen:
-        """Start pytest as a background process (for signal tests)."""
-        return subprocess.Popen(
-            [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *_FAST, *args],
-            cwd=self.path,
-            env={**os.environ, **(env or {})},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+from tests.helpers import GpuIso
 
 
 @pytest.fixture
 def gpuiso(pytester: pytest.Pytester) -> GpuIso:
+    """Copy programs from fixtures/programs/ into a pytester directory and run pytest on them."""
     return GpuIso(pytester)
-
-
-def wait_for_file(path: Path, timeout: float = 60) -> str:
-    """Wait until ``path`` exists and is not empty; return its text."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists() and path.read_text().strip():
-            return path.read_text().strip()
-        time.sleep(0.05)
-    raise AssertionError(f"{path} did not appear within {timeout} s")
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def wait_gone(pids: list[int], timeout: float) -> list[int]:
-    """Wait up to ``timeout`` for all ``pids`` to exit; return the ones still alive."""
-    deadline = time.monotonic() + timeout
-    alive = list(pids)
-    while alive and time.monotonic() < deadline:
-        alive = [p for p in alive if pid_alive(p)]
-        if alive:
-            time.sleep(0.02)
-    return alive
-
-
-def kill_quietly(pids: list[int]) -> None:
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)

@@ -7,7 +7,6 @@ JSON record and the processes left (or not left) behind.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import signal
@@ -18,51 +17,14 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.helpers import kill_quietly, pid_alive, wait_for_file, wait_gone
+
 ROOT = Path(__file__).resolve().parent.parent
 PROGRAMS = ROOT / "fixtures" / "programs"
 
 TIMEOUT = "--gpu-isolate-timeout=2"
 GRACE = "--gpu-isolate-grace=1"
 REPORT = "--gpu-isolate-report=report.json"
-
-# Small copies of the helpers in tests/conftest.py: ``from conftest import ...`` resolves to
-# whichever conftest module pytest imported last, which breaks once another test directory
-# grows a conftest.py of its own.
-
-
-def wait_for_file(path: Path, timeout: float = 60) -> str:
-    """Wait until ``path`` exists and is not empty; return its text."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists() and path.read_text().strip():
-            return path.read_text().strip()
-        time.sleep(0.05)
-    raise AssertionError(f"{path} did not appear within {timeout} s")
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def wait_gone(pids: list[int], timeout: float) -> list[int]:
-    """Wait up to ``timeout`` for all ``pids`` to exit; return the ones still alive."""
-    deadline = time.monotonic() + timeout
-    alive = list(pids)
-    while alive and time.monotonic() < deadline:
-        alive = [p for p in alive if pid_alive(p)]
-        if alive:
-            time.sleep(0.02)
-    return [p for p in alive if pid_alive(p)]
-
-
-def kill_quietly(pids: list[int]) -> None:
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
-
 
 # --------------------------------------------------------------------------- helpers
 
