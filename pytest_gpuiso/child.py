@@ -177,6 +177,7 @@ class ItemJob:
     args: tuple[str, ...]  # the parent's invocation arguments
     invocation_dir: str
     basetemp: str
+    junit_family: str | None = None  # the parent writes junitxml with this family
 
     def run(self, channel: Channel, boot: Bootstrap) -> None:
         from _pytest.config import _prepareconfig
@@ -253,6 +254,12 @@ class ChildPlugin:
     @pytest.hookimpl(trylast=True)
     def pytest_configure(self, config: Any) -> None:
         self.config = config
+        if self.job.junit_family is not None:
+            from _pytest.junitxml import xml_key
+
+            recorder = JunitRecorder(self.job.junit_family, self.channel)
+            config.stash[xml_key] = recorder
+            config.pluginmanager.register(recorder, "gpuiso-junit-recorder")
         # The parent keeps the last-failed / new-first caches and the stepwise state.
         for name in ("lfplugin", "nfplugin", "stepwiseplugin"):
             found = config.pluginmanager.get_plugin(name)
@@ -288,7 +295,19 @@ class ChildPlugin:
             )
             return True
         item = session.items[0]
-        item.config.hook.pytest_runtest_protocol(item=item, nextitem=None)
+        try:
+            item.config.hook.pytest_runtest_protocol(item=item, nextitem=None)
+        except (pytest.exit.Exception, KeyboardInterrupt) as exc:
+            # pytest.exit() or Ctrl-C raised by the test ends the parent's session too.
+            self.channel.send(
+                "exit",
+                {
+                    "interrupt": isinstance(exc, KeyboardInterrupt),
+                    "message": str(getattr(exc, "msg", exc)),
+                    "returncode": getattr(exc, "returncode", None),
+                },
+            )
+            raise
         return True
 
     def pytest_runtest_logreport(self, report: Any) -> None:
@@ -311,6 +330,36 @@ class ChildPlugin:
 
     def pytest_internalerror(self, excrepr: Any, excinfo: Any) -> None:
         self.channel.send("error", f"internal pytest error in the isolated process:\n{excrepr}")
+
+
+class JunitRecorder:
+    """Stands in for pytest's LogXML in the child when the parent writes junitxml.
+
+    ``record_xml_attribute`` and ``record_testsuite_property`` write straight into
+    the LogXML object; here their calls are recorded and replayed by the parent.
+    """
+
+    def __init__(self, family: str, channel: Channel) -> None:
+        self.family = family
+        self.channel = channel
+
+    def node_reporter(self, report: Any) -> JunitRecorder._Node:
+        return self._Node(self, str(getattr(report, "nodeid", report)))
+
+    def add_global_property(self, name: str, value: object) -> None:
+        __tracebackhide__ = True
+        from _pytest.junitxml import _check_record_param_type
+
+        _check_record_param_type("name", name)
+        self.channel.send("junit", ("property", None, name, str(value)))
+
+    class _Node:
+        def __init__(self, recorder: JunitRecorder, nodeid: str) -> None:
+            self.recorder = recorder
+            self.nodeid = nodeid
+
+        def add_attribute(self, name: str, value: object) -> None:
+            self.recorder.channel.send("junit", ("attribute", self.nodeid, str(name), str(value)))
 
 
 def serialize_warning(message: Any, nodeid: str) -> dict[str, Any]:

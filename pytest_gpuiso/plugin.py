@@ -7,7 +7,9 @@ in ``supervisor``, the child side in ``child``, reports in ``results`` and
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import sys
 import tempfile
 import warnings
 from dataclasses import dataclass, field
@@ -145,7 +147,17 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
             _item_job(item), timeout=spec.timeout, grace=spec.grace
         )
         _replay_warnings(item.config, outcome.frames_of("warning"))
+        _replay_junit(item.config, outcome.frames_of("junit"))
+        if outcome.finished and outcome.output:
+            _echo(item.config, outcome.output)
         reports = item_reports(item, spec, outcome)
+        stop = outcome.frames_of("exit")
+        if stop:  # pytest.exit() or KeyboardInterrupt in the test: end the session here too
+            for rep in reports:
+                ihook.pytest_runtest_logreport(report=rep)
+            if stop[0]["interrupt"]:
+                raise KeyboardInterrupt(stop[0]["message"])
+            pytest.exit(stop[0]["message"], returncode=stop[0]["returncode"])
     _teardown_parent_stack(item, nextitem, reports)
     for rep in reports:
         ihook.pytest_runtest_logreport(report=rep)
@@ -165,13 +177,42 @@ def _item_job(item: pytest.Item) -> ItemJob:
     config = item.config
     factory = getattr(config, "_tmp_path_factory", None)
     parent = factory.getbasetemp() if factory is not None else Path(tempfile.gettempdir())
+    xml = _junit_xml(config)
     return ItemJob(
         nodeid=item.nodeid,
         collect_arg=_collect_arg(item),
         args=tuple(config.invocation_params.args),
         invocation_dir=str(config.invocation_params.dir),
         basetemp=tempfile.mkdtemp(prefix="isolated-", dir=parent),
+        junit_family=getattr(xml, "family", None),
     )
+
+
+def _junit_xml(config: pytest.Config) -> Any:
+    """pytest's LogXML object when this process writes junitxml (not in xdist workers)."""
+    from _pytest.junitxml import xml_key
+
+    return config.stash.get(xml_key, None)
+
+
+def _replay_junit(config: pytest.Config, records: list[tuple[str, str | None, str, str]]) -> None:
+    """Apply the child's record_xml_attribute / record_testsuite_property calls."""
+    xml = _junit_xml(config)
+    if xml is None:
+        return
+    for kind, nodeid, name, value in records:
+        if kind == "attribute":
+            xml.node_reporter(nodeid).add_attribute(name, value)
+        else:
+            xml.add_global_property(name, value)
+
+
+def _echo(config: pytest.Config, text: str) -> None:
+    """Show what the test wrote outside capture (e.g. under capsys.disabled()), as in-process."""
+    capman = config.pluginmanager.get_plugin("capturemanager")
+    with capman.global_and_fixture_disabled() if capman else contextlib.nullcontext():
+        sys.stdout.write(text)
+        sys.stdout.flush()
 
 
 def _collect_arg(item: pytest.Item) -> str:
@@ -191,7 +232,9 @@ def _collect_arg(item: pytest.Item) -> str:
 def _replay_warnings(config: pytest.Config, payloads: list[dict[str, Any]]) -> None:
     for data in payloads:
         try:
-            category = getattr(import_module(data["category_module"]), data["category_name"])
+            category: Any = import_module(data["category_module"])
+            for part in data["category_name"].split("."):
+                category = getattr(category, part)
             if not (isinstance(category, type) and issubclass(category, Warning)):
                 raise TypeError
         except Exception:

@@ -29,14 +29,12 @@ def item_reports(
         rep = config.hook.pytest_report_from_serializable(config=config, data=data)
         if isinstance(rep, pytest.TestReport):
             reports.append(rep)
-    complete = (
-        not outcome.timed_out
-        and bool(outcome.frames_of("done"))
-        and any(r.when == "teardown" for r in reports)
-    )
-    if not complete:
+    stopped = bool(outcome.frames_of("exit"))  # pytest.exit(): reported as in-process, no more
+    complete = outcome.finished and any(r.when == "teardown" for r in reports)
+    if not complete and not stopped:
         _close_with_failure(item, reports, lambda phase: describe_problem(outcome, spec, phase))
-    setattr(reports[-1], RECORD_ATTR, make_record(item.nodeid, reports, outcome, spec))
+    if reports:
+        setattr(reports[-1], RECORD_ATTR, make_record(item.nodeid, reports, outcome, spec))
     return reports
 
 

@@ -35,6 +35,7 @@ from .ipc import recv_frame
 STACK_SIGNAL = int(signal.SIGRTMIN) + 2  # unlikely to collide with a test's own handlers
 OUTPUT_TAIL_BYTES = 8192
 OUTPUT_TAIL_LINES = 60
+OUTPUT_KEEP_BYTES = 1 << 20  # of what the child wrote outside pytest's capture
 _STACK_WAIT = 2.0  # upper bound for faulthandler to write the dump
 _REAP_WAIT = 10.0  # upper bound for the kernel to reap a SIGKILLed child
 
@@ -53,10 +54,19 @@ class Outcome:
     timed_out: bool
     duration: float
     stack: str = ""
-    output_tail: str = ""
+    output: str = ""  # what the child wrote to fds 1/2 outside pytest's capture
     escaped: list[dict[str, Any]] = field(default_factory=list)
     cutoff: int | None = None  # on timeout: how many frames had arrived by the deadline
     captured: list[str] = field(default_factory=list)  # tails of the test's captured output
+
+    @property
+    def output_tail(self) -> str:
+        return "\n".join(self.output.splitlines()[-OUTPUT_TAIL_LINES:])
+
+    @property
+    def finished(self) -> bool:
+        """The child said it was done, in time, and exited normally."""
+        return not self.timed_out and self.exitcode == 0 and bool(self.frames_of("done"))
 
     @property
     def started(self) -> bool:
@@ -142,7 +152,7 @@ class Supervisor:
             reader.close()
             if isinstance(sentinel, int):
                 os.close(sentinel)
-            tail = _tail(output) if output else ""
+            written = _read_output(output) if output else ""
             captures = sorted(
                 self.workdir.glob(capture_prefix.name + "*"),
                 key=lambda p: int(p.name.rsplit("-", 1)[1]),
@@ -159,7 +169,7 @@ class Supervisor:
             timed_out=timed_out,
             duration=duration,
             stack=stack,
-            output_tail=tail,
+            output=written,
             escaped=escaped,
             cutoff=cutoff,
             captured=captured,
@@ -323,6 +333,21 @@ def _sweep(before: set[tuple[int, float]], grace: float) -> list[dict[str, Any]]
             p.kill()
     psutil.wait_procs(alive, timeout=_REAP_WAIT)  # also reaps zombies re-parented to us
     return escaped
+
+
+def _read_output(path: Path) -> str:
+    """What the child wrote outside capture; only the last ``OUTPUT_KEEP_BYTES`` if more."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(0, size - OUTPUT_KEEP_BYTES))
+            data = f.read()
+    except OSError:
+        return ""
+    text = data.decode("utf-8", "replace")
+    if size > OUTPUT_KEEP_BYTES:
+        text = f"[{size - OUTPUT_KEEP_BYTES} earlier bytes not kept]\n" + text.split("\n", 1)[-1]
+    return text
 
 
 def _tail(path: Path) -> str:
