@@ -8,6 +8,13 @@ from tests.helpers import GpuIso
 
 
 @pytest.fixture
-def gpuiso(pytester: pytest.Pytester) -> GpuIso:
-    """Copy programs from fixtures/programs/ into a pytester directory and run pytest on them."""
+def gpuiso(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> GpuIso:
+    """Copy programs from fixtures/programs/ into a pytester directory and run pytest on them.
+
+    The runs see the same terminal everywhere: pytest stops truncating summary lines
+    when it detects CI (CI, BUILD_NUMBER), and wraps at the terminal's width.
+    """
+    monkeypatch.delenv("CI", raising=False)
+    monkeypatch.delenv("BUILD_NUMBER", raising=False)
+    monkeypatch.setenv("COLUMNS", "80")
     return GpuIso(pytester)
