@@ -47,6 +47,7 @@ class Bootstrap:
     stack_signal: int
     spill_dir: str
     capture_prefix: str  # pytest's capture files get these names, so a crash can't lose them
+    env: tuple[tuple[str, str], ...] = ()  # e.g. CUDA_VISIBLE_DEVICES of the leased GPUs
 
 
 def main(boot: Bootstrap, job: Any, conn: Connection) -> None:
@@ -93,6 +94,7 @@ def _bootstrap(boot: Bootstrap, conn: Connection) -> None:
     _keep.append(stack)
     faulthandler.register(boot.stack_signal, file=stack, all_threads=True, chain=False)
     faulthandler.enable(file=sys.stderr, all_threads=True)
+    os.environ.update(dict(boot.env))  # before anything could initialise CUDA
 
 
 def _close_quietly(fd: int) -> None:

@@ -23,8 +23,9 @@ from . import report, workdir
 from ._linux import set_child_subreaper
 from .call import run_isolated
 from .child import CHILD_PLUGIN, ItemJob
-from .results import RECORD_ATTR, item_reports, spec_error_reports
-from .spec import MARKER, Settings, SpecError, spec_for_item, wants_isolation
+from .leases import Devices, Leases, LeaseTimeout, discover
+from .results import RECORD_ATTR, item_reports, skip_reports, spec_error_reports
+from .spec import MARKER, IsolationSpec, Settings, SpecError, spec_for_item, wants_isolation
 from .supervisor import Supervisor
 
 MARKER_DOC = (
@@ -39,6 +40,8 @@ class State:
     report_path: Path | None
     records: list[dict[str, Any]] = field(default_factory=list)
     supervisor: Supervisor | None = None
+    devices: Devices = Devices((), "none")
+    leases: Leases | None = None  # None: no GPUs, nothing to lease
 
 
 STATE = pytest.StashKey[State]()
@@ -79,7 +82,31 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="PATH",
         help="write a JSON report of the isolated tests to PATH (ini: gpu_isolate_report).",
     )
+    group.addoption(
+        "--gpu-isolate-devices",
+        dest="gpu_isolate_devices",
+        metavar="auto|none|0,1,...",
+        help="GPUs to lease: auto (CUDA_VISIBLE_DEVICES, else NVML), none, or a list of "
+        "indices/UUIDs (default auto; ini: gpu_isolate_devices).",
+    )
+    group.addoption(
+        "--gpu-isolate-slots",
+        dest="gpu_isolate_slots",
+        metavar="N",
+        help="how many isolated tests may share one GPU at once (default 1; "
+        "ini: gpu_isolate_slots).",
+    )
+    group.addoption(
+        "--gpu-isolate-lease-timeout",
+        dest="gpu_isolate_lease_timeout",
+        metavar="SECONDS",
+        help="fail a test that waited longer than this for its GPUs (default: wait; "
+        "ini: gpu_isolate_lease_timeout).",
+    )
     parser.addini("gpu_isolate", "isolate every test (true/false)", default="false")
+    parser.addini("gpu_isolate_devices", "GPUs to lease: auto, none or 0,1,...", default="")
+    parser.addini("gpu_isolate_slots", "isolated tests per GPU at once", default="")
+    parser.addini("gpu_isolate_lease_timeout", "seconds to wait for GPUs", default="")
     parser.addini("gpu_isolate_timeout", "timeout of an isolated test in seconds", default="")
     parser.addini("gpu_isolate_grace", "seconds between SIGTERM and SIGKILL", default="")
     parser.addini("gpu_isolate_report", "path of the JSON report", default="")
@@ -98,10 +125,18 @@ def pytest_configure(config: pytest.Config) -> None:
     if settings.report_path:
         report_path = Path(config.invocation_params.dir, settings.report_path).resolve()
     state = State(settings=settings, report_path=report_path)
-    config.stash[STATE] = state
-    config.pluginmanager.register(Recorder(config, state), "gpuiso-recorder")
     if settings.mode != "off":
         workdir.clean_stale()
+        state.devices = discover(settings.devices, settings.devices_source)
+        if state.devices.names:
+            from ._lease import RegionError
+
+            try:
+                state.leases = Leases(state.devices, settings.slots)
+            except RegionError as exc:
+                raise pytest.UsageError(f"gpu-isolate: {exc}") from None
+    config.stash[STATE] = state
+    config.pluginmanager.register(Recorder(config, state), "gpuiso-recorder")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -121,6 +156,14 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     lines = [
         f"gpu-isolate: {scope} in a fresh spawn process, timeout {timeout}, grace {s.grace:g} s"
     ]
+    d = state.devices
+    if d.names:
+        lines.append(
+            f"gpu-isolate: GPUs {','.join(d.names)} (from {d.source}), "
+            f"{s.slots} test{'s' if s.slots != 1 else ''} per GPU at once"
+        )
+    else:
+        lines.append(f"gpu-isolate: no GPUs to lease (from {d.source})")
     if config.option.usepdb:
         lines.append("gpu-isolate: --pdb cannot reach into isolated tests; use --no-gpu-isolate")
     return lines
@@ -143,26 +186,58 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     except SpecError as exc:
         reports = spec_error_reports(item, str(exc))
     else:
-        outcome = _supervisor(item.config, state).run(
-            _item_job(item), timeout=spec.timeout, grace=spec.grace
-        )
-        _replay_warnings(item.config, outcome.frames_of("warning"))
-        _replay_junit(item.config, outcome.frames_of("junit"))
-        if outcome.finished and outcome.output:
-            _echo(item.config, outcome.output)
-        reports = item_reports(item, spec, outcome)
-        stop = outcome.frames_of("exit")
-        if stop:  # pytest.exit() or KeyboardInterrupt in the test: end the session here too
-            for rep in reports:
-                ihook.pytest_runtest_logreport(report=rep)
-            if stop[0]["interrupt"]:
-                raise KeyboardInterrupt(stop[0]["message"])
-            pytest.exit(stop[0]["message"], returncode=stop[0]["returncode"])
+        reports = _run_isolated_item(item, spec, state)
     _teardown_parent_stack(item, nextitem, reports)
     for rep in reports:
         ihook.pytest_runtest_logreport(report=rep)
     ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
     return True
+
+
+def _gpus_wanted(item: pytest.Item, spec: IsolationSpec, state: State) -> int:
+    """The marker's gpus, else 1 for a marked test when there are GPUs; unmarked tests: 0."""
+    if spec.gpus is not None:
+        return spec.gpus
+    marked = item.get_closest_marker(MARKER) is not None
+    return 1 if marked and state.devices.names else 0
+
+
+def _run_isolated_item(item: pytest.Item, spec: IsolationSpec, state: State) -> list:
+    """Lease the test's GPUs (in this process), run it in a child, release after reaping."""
+    n = _gpus_wanted(item, spec, state)
+    have = len(state.devices.names)
+    if n > have:
+        found = f"{have} ({', '.join(state.devices.names)})" if have else "none"
+        return skip_reports(
+            item, f"gpu-isolate: test needs {n} GPU{'s' if n != 1 else ''}, {found} available"
+        )
+    lease = None
+    if n > 0 and state.leases is not None:
+        try:
+            lease = state.leases.acquire(n, item.nodeid, state.settings.lease_timeout)
+        except LeaseTimeout as exc:
+            return spec_error_reports(item, str(exc))
+    env = state.leases.child_env(lease) if state.leases is not None else None
+    try:
+        outcome = _supervisor(item.config, state).run(
+            _item_job(item), timeout=spec.timeout, grace=spec.grace, env=env
+        )
+    finally:
+        if lease is not None:
+            state.leases.release(lease)
+    _replay_warnings(item.config, outcome.frames_of("warning"))
+    _replay_junit(item.config, outcome.frames_of("junit"))
+    if outcome.finished and outcome.output:
+        _echo(item.config, outcome.output)
+    reports = item_reports(item, spec, outcome, lease)
+    stop = outcome.frames_of("exit")
+    if stop:  # pytest.exit() or KeyboardInterrupt in the test: end the session here too
+        for rep in reports:
+            item.ihook.pytest_runtest_logreport(report=rep)
+        if stop[0]["interrupt"]:
+            raise KeyboardInterrupt(stop[0]["message"])
+        pytest.exit(stop[0]["message"], returncode=stop[0]["returncode"])
+    return reports
 
 
 def _supervisor(config: pytest.Config, state: State) -> Supervisor:

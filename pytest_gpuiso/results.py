@@ -21,7 +21,7 @@ RECORD_ATTR = "gpu_isolate"  # attribute of the teardown report; survives xdist 
 
 
 def item_reports(
-    item: pytest.Item, spec: IsolationSpec, outcome: Outcome
+    item: pytest.Item, spec: IsolationSpec, outcome: Outcome, lease: Any = None
 ) -> list[pytest.TestReport]:
     config = item.config
     reports: list[pytest.TestReport] = []
@@ -34,7 +34,11 @@ def item_reports(
     if not complete and not stopped:
         _close_with_failure(item, reports, lambda phase: describe_problem(outcome, spec, phase))
     if reports:
-        setattr(reports[-1], RECORD_ATTR, make_record(item.nodeid, reports, outcome, spec))
+        record = make_record(item.nodeid, reports, outcome, spec)
+        if lease is not None:
+            record["gpus"] = list(lease.devices)
+            record["lease_wait"] = round(lease.waited, 6)
+        setattr(reports[-1], RECORD_ATTR, record)
     return reports
 
 
@@ -42,6 +46,17 @@ def spec_error_reports(item: pytest.Item, message: str) -> list[pytest.TestRepor
     """A bad marker argument: an error in setup naming the argument; nothing was run."""
     reports: list[pytest.TestReport] = []
     _close_with_failure(item, reports, lambda phase: f"gpu-isolate: {message}")
+    setattr(reports[-1], RECORD_ATTR, make_record(item.nodeid, reports, None, None))
+    return reports
+
+
+def skip_reports(item: pytest.Item, reason: str) -> list[pytest.TestReport]:
+    """Skipped in setup (e.g. it needs more GPUs than exist); nothing was run."""
+    path, lineno, _ = item.location
+    setup = synthetic_report(item, "setup", None)
+    setup.outcome = "skipped"
+    setup.longrepr = (str(item.path), (lineno or 0) + 1, f"Skipped: {reason}")
+    reports = [setup, synthetic_report(item, "teardown", None)]
     setattr(reports[-1], RECORD_ATTR, make_record(item.nodeid, reports, None, None))
     return reports
 

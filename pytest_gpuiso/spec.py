@@ -45,6 +45,19 @@ def parse_seconds(value: Any, what: str, *, allow_zero: bool) -> float:
     return seconds
 
 
+def parse_int(value: Any, what: str, low: int, high: int) -> int:
+    """Parse an integer in [low, high] from an option or ini text."""
+    try:
+        number = int(str(value).strip())
+    except ValueError:
+        number = None
+    if number is None or not low <= number <= high or isinstance(value, bool):
+        raise SpecError(
+            f"invalid value {value!r} for {what}: expected an integer from {low} to {high}"
+        )
+    return number
+
+
 def parse_count(value: Any, what: str) -> int:
     """Parse a non-negative integer (a GPU count)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -62,6 +75,10 @@ class Settings:
     grace: float
     grace_source: str
     report_path: str | None
+    devices: list[str] | None = None  # None: discover (auto)
+    devices_source: str = "auto"
+    slots: int = 1
+    lease_timeout: float | None = None
 
     @classmethod
     def from_config(cls, config: pytest.Config) -> Settings:
@@ -93,7 +110,18 @@ class Settings:
         report = (
             config.getoption("gpu_isolate_report") or config.getini("gpu_isolate_report")
         ).strip()
+        from .leases import parse_devices
+
+        devices_text, devices_source = _text_option(config, "gpu_isolate_devices")
+        devices = parse_devices(devices_text or "auto", devices_source or "--gpu-isolate-devices")
+        slots_text, slots_source = _text_option(config, "gpu_isolate_slots")
+        slots = parse_int(slots_text, slots_source, 1, 16) if slots_text else 1
+        lease_timeout, _ = _option_or_ini(config, "gpu_isolate_lease_timeout", allow_zero=False)
         return cls(
+            devices=devices,
+            devices_source=devices_source or "auto",
+            slots=slots,
+            lease_timeout=lease_timeout,
             mode=mode,
             timeout=timeout,
             timeout_source=timeout_source,
@@ -103,18 +131,24 @@ class Settings:
         )
 
 
+def _text_option(config: pytest.Config, dest: str) -> tuple[str, str]:
+    """The raw text of an option (command line first, then ini) and where it came from."""
+    cli = config.getoption(dest)
+    if cli is not None:
+        return str(cli), "--" + dest.replace("_", "-")
+    ini = config.getini(dest)
+    if isinstance(ini, str) and ini.strip():
+        return ini.strip(), f"ini {dest}"
+    return "", ""
+
+
 def _option_or_ini(
     config: pytest.Config, dest: str, *, allow_zero: bool
 ) -> tuple[float | None, str]:
-    cli = config.getoption(dest)
-    if cli is not None:
-        what = "--" + dest.replace("_", "-")
-        return parse_seconds(cli, what, allow_zero=allow_zero), what
-    ini = config.getini(dest)
-    if isinstance(ini, str) and ini.strip():
-        what = f"ini {dest}"
-        return parse_seconds(ini, what, allow_zero=allow_zero), what
-    return None, ""
+    text, what = _text_option(config, dest)
+    if not what:
+        return None, ""
+    return parse_seconds(text, what, allow_zero=allow_zero), what
 
 
 @dataclass(frozen=True)

@@ -101,7 +101,14 @@ class Supervisor:
         self._ctx = multiprocessing.get_context("spawn")
         self._counter = 0
 
-    def run(self, job: Any, *, timeout: float | None, grace: float) -> Outcome:
+    def run(
+        self,
+        job: Any,
+        *,
+        timeout: float | None,
+        grace: float,
+        env: dict[str, str] | None = None,
+    ) -> Outcome:
         """Run ``job`` (an object with ``run(conn, boot)``) in a fresh process."""
         self._counter += 1
         tag = f"{os.getpid()}-{self._counter}"
@@ -115,6 +122,7 @@ class Supervisor:
             stack_signal=STACK_SIGNAL,
             spill_dir=str(self.workdir),
             capture_prefix=str(capture_prefix),
+            env=tuple(sorted((env or {}).items())),
         )
         reader, writer = self._ctx.Pipe(duplex=False)
         # The tracker is a long-lived helper of ours, not something the test left behind.
