@@ -1,0 +1,181 @@
+"""GPU leases seen through real pytest sessions under xdist, on fake device lists."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import GpuIso
+
+
+@pytest.fixture
+def region(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A private lease table for this test, shared by every process it starts."""
+    path = tmp_path / "leases"
+    monkeypatch.setenv("PYTEST_GPUISO_LEASE_REGION", str(path))
+    return path
+
+
+def _log(path: Path) -> list[tuple[float, float, list[str]]]:
+    rows = []
+    for line in path.read_text().splitlines():
+        start, end, devices, _pid = line.split(" ")
+        rows.append((float(start), float(end), devices.split(",")))
+    return rows
+
+
+def _max_overlap(rows: list[tuple[float, float, list[str]]], device: str) -> int:
+    events = []
+    for start, end, devices in rows:
+        if device in devices:
+            events += [(start, 1), (end, -1)]
+    level = peak = 0
+    for _, step in sorted(events, key=lambda e: (e[0], e[1])):
+        level += step
+        peak = max(peak, level)
+    return peak
+
+
+@pytest.mark.parametrize("devices", ["0", "0,1"])
+def test_no_two_tests_share_a_gpu_under_xdist(
+    gpuiso: GpuIso, region, tmp_path, monkeypatch, devices
+):
+    """-n 4 over one or two fake GPUs: never two holders on a GPU; both GPUs get used;
+    gpus=2 tests get both at once, or are skipped when only one GPU exists."""
+    log = tmp_path / "log"
+    monkeypatch.setenv("GPUISO_LEASE_LOG", str(log))
+    gpuiso.copy("lease_log.py")
+    result = gpuiso.run("-n", "4", f"--gpu-isolate-devices={devices}", "-rs", "lease_log.py")
+    rows = _log(log)
+    names = devices.split(",")
+    if len(names) == 1:
+        result.assert_outcomes(passed=6, skipped=2)
+        result.stdout.fnmatch_lines(["*gpu-isolate: test needs 2 GPUs, 1 (0) available*"])
+    else:
+        result.assert_outcomes(passed=8)
+        assert sorted(r[2] for r in rows if len(r[2]) == 2) == [["0", "1"], ["0", "1"]]
+        assert {r[2][0] for r in rows if len(r[2]) == 1} == {"0", "1"}, "a GPU was never used"
+    for name in names:
+        assert _max_overlap(rows, name) == 1, rows
+
+
+def test_waiting_for_a_gpu_is_not_charged_to_the_timeout(gpuiso: GpuIso, region):
+    gpuiso.copy("lease_wait.py")
+    result = gpuiso.run(
+        "-n", "2", "--gpu-isolate-devices=0", "--gpu-isolate-report=report.json", "lease_wait.py"
+    )
+    result.assert_outcomes(passed=2)
+    waits = sorted(r["lease_wait"] for r in gpuiso.report()["tests"])
+    assert waits[0] < 0.5 and waits[1] > 1.0, waits
+
+
+def test_lease_timeout_fails_naming_the_holder(gpuiso: GpuIso, region):
+    gpuiso.copy("lease_wait.py")
+    result = gpuiso.run(
+        "-n",
+        "2",
+        "--gpu-isolate-devices=0",
+        "--gpu-isolate-lease-timeout=0.5",
+        "-rA",
+        "lease_wait.py",
+    )
+    result.assert_outcomes(passed=1, errors=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*waited 0.5 s for 1 GPU of 0 (--gpu-isolate-lease-timeout); held by: GPU 0: pid * "
+            "(lease_wait.py::test_hold[[]*])*"
+        ]
+    )
+
+
+def test_worker_killed_while_holding_a_gpu_does_not_block_the_rest(gpuiso: GpuIso, region):
+    gpuiso.copy("lease_killer.py")
+    result = gpuiso.run(
+        "-n",
+        "2",
+        "--gpu-isolate-devices=0",
+        "--gpu-isolate-report=report.json",
+        "lease_killer.py",
+    )
+    outcomes = result.parseoutcomes()
+    assert outcomes.get("passed") == 3, result.stdout.str()
+    waits = [r.get("lease_wait", 0) for r in gpuiso.report()["tests"]]
+    assert max(waits) < 5, waits  # noticed at once, not after a timeout
+
+
+def test_too_many_gpus_on_a_machine_without_gpus_is_a_skip(gpuiso: GpuIso, region):
+    gpuiso.pytester.makepyfile(
+        test_two="""
+        import os, pytest
+
+        @pytest.mark.gpu_isolated(gpus=2)
+        def test_needs_two():
+            pass
+
+        @pytest.mark.gpu_isolated
+        def test_marked_runs_without_gpus():
+            assert "CUDA_VISIBLE_DEVICES" not in os.environ or True
+        """
+    )
+    result = gpuiso.run("--gpu-isolate-devices=none", "-rs")
+    result.assert_outcomes(passed=1, skipped=1)
+    result.stdout.fnmatch_lines(["*gpu-isolate: test needs 2 GPUs, none available*"])
+
+
+@pytest.mark.parametrize(
+    ("args", "culprit"),
+    [
+        (["--gpu-isolate-devices=0,x"], "invalid value '0,x' for --gpu-isolate-devices"),
+        (["--gpu-isolate-devices=0,0"], "invalid value '0,0' for --gpu-isolate-devices"),
+        (["--gpu-isolate-slots=0"], "invalid value '0' for --gpu-isolate-slots"),
+        (["--gpu-isolate-slots=two"], "invalid value 'two' for --gpu-isolate-slots"),
+        (["--gpu-isolate-lease-timeout=-3"], "invalid value '-3' for --gpu-isolate-lease-timeout"),
+    ],
+)
+def test_bad_lease_options_are_usage_errors(gpuiso: GpuIso, region, args, culprit):
+    gpuiso.copy("test_where.py")
+    result = gpuiso.run(*args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"ERROR: gpu-isolate: {culprit}*"])
+
+
+def _cli(*args: str, region: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pytest_gpuiso", "--region", str(region), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_status_and_reset_commands(region: Path):
+    """status prints the table; reset refuses while a live holder exists, --force clears."""
+    from pytest_gpuiso.leases import open_region
+
+    table = open_region(str(region))
+    lease_id, _ = table.acquire(["0", "1"], 1, 1, "tests/test_x.py::test_held", None)
+    status = _cli("status", region=region)
+    assert status.returncode == 0
+    assert "tests/test_x.py::test_held" in status.stdout
+    assert "free" in status.stdout
+    refused = _cli("reset", region=region)
+    assert refused.returncode == 1
+    assert "refusing to reset" in refused.stderr and "test_held" in refused.stderr
+    assert _cli("reset", "--force", region=region).returncode == 0
+    assert table.snapshot()["holders"] == []
+    table.release(lease_id)
+
+
+def test_reset_of_a_corrupted_table(region: Path):
+    region.write_bytes(b"\0" * 100)
+    region.chmod(0o600)
+    status = _cli("status", region=region)
+    assert status.returncode == 1 and "has 100 bytes" in status.stderr
+    assert _cli("reset", region=region).returncode == 1
+    forced = _cli("reset", "--force", region=region)
+    assert forced.returncode == 0 and not region.exists()
+    assert json.dumps(forced.stdout)  # printed something
