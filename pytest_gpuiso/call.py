@@ -8,12 +8,14 @@ level in an importable module.
 
 from __future__ import annotations
 
+import os
 import pickle
 from collections.abc import Callable
 from typing import Any
 
 from . import workdir
 from .child import CallJob
+from .leases import LEASED_ENV, Leases, discover
 from .spec import DEFAULT_GRACE, parse_count, parse_seconds
 from .supervisor import Outcome, Supervisor
 
@@ -60,17 +62,55 @@ def run_isolated(
     its cause); one that cannot be pickled becomes ``RemoteError`` with its text.
     ``timeout`` (seconds) kills the process tree and raises ``IsolatedTimeout``;
     a crash raises ``IsolationError`` naming the signal. ``gpus`` is the number
-    of GPUs to lease for the call.
+    of GPUs to lease for the call; the process sees exactly those.
     """
+    return call_isolated(func, args, kwargs, timeout=timeout, gpus=gpus, grace=grace)
+
+
+def call_isolated(
+    func: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    timeout: float | None,
+    gpus: int,
+    grace: float,
+    leases: Leases | None = None,
+) -> Any:
+    """``run_isolated`` with the session's lease table (the fixture passes it)."""
     if timeout is not None:
         timeout = parse_seconds(timeout, "run_isolated argument timeout", allow_zero=False)
     grace = parse_seconds(grace, "run_isolated argument grace", allow_zero=True)
     parse_count(gpus, "run_isolated argument gpus")
+    name = _label(func)
+    lease, env = None, None
+    held = os.environ.get(LEASED_ENV)
+    if held is not None:  # inside an isolated test: use the GPUs it holds
+        have = [d for d in held.split(",") if d]
+        if gpus > len(have):
+            raise IsolationError(
+                f"run_isolated({name}) needs {gpus} GPUs, its test holds {len(have)}"
+            )
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(have[:gpus]), LEASED_ENV: ",".join(have[:gpus])}
+    elif gpus > 0:
+        if leases is None:
+            devices = discover(None, "auto")
+            if not devices.names:
+                raise IsolationError(f"run_isolated({name}) needs {gpus} GPUs, none available")
+            leases = Leases(devices, 1)
+        have = len(leases.devices.names)
+        if gpus > have:
+            raise IsolationError(f"run_isolated({name}) needs {gpus} GPUs, {have} available")
+        lease = leases.acquire(gpus, f"run_isolated({name}) in pid {os.getpid()}", None)
+        env = leases.child_env(lease)
     supervisor = Supervisor(workdir.process_dir())
     try:
-        outcome = supervisor.run(CallJob(func, args, kwargs), timeout=timeout, grace=grace)
+        outcome = supervisor.run(CallJob(func, args, kwargs), timeout=timeout, grace=grace, env=env)
     except Exception as exc:
-        raise IsolationError(f"run_isolated({_label(func)}): {exc}") from None
+        raise IsolationError(f"run_isolated({name}): {exc}") from None
+    finally:
+        if lease is not None and leases is not None:
+            leases.release(lease)
     return _unwrap(func, outcome, timeout)
 
 

@@ -22,6 +22,7 @@ from typing import Any
 from .spec import SpecError
 
 REGION_ENV = "PYTEST_GPUISO_LEASE_REGION"  # another table path (tests, or sharing across users)
+LEASED_ENV = "PYTEST_GPUISO_LEASED"  # set in an isolated child: the GPUs its test holds
 _CUDA_ID = re.compile(r"^(\d+|(GPU|MIG)-[0-9A-Za-z./-]+)$")
 
 
@@ -139,8 +140,13 @@ class Leases:
         return "; ".join(f"GPU {h['device']}: pid {h['pid']} ({h['label']})" for h in holders)
 
     def child_env(self, lease: Lease | None) -> dict[str, str]:
-        """What the isolated child must see: exactly its leased devices."""
-        env = {"CUDA_VISIBLE_DEVICES": ",".join(lease.devices) if lease else ""}
+        """What the isolated child must see: exactly its leased devices.
+
+        ``LEASED_ENV`` tells nested ``run_isolated`` calls in the child which GPUs
+        their test already holds, so they use those instead of queueing behind them.
+        """
+        names = ",".join(lease.devices) if lease else ""
+        env = {"CUDA_VISIBLE_DEVICES": names, LEASED_ENV: names}
         if self.devices.pci_order and "CUDA_DEVICE_ORDER" not in os.environ:
             env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA numbers GPUs as NVML does
         return env

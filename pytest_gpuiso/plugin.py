@@ -8,7 +8,6 @@ in ``supervisor``, the child side in ``child``, reports in ``results`` and
 from __future__ import annotations
 
 import contextlib
-import functools
 import sys
 import tempfile
 import warnings
@@ -21,7 +20,7 @@ import pytest
 
 from . import report, workdir
 from ._linux import set_child_subreaper
-from .call import run_isolated
+from .call import call_isolated
 from .child import CHILD_PLUGIN, ItemJob
 from .leases import Devices, Leases, LeaseTimeout, discover
 from .results import RECORD_ATTR, item_reports, skip_reports, spec_error_reports
@@ -392,7 +391,15 @@ class Recorder:
 @pytest.fixture
 def gpu_isolated_run(request: pytest.FixtureRequest):
     """``gpu_isolated_run(func, *args, timeout=None, gpus=0, **kwargs)``: call ``func`` in a
-    fresh spawned process and return its value (see ``pytest_gpuiso.run_isolated``)."""
+    fresh spawned process and return its value (see ``pytest_gpuiso.run_isolated``); GPUs
+    come from the session's lease table."""
     state = request.config.stash.get(STATE, None)
     grace = state.settings.grace if state is not None else 5.0
-    return functools.partial(run_isolated, grace=grace)
+    leases = state.leases if state is not None else None
+
+    def run(func, *args, timeout=None, gpus=0, **kwargs):
+        return call_isolated(
+            func, args, kwargs, timeout=timeout, gpus=gpus, grace=grace, leases=leases
+        )
+
+    return run

@@ -18,6 +18,7 @@ The parent waits on the pipe and on a pidfd of the child together with
 from __future__ import annotations
 
 import contextlib
+import itertools
 import multiprocessing
 import os
 import signal
@@ -38,6 +39,9 @@ OUTPUT_TAIL_LINES = 60
 OUTPUT_KEEP_BYTES = 1 << 20  # of what the child wrote outside pytest's capture
 _STACK_WAIT = 2.0  # upper bound for faulthandler to write the dump
 _REAP_WAIT = 10.0  # upper bound for the kernel to reap a SIGKILLed child
+
+
+_RUNS = itertools.count(1)  # unique file tags within this process, whatever the Supervisor
 
 
 class StartError(RuntimeError):
@@ -99,7 +103,6 @@ class Supervisor:
         self.workdir = workdir
         self.capture_output = capture_output
         self._ctx = multiprocessing.get_context("spawn")
-        self._counter = 0
 
     def run(
         self,
@@ -110,8 +113,7 @@ class Supervisor:
         env: dict[str, str] | None = None,
     ) -> Outcome:
         """Run ``job`` (an object with ``run(conn, boot)``) in a fresh process."""
-        self._counter += 1
-        tag = f"{os.getpid()}-{self._counter}"
+        tag = f"{os.getpid()}-{next(_RUNS)}"
         output = self._private_file(f"out-{tag}.log") if self.capture_output else None
         stack_file = self._private_file(f"stack-{tag}.txt")
         capture_prefix = self.workdir / f"cap-{tag}-"
@@ -133,6 +135,7 @@ class Supervisor:
             proc.start()
         except Exception as exc:
             reader.close()
+            _remove(output, stack_file)
             raise StartError(f"could not start the isolated process: {exc}") from exc
         finally:
             writer.close()
@@ -166,10 +169,7 @@ class Supervisor:
                 key=lambda p: int(p.name.rsplit("-", 1)[1]),
             )
             captured = [text for text in map(_tail, captures) if text.strip()]
-            for path in (output, stack_file, *captures):
-                if path is not None:
-                    with contextlib.suppress(OSError):
-                        path.unlink()
+            _remove(output, stack_file, *captures)
         return Outcome(
             frames=frames,
             pid=proc.pid,
@@ -187,6 +187,13 @@ class Supervisor:
         path = self.workdir / name
         os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
         return path
+
+
+def _remove(*paths: Path | None) -> None:
+    for path in paths:
+        if path is not None:
+            with contextlib.suppress(OSError):
+                path.unlink()
 
 
 def _pump(reader: Connection, sentinel: Any, frames: list, deadline: float | None) -> bool:

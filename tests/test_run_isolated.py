@@ -102,3 +102,38 @@ def test_fixture_inside_a_pytest_session(gpuiso):
         """
     )
     gpuiso.run().assert_outcomes(passed=1)
+
+
+def test_gpus_are_leased_and_visible(tmp_path, monkeypatch):
+    """gpus=N leases N of the discovered GPUs; the call sees exactly them."""
+    monkeypatch.setenv("PYTEST_GPUISO_LEASE_REGION", str(tmp_path / "leases"))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,4")
+    assert run_isolated(funcs.visible, gpus=1) in ("3", "4")
+    assert sorted(run_isolated(funcs.visible, gpus=2).split(",")) == ["3", "4"]
+    assert run_isolated(funcs.visible) == "3,4"  # gpus=0: the environment as it is
+    with pytest.raises(IsolationError, match=r"needs 3 GPUs, 2 available"):
+        run_isolated(funcs.visible, gpus=3)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    with pytest.raises(IsolationError, match=r"needs 1 GPUs, none available"):
+        run_isolated(funcs.visible, gpus=1)
+
+
+def test_fixture_inside_an_isolated_test_uses_the_tests_gpus(gpuiso, tmp_path, monkeypatch):
+    """A nested call uses the GPUs its test holds instead of queueing behind them."""
+    monkeypatch.setenv("PYTEST_GPUISO_LEASE_REGION", str(tmp_path / "leases"))
+    gpuiso.copy("isolated_funcs.py")
+    gpuiso.pytester.makepyfile(
+        test_nested="""
+        import pytest
+        import isolated_funcs
+        from pytest_gpuiso import IsolationError
+
+        @pytest.mark.gpu_isolated(gpus=2, timeout=60)
+        def test_nested(gpu_isolated_run):
+            assert gpu_isolated_run(isolated_funcs.visible, gpus=2) == "0,1"
+            assert gpu_isolated_run(isolated_funcs.visible, gpus=1) == "0"
+            with pytest.raises(IsolationError, match="its test holds 2"):
+                gpu_isolated_run(isolated_funcs.visible, gpus=3)
+        """
+    )
+    gpuiso.run("--gpu-isolate-devices=0,1").assert_outcomes(passed=1)
