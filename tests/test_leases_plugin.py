@@ -179,3 +179,22 @@ def test_reset_of_a_corrupted_table(region: Path):
     forced = _cli("reset", "--force", region=region)
     assert forced.returncode == 0 and not region.exists()
     assert json.dumps(forced.stdout)  # printed something
+
+
+def test_two_sessions_at_once_share_the_gpu_safely(gpuiso: GpuIso, region, tmp_path, monkeypatch):
+    """Two independent pytest sessions (each with -n 2) on the same GPU never overlap."""
+    log = tmp_path / "log"
+    monkeypatch.setenv("GPUISO_LEASE_LOG", str(log))
+    gpuiso.copy("lease_log.py")
+    args = ("-n", "2", "--gpu-isolate-devices=0", "-k", "one_gpu", "lease_log.py")
+    sessions = [gpuiso.popen(*args), gpuiso.popen(*args)]
+    try:
+        outputs = [p.communicate(timeout=120)[0].decode() for p in sessions]
+    finally:
+        for p in sessions:
+            p.kill()
+    for out in outputs:
+        assert "6 passed" in out, out
+    rows = _log(log)
+    assert len(rows) == 12
+    assert _max_overlap(rows, "0") == 1, rows
