@@ -450,6 +450,7 @@ typedef struct {
     uint64_t mask;
     uint32_t n;
     int waiter; /* index in r->waiter, -1 if none */
+    int suspect; /* someone we watched may have died: re-check every owner */
     uint64_t ticket;
     uint64_t lease;
     int taken[MAX_DEVICES];
@@ -479,8 +480,11 @@ static int attempt(RegionObject *self, request_t *q, const char *label, double d
         snprintf(q->err, sizeof q->err, "the lease region lock is unrecoverable; reset it");
         return FAILED;
     }
-    if (reap_dead(r) > 0)
-        ring(self);
+    if (q->suspect) { /* a full liveness scan reads /proc for every owner: only when needed */
+        if (reap_dead(r) > 0)
+            ring(self);
+        q->suspect = 0;
+    }
     if (q->waiter < 0) {
         for (int w = 0; w < MAX_WAITERS; w++)
             if (r->waiter[w].owner.pid == 0) {
@@ -507,9 +511,11 @@ static int attempt(RegionObject *self, request_t *q, const char *label, double d
         waiter_t *wt = &r->waiter[w];
         if (wt->owner.pid != 0 && wt->ticket < q->ticket && (wt->mask & q->mask)) {
             blocked |= wt->mask;
-            pidfds[npid] = (int)syscall(SYS_pidfd_open, wt->owner.pid, 0);
-            if (pidfds[npid] >= 0)
-                npid++;
+            int fd = (int)syscall(SYS_pidfd_open, wt->owner.pid, 0);
+            if (fd >= 0)
+                pidfds[npid++] = fd;
+            else
+                changed = 1;
         }
     }
     if (try_take(r, q->rows, q->count, q->mask & ~blocked, q->n, label, me, &q->lease, q->taken)) {
@@ -531,9 +537,10 @@ static int attempt(RegionObject *self, request_t *q, const char *label, double d
                     changed = 1; /* gone between the reap and now */
             }
     }
-    /* A pid reused between the liveness check and pidfd_open would be watched in vain. */
-    if (reap_dead(r) > 0)
-        changed = 1, ring(self);
+    /* An owner that died before its pidfd was opened (its pid perhaps reused since) would
+     * be watched in vain: the full re-check runs at once instead of waiting. */
+    if (changed)
+        q->suspect = 1;
     unlock_region(r);
 
     int rc = WAIT;
@@ -555,6 +562,9 @@ static int attempt(RegionObject *self, request_t *q, const char *label, double d
             rc = INTERRUPTED;
         else if (ready == 0 && deadline >= 0 && monotonic_s() >= deadline)
             rc = TIMED_OUT;
+        for (int i = 1; ready > 0 && i <= npid; i++)
+            if (fds[i].revents)
+                q->suspect = 1; /* a process we waited on has exited */
         char buf[4096];
         while (read(self->inotify, buf, sizeof buf) > 0) {
         }
@@ -607,6 +617,7 @@ static PyObject *Region_acquire(RegionObject *self, PyObject *args, PyObject *kw
     request_t q;
     memset(&q, 0, sizeof q);
     q.waiter = -1;
+    q.suspect = 1;
     q.count = (int)count;
     q.n = n;
     int rc;
