@@ -36,6 +36,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -99,7 +100,7 @@ typedef struct {
     uint64_t next_ticket;
     uint64_t next_lease;
     uint32_t ndevices;
-    uint32_t pad;
+    uint32_t generation; /* bumped by clear(): waiters re-resolve their rows */
     device_t dev[MAX_DEVICES];
     waiter_t waiter[MAX_WAITERS];
 } region_t;
@@ -116,9 +117,12 @@ static int proc_start(pid_t pid, uint64_t *start, char *state)
     if (fd < 0)
         return -1;
     ssize_t n = read(fd, buf, sizeof buf - 1);
+    int saved = errno;
     close(fd);
-    if (n <= 0)
+    if (n <= 0) {
+        errno = n == 0 ? ESRCH : saved; /* an empty stat: the process is gone */
         return -1;
+    }
     buf[n] = '\0';
     char *p = strrchr(buf, ')'); /* the command name may hold spaces and parentheses */
     if (p == NULL || p[1] == '\0')
@@ -137,8 +141,15 @@ static int owner_alive(const owner_t *o)
 {
     uint64_t start;
     char state;
-    if (o->pid <= 0 || proc_start(o->pid, &start, &state) != 0)
+    if (o->pid <= 0)
         return 0;
+    if (proc_start(o->pid, &start, &state) != 0) {
+        /* Only "no such process" proves death. When /proc cannot be read (out of file
+         * descriptors, say), the pid's existence decides, so a live holder is never robbed. */
+        if (errno == ENOENT || errno == ESRCH)
+            return 0;
+        return kill(o->pid, 0) == 0 || errno == EPERM;
+    }
     return start == o->start && state != 'Z' && state != 'X';
 }
 
@@ -445,6 +456,9 @@ static int try_take(region_t *r, const int *rows, int count, uint64_t allowed, u
 enum { GOT, WAIT, TIMED_OUT, INTERRUPTED, FAILED };
 
 typedef struct {
+    char names[MAX_DEVICES][NAME_LEN];
+    uint32_t slots;
+    uint32_t generation;
     int rows[MAX_DEVICES];
     int count;
     uint64_t mask;
@@ -474,11 +488,25 @@ static int attempt(RegionObject *self, request_t *q, const char *label, double d
     region_t *r = self->r;
     owner_t me = self_owner();
     int pidfds[MAX_DEVICES * MAX_SLOTS + MAX_WAITERS + 1];
-    int npid = 0, changed = 0;
+    int npid = 0, changed = 0, blind = 0; /* blind: a process we cannot watch */
 
     if (lock_region(r) != 0) {
         snprintf(q->err, sizeof q->err, "the lease region lock is unrecoverable; reset it");
         return FAILED;
+    }
+    if (q->generation != r->generation) { /* the table was cleared: rows and queue are gone */
+        char *names[MAX_DEVICES];
+        for (int i = 0; i < q->count; i++)
+            names[i] = q->names[i];
+        if (resolve_rows(r, names, q->count, q->slots, q->rows, q->err, sizeof q->err) != 0) {
+            unlock_region(r);
+            return FAILED;
+        }
+        q->mask = 0;
+        for (int i = 0; i < q->count; i++)
+            q->mask |= 1ULL << q->rows[i];
+        q->waiter = -1;
+        q->generation = r->generation;
     }
     if (q->suspect) { /* a full liveness scan reads /proc for every owner: only when needed */
         if (reap_dead(r) > 0)
@@ -514,8 +542,10 @@ static int attempt(RegionObject *self, request_t *q, const char *label, double d
             int fd = (int)syscall(SYS_pidfd_open, wt->owner.pid, 0);
             if (fd >= 0)
                 pidfds[npid++] = fd;
+            else if (errno == ESRCH)
+                changed = 1; /* gone already */
             else
-                changed = 1;
+                blind = 1;
         }
     }
     if (try_take(r, q->rows, q->count, q->mask & ~blocked, q->n, label, me, &q->lease, q->taken)) {
@@ -533,8 +563,10 @@ static int attempt(RegionObject *self, request_t *q, const char *label, double d
                 int fd = (int)syscall(SYS_pidfd_open, dev->slot[s].owner.pid, 0);
                 if (fd >= 0)
                     pidfds[npid++] = fd;
-                else
+                else if (errno == ESRCH)
                     changed = 1; /* gone between the reap and now */
+                else
+                    blind = 1; /* out of descriptors, say: re-check every 100 ms */
             }
     }
     /* An owner that died before its pidfd was opened (its pid perhaps reused since) would
@@ -544,7 +576,9 @@ static int attempt(RegionObject *self, request_t *q, const char *label, double d
     unlock_region(r);
 
     int rc = WAIT;
-    if (!changed) {
+    if (changed && deadline >= 0 && monotonic_s() >= deadline)
+        rc = TIMED_OUT;
+    else if (!changed) {
         struct pollfd fds[MAX_DEVICES * MAX_SLOTS + MAX_WAITERS + 1];
         fds[0].fd = self->inotify;
         fds[0].events = POLLIN;
@@ -557,11 +591,15 @@ static int attempt(RegionObject *self, request_t *q, const char *label, double d
             double left = deadline - monotonic_s();
             timeout_ms = left <= 0 ? 0 : (int)(left * 1000) + 1;
         }
+        if (blind && (timeout_ms < 0 || timeout_ms > 100))
+            timeout_ms = 100;
         int ready = poll(fds, (nfds_t)npid + 1, timeout_ms);
         if (ready < 0 && errno == EINTR)
             rc = INTERRUPTED;
         else if (ready == 0 && deadline >= 0 && monotonic_s() >= deadline)
             rc = TIMED_OUT;
+        else if (ready == 0 && blind)
+            q->suspect = 1;
         for (int i = 1; ready > 0 && i <= npid; i++)
             if (fds[i].revents)
                 q->suspect = 1; /* a process we waited on has exited */
@@ -604,6 +642,12 @@ static PyObject *Region_acquire(RegionObject *self, PyObject *args, PyObject *kw
                 PyErr_SetString(PyExc_ValueError, "device names must be shorter than 64 bytes");
             return NULL;
         }
+        for (Py_ssize_t j = 0; j < i; j++)
+            if (strcmp(names[i], names[j]) == 0) {
+                PyErr_Format(PyExc_ValueError, "device %s is listed twice", names[i]);
+                Py_DECREF(seq);
+                return NULL;
+            }
     }
     double deadline = -1;
     if (timeout_obj != Py_None) {
@@ -619,12 +663,16 @@ static PyObject *Region_acquire(RegionObject *self, PyObject *args, PyObject *kw
     q.waiter = -1;
     q.suspect = 1;
     q.count = (int)count;
+    q.slots = slots;
+    for (int i = 0; i < q.count; i++)
+        snprintf(q.names[i], NAME_LEN, "%s", names[i]);
     q.n = n;
     int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = lock_region(self->r);
     if (rc == 0) {
         rc = resolve_rows(self->r, names, q.count, slots, q.rows, q.err, sizeof q.err);
+        q.generation = self->r->generation;
         unlock_region(self->r);
     } else {
         snprintf(q.err, sizeof q.err, "the lease region lock is unrecoverable; reset it");
@@ -774,6 +822,7 @@ static PyObject *Region_clear(RegionObject *self, PyObject *Py_UNUSED(ignored))
         memset(r->dev, 0, sizeof r->dev);
         memset(r->waiter, 0, sizeof r->waiter);
         r->ndevices = 0;
+        r->generation++;
         ring(self);
         unlock_region(r);
     }
