@@ -41,7 +41,6 @@ import psutil
 import pytest
 from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
-
 from pytest_gpuiso._lease import (
     ABI_VERSION,
     MAX_DEVICES,
