@@ -7,7 +7,12 @@ setup(
         Extension(
             "pytest_gpuiso._lease",
             sources=["native/gpuiso_lease.c"],
-            extra_compile_args=["-std=gnu11", "-Wall", "-Wextra", "-Wno-missing-field-initializers"],
+            extra_compile_args=[
+                "-std=gnu11",
+                "-Wall",
+                "-Wextra",
+                "-Wno-missing-field-initializers",
+            ],
         )
     ]
 )
