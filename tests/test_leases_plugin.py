@@ -102,7 +102,10 @@ def test_worker_killed_while_holding_a_gpu_does_not_block_the_rest(gpuiso: GpuIs
         "lease_killer.py",
     )
     outcomes = result.parseoutcomes()
+    assert (gpuiso.path / "worker-killed.flag").exists()
     assert outcomes.get("passed") == 3, result.stdout.str()
+    assert outcomes.get("failed") == 1, result.stdout.str()
+    result.stdout.fnmatch_lines(["*worker 'gw*' crashed while running*test_kills_its_worker*"])
     waits = [r.get("lease_wait", 0) for r in gpuiso.report()["tests"]]
     assert max(waits) < 5, waits  # noticed at once, not after a timeout
 
