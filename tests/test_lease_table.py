@@ -58,7 +58,8 @@ PROMPT = 2.0  # "at once", with room for a loaded CI machine; the design target 
 # the tests that forge or lock entries directly; they skip if the layout moved.
 MUTEX_OFFSET = 24  # magic u64, abi u32, size u32, bell u64
 ABI_OFFSET = 8
-DEV_OFFSET = 88  # ... lock, next_ticket u64, next_lease u64, ndevices u32, pad u32
+NDEVICES_OFFSET = 80  # ... lock, next_ticket u64, next_lease u64
+DEV_OFFSET = 88  # ... ndevices u32, pad u32
 SLOT_OFFSET = 72  # name[64], slots u32, pad u32
 SLOT_SIZE = 224  # owner {pid i32, pad u32, start u64}, lease u64, since_ns i64, label[192]
 DEVICE_SIZE = SLOT_OFFSET + MAX_SLOTS * SLOT_SIZE
@@ -323,17 +324,29 @@ def _schedule_worker(
 
 
 def check_snapshot(snap: dict[str, Any], schedule: Schedule, pids: list[int]) -> None:
-    """What must hold at every instant: slots respected, whole grants, one lease a worker."""
-    assert {name for name, _ in snap["devices"]} <= set(schedule.devices), snap
-    assert all(slots == schedule.slots for _, slots in snap["devices"]), snap
+    """What must hold in every snapshot: slots respected, whole grants, one lease a worker.
+
+    The table is copied under its lock, but each entry's `alive` is read from /proc
+    afterwards, one entry at a time: a worker that dies meanwhile can show as alive
+    on one device and dead on the next. So a lease counts as live when any of its
+    entries is alive (its owner was alive when the copy was taken), and then all its
+    entries, alive or not, must be in the copy.
+    """
+    rows = [name for name, _ in snap["devices"] if name]
+    assert len(rows) == len(set(rows)) and set(rows) <= set(schedule.devices), snap
+    # A creator killed inside resolve_rows() leaves a nameless row, or a named one
+    # with 0 slots until the next request for it (see the xfail test below).
+    assert all(slots in (0, schedule.slots) for _, slots in snap["devices"]), snap
+    assert all(name or slots == 0 for name, slots in snap["devices"]), snap
     per_device = Counter(h["device"] for h in snap["holders"])
     assert all(count <= schedule.slots for count in per_device.values()), snap
-    live = [h for h in snap["holders"] if h["alive"]]
     by_lease: dict[int, list[dict[str, Any]]] = defaultdict(list)
-    for holder in live:
+    for holder in snap["holders"]:
         by_lease[holder["lease"]].append(holder)
     leases_of_pid: Counter[int] = Counter()
     for lease, entries in by_lease.items():
+        if not any(e["alive"] for e in entries):
+            continue  # a killed worker's leftovers, possibly a grant cut short
         label = entries[0]["label"]
         worker, n = int(label[1 : label.index("s")]), int(label.split("n")[1])
         assert {e["pid"] for e in entries} == {pids[worker]}, (lease, entries)
@@ -341,7 +354,7 @@ def check_snapshot(snap: dict[str, Any], schedule: Schedule, pids: list[int]) ->
         devices = [e["device"] for e in entries]
         assert len(devices) == len(set(devices)) == n, f"lease {lease} of n={n}: {entries}"
         leases_of_pid[pids[worker]] += 1
-    assert all(count == 1 for count in leases_of_pid.values()), live
+    assert all(count == 1 for count in leases_of_pid.values()), snap
     waiting = {w["pid"] for w in snap["waiters"] if w["alive"]}
     assert not waiting & set(leases_of_pid), f"waiting while holding: {snap}"
     assert waiting <= set(pids), snap
@@ -471,6 +484,8 @@ def test_random_schedules_with_kills_never_oversubscribe_and_survivors_finish(
     for name, intervals in per_device.items():
         assert max_overlap(intervals) <= schedule.slots, (name, sorted(intervals))
 
+    if any(not name for name, _ in region.snapshot()["devices"]):
+        event("a killed worker left a nameless device row (native bug)")
     everything = region.acquire(schedule.devices, schedule.slots, len(schedule.devices), "end", 5)
     assert everything is not None, f"slots leaked: {region.snapshot()}"
     assert region.snapshot()["waiters"] == []
@@ -1001,7 +1016,7 @@ def test_waiting_does_not_burn_cpu(clients: Callable[..., Client], region: Regio
     assert used < 0.2, used
 
 
-# ------------------------------------------------------------------ bugs (xfail strict)
+# ------------------------------ native bugs: fixed ones (regressions), open ones (xfail)
 
 
 def test_a_process_out_of_file_descriptors_cannot_steal_a_live_holders_slot(
@@ -1050,3 +1065,70 @@ def test_duplicate_device_names_are_rejected(region: Region) -> None:
     with pytest.raises(ValueError):
         got = region.acquire(["0", "0"], 1, 2, "twice", 0)
         print(f"got {got}; holders {region.snapshot()['holders']}")
+
+
+def _create_rows_until_full(path: str) -> None:
+    region = Region(path)
+    try:
+        for i in itertools.count():
+            got = region.acquire([f"d{i}"], 1, 1, "", 0)
+            assert got is not None
+            region.release(got[0])
+    except RegionError:  # "no room for device": all 64 rows made
+        pass
+
+
+@needs_layout
+@pytest.mark.xfail(
+    strict=True,
+    reason="native bug: resolve_rows() bumps ndevices before naming the new row, so a "
+    "process killed in between (it holds the robust mutex; the next locker carries on "
+    "after EOWNERDEAD) leaves a nameless row with 0 slots that is never reclaimed",
+)
+def test_a_creator_killed_while_adding_a_device_row_leaves_no_nameless_row(
+    tmp_path: Path,
+) -> None:
+    """A process is SIGKILLed in the middle of adding a device row: it is stopped
+    (SIGSTOP) at random moments while it adds rows, until it is caught with the new
+    row counted but not yet named, then killed there. The table must not keep a
+    nameless row (each one is a permanent loss out of the 64 rows).
+
+    Random SIGKILLs in the schedule test hit this too; here the moment is staged.
+    Staging it usually takes 1-4 s; the test is skipped if 20 s are not enough.
+    """
+    deadline = time.monotonic() + 20
+    for round_ in itertools.count():
+        path = str(tmp_path / f"leases-{round_}")
+        region = Region(path)
+        with open(path, "rb") as f:
+            table = mmap.mmap(f.fileno(), REGION_SIZE, prot=mmap.PROT_READ)
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - child
+            try:
+                _create_rows_until_full(path)
+            finally:
+                os._exit(0)
+        caught = reaped = False
+        try:
+            while time.monotonic() < deadline:
+                os.kill(pid, signal.SIGSTOP)
+                _, status = os.waitpid(pid, os.WUNTRACED)
+                if not os.WIFSTOPPED(status):
+                    reaped = True  # it made all the rows and exited
+                    break
+                rows = struct.unpack_from("<I", table, NDEVICES_OFFSET)[0]
+                if rows and table[DEV_OFFSET + (rows - 1) * DEVICE_SIZE] == 0:
+                    caught = True  # stopped between ndevices++ and naming the row
+                    break
+                os.kill(pid, signal.SIGCONT)
+        finally:
+            if not reaped:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+        if caught or time.monotonic() >= deadline:
+            break
+    if not caught:
+        pytest.skip("could not stop a creator inside resolve_rows() within 20 s")
+    assert region.acquire(["after"], 1, 1, "after", 0) is not None
+    devices = region.snapshot()["devices"]
+    assert all(name for name, _ in devices), f"nameless row left behind: {devices}"
