@@ -369,6 +369,11 @@ static void Region_dealloc(RegionObject *self)
 
 /* ------------------------------------------------------------------ acquire */
 
+static uint32_t nslots(const device_t *dev)
+{
+    return dev->slots < MAX_SLOTS ? dev->slots : MAX_SLOTS; /* never trust the file past it */
+}
+
 /* Find or add the rows of `names`; -1 and a message on a slot-count conflict. */
 static int resolve_rows(region_t *r, char **names, int count, uint32_t slots, int *rows, char *err,
                         size_t errlen)
@@ -383,14 +388,15 @@ static int resolve_rows(region_t *r, char **names, int count, uint32_t slots, in
                 snprintf(err, errlen, "the lease region has no room for device %s", names[i]);
                 return -1;
             }
-            row = (int)r->ndevices++;
+            row = (int)r->ndevices;
             memset(&r->dev[row], 0, sizeof r->dev[row]);
             snprintf(r->dev[row].name, NAME_LEN, "%s", names[i]);
             r->dev[row].slots = slots;
+            r->ndevices++; /* counted only once complete: a kill before leaves no trace */
         }
         device_t *dev = &r->dev[row];
         if (dev->slots != slots) {
-            for (uint32_t s = 0; s < dev->slots; s++)
+            for (uint32_t s = 0; s < nslots(dev); s++)
                 if (dev->slot[s].owner.pid != 0 && owner_alive(&dev->slot[s].owner)) {
                     snprintf(err, errlen,
                              "device %s is shared with %u slots by pid %d (%.80s); "
@@ -409,7 +415,7 @@ static int resolve_rows(region_t *r, char **names, int count, uint32_t slots, in
 static int free_slots(const device_t *dev)
 {
     int n = 0;
-    for (uint32_t s = 0; s < dev->slots; s++)
+    for (uint32_t s = 0; s < nslots(dev); s++)
         n += dev->slot[s].owner.pid == 0;
     return n;
 }
@@ -439,7 +445,7 @@ static int try_take(region_t *r, const int *rows, int count, uint64_t allowed, u
     int64_t now = realtime_ns();
     for (uint32_t i = 0; i < n; i++) {
         device_t *dev = &r->dev[order[i]];
-        for (uint32_t s = 0; s < dev->slots; s++)
+        for (uint32_t s = 0; s < nslots(dev); s++)
             if (dev->slot[s].owner.pid == 0) {
                 slot_t *slot = &dev->slot[s];
                 slot->lease = *lease;
@@ -488,6 +494,7 @@ static int attempt(RegionObject *self, request_t *q, const char *label, double d
     region_t *r = self->r;
     owner_t me = self_owner();
     int pidfds[MAX_DEVICES * MAX_SLOTS + MAX_WAITERS + 1];
+    owner_t watched[MAX_DEVICES * MAX_SLOTS + MAX_WAITERS + 1];
     int npid = 0, changed = 0, blind = 0; /* blind: a process we cannot watch */
 
     if (lock_region(r) != 0) {
@@ -541,7 +548,7 @@ static int attempt(RegionObject *self, request_t *q, const char *label, double d
             blocked |= wt->mask;
             int fd = (int)syscall(SYS_pidfd_open, wt->owner.pid, 0);
             if (fd >= 0)
-                pidfds[npid++] = fd;
+                watched[npid] = wt->owner, pidfds[npid++] = fd;
             else if (errno == ESRCH)
                 changed = 1; /* gone already */
             else
@@ -558,19 +565,22 @@ static int attempt(RegionObject *self, request_t *q, const char *label, double d
     }
     for (int i = 0; i < q->count; i++) {
         device_t *dev = &r->dev[q->rows[i]];
-        for (uint32_t s = 0; s < dev->slots; s++)
+        for (uint32_t s = 0; s < nslots(dev); s++)
             if (dev->slot[s].owner.pid != 0) {
                 int fd = (int)syscall(SYS_pidfd_open, dev->slot[s].owner.pid, 0);
                 if (fd >= 0)
-                    pidfds[npid++] = fd;
+                    watched[npid] = dev->slot[s].owner, pidfds[npid++] = fd;
                 else if (errno == ESRCH)
                     changed = 1; /* gone between the reap and now */
                 else
                     blind = 1; /* out of descriptors, say: re-check every 100 ms */
             }
     }
-    /* An owner that died before its pidfd was opened (its pid perhaps reused since) would
-     * be watched in vain: the full re-check runs at once instead of waiting. */
+    /* An owner that died before its pidfd was opened, its pid reused since, would be
+     * watched in vain: check the watched ones now, and re-scan everything if one is gone. */
+    for (int i = 0; i < npid && !changed; i++)
+        if (!owner_alive(&watched[i]))
+            changed = 1;
     if (changed)
         q->suspect = 1;
     unlock_region(r);
@@ -589,7 +599,7 @@ static int attempt(RegionObject *self, request_t *q, const char *label, double d
         int timeout_ms = -1;
         if (deadline >= 0) {
             double left = deadline - monotonic_s();
-            timeout_ms = left <= 0 ? 0 : (int)(left * 1000) + 1;
+            timeout_ms = left <= 0 ? 0 : left > 86400 ? 86400000 : (int)(left * 1000) + 1;
         }
         if (blind && (timeout_ms < 0 || timeout_ms > 100))
             timeout_ms = 100;
