@@ -603,6 +603,10 @@ static int attempt(RegionObject *self, request_t *q, const char *label, double d
         }
         if (blind && (timeout_ms < 0 || timeout_ms > 100))
             timeout_ms = 100;
+        /* A signal that lands between Python's check and poll() does not interrupt it:
+         * wake once a second so Ctrl-C is acted on within that (no busy polling). */
+        if (timeout_ms < 0 || timeout_ms > 1000)
+            timeout_ms = 1000;
         int ready = poll(fds, (nfds_t)npid + 1, timeout_ms);
         if (ready < 0 && errno == EINTR)
             rc = INTERRUPTED;
@@ -700,7 +704,7 @@ static PyObject *Region_acquire(RegionObject *self, PyObject *args, PyObject *kw
         Py_END_ALLOW_THREADS
         if (rc == GOT)
             break;
-        if (rc == INTERRUPTED && PyErr_CheckSignals() < 0)
+        if (PyErr_CheckSignals() < 0)
             rc = FAILED; /* the exception (KeyboardInterrupt) is already set */
         if (rc == TIMED_OUT || rc == FAILED) {
             Py_BEGIN_ALLOW_THREADS
