@@ -15,7 +15,7 @@ from typing import Any
 
 from . import workdir
 from .child import CallJob
-from .leases import LEASED_ENV, Leases, discover
+from .leases import LEASED_ENV, Leases, discover, visible_env
 from .spec import DEFAULT_GRACE, parse_count, parse_seconds
 from .supervisor import Outcome, Supervisor
 
@@ -91,7 +91,7 @@ def call_isolated(
             raise IsolationError(
                 f"run_isolated({name}) needs {gpus} GPUs, its test holds {len(have)}"
             )
-        env = {"CUDA_VISIBLE_DEVICES": ",".join(have[:gpus]), LEASED_ENV: ",".join(have[:gpus])}
+        env = visible_env(have[:gpus])
     elif gpus > 0:
         if leases is None:
             devices = discover(None, "auto")

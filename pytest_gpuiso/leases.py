@@ -109,6 +109,12 @@ class LeaseTimeout(Exception):
     """Waited longer than the lease timeout; the message names the holders."""
 
 
+def visible_env(devices: tuple[str, ...] | list[str]) -> dict[str, str]:
+    """Environment of a child that may use exactly ``devices`` (and no other GPU)."""
+    names = ",".join(devices)
+    return {"CUDA_VISIBLE_DEVICES": names, LEASED_ENV: names}
+
+
 class Leases:
     """This process's view of the shared table for one set of devices."""
 
@@ -145,8 +151,7 @@ class Leases:
         ``LEASED_ENV`` tells nested ``run_isolated`` calls in the child which GPUs
         their test already holds, so they use those instead of queueing behind them.
         """
-        names = ",".join(lease.devices) if lease else ""
-        env = {"CUDA_VISIBLE_DEVICES": names, LEASED_ENV: names}
+        env = visible_env(lease.devices if lease else ())
         if self.devices.pci_order and "CUDA_DEVICE_ORDER" not in os.environ:
             env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA numbers GPUs as NVML does
         return env
