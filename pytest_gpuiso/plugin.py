@@ -24,7 +24,15 @@ from .call import call_isolated
 from .child import CHILD_PLUGIN, ItemJob
 from .leases import Devices, Leases, LeaseTimeout, discover
 from .results import RECORD_ATTR, item_reports, skip_reports, spec_error_reports
-from .spec import MARKER, IsolationSpec, Settings, SpecError, spec_for_item, wants_isolation
+from .spec import (
+    DEFAULT_TIMEOUT,
+    MARKER,
+    IsolationSpec,
+    Settings,
+    SpecError,
+    spec_for_item,
+    wants_isolation,
+)
 from .supervisor import Supervisor
 
 MARKER_DOC = (
@@ -151,7 +159,9 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     if s.mode == "off":
         return ["gpu-isolate: off (--no-gpu-isolate): every test runs in-process"]
     scope = "every test" if s.mode == "all" else f"tests marked {MARKER}"
-    timeout = f"{s.timeout:g} s ({s.timeout_source})" if s.timeout else "900 s (default)"
+    timeout = (
+        f"{s.timeout:g} s ({s.timeout_source})" if s.timeout else f"{DEFAULT_TIMEOUT:g} s (default)"
+    )
     lines = [
         f"gpu-isolate: {scope} in a fresh spawn process, timeout {timeout}, grace {s.grace:g} s"
     ]

@@ -73,7 +73,6 @@ class Settings:
     timeout: float | None  # None: not given on the command line or in the ini file
     timeout_source: str
     grace: float
-    grace_source: str
     report_path: str | None
     devices: list[str] | None = None  # None: discover (auto)
     devices_source: str = "auto"
@@ -104,9 +103,9 @@ class Settings:
         else:
             mode = "all" if flag else "off"
         timeout, timeout_source = _option_or_ini(config, "gpu_isolate_timeout", allow_zero=False)
-        grace, grace_source = _option_or_ini(config, "gpu_isolate_grace", allow_zero=True)
+        grace, _ = _option_or_ini(config, "gpu_isolate_grace", allow_zero=True)
         if grace is None:
-            grace, grace_source = DEFAULT_GRACE, "default"
+            grace = DEFAULT_GRACE
         report = (
             config.getoption("gpu_isolate_report") or config.getini("gpu_isolate_report")
         ).strip()
@@ -126,7 +125,6 @@ class Settings:
             timeout=timeout,
             timeout_source=timeout_source,
             grace=grace,
-            grace_source=grace_source,
             report_path=report or None,
         )
 
