@@ -23,7 +23,7 @@ from ._linux import set_child_subreaper
 from .call import call_isolated
 from .child import CHILD_PLUGIN, ItemJob
 from .leases import Devices, Leases, LeaseTimeout, discover
-from .results import RECORD_ATTR, item_reports, skip_reports, spec_error_reports
+from .results import RECORD_ATTR, item_reports, setup_error_reports, skip_reports
 from .spec import (
     DEFAULT_TIMEOUT,
     MARKER,
@@ -193,7 +193,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     try:
         spec = spec_for_item(item, state.settings)
     except SpecError as exc:
-        reports = spec_error_reports(item, str(exc))
+        reports = setup_error_reports(item, str(exc))
     else:
         reports = _run_isolated_item(item, spec, state)
     _teardown_parent_stack(item, nextitem, reports)
@@ -225,7 +225,7 @@ def _run_isolated_item(item: pytest.Item, spec: IsolationSpec, state: State) -> 
         try:
             lease = state.leases.acquire(n, item.nodeid, state.settings.lease_timeout)
         except LeaseTimeout as exc:
-            return spec_error_reports(item, str(exc))
+            return setup_error_reports(item, str(exc))
     env = state.leases.child_env(lease) if state.leases is not None else None
     try:
         outcome = _supervisor(item.config, state).run(

@@ -42,8 +42,8 @@ def item_reports(
     return reports
 
 
-def spec_error_reports(item: pytest.Item, message: str) -> list[pytest.TestReport]:
-    """A bad marker argument: an error in setup naming the argument; nothing was run."""
+def setup_error_reports(item: pytest.Item, message: str) -> list[pytest.TestReport]:
+    """An error in setup, before anything ran (a bad marker argument, a lease timeout)."""
     reports: list[pytest.TestReport] = []
     _close_with_failure(item, reports, lambda phase: f"gpu-isolate: {message}")
     setattr(reports[-1], RECORD_ATTR, make_record(item.nodeid, reports, None, None))
