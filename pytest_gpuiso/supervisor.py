@@ -9,7 +9,11 @@ What happens on timeout, in order (all of it is in ``Supervisor.run``):
 4. SIGKILL to the group (and to every descendant seen before step 2);
 5. after the child is reaped, sweep descendants that escaped the group: this
    process is a child subreaper, so double-forked or ``setsid`` orphans of the
-   test are re-parented here, where ``psutil`` finds them.
+   test are re-parented here, where ``psutil`` finds them (``leaks.process``).
+
+Leak probes (``leaks/``) take their snapshot just before the child starts and
+check once the child and its descendants are gone; the process probe is the
+sweep itself and always runs.
 
 The parent waits on the pipe and on a pidfd of the child together with
 ``multiprocessing.connection.wait``; it never sleep-polls while the child runs.
@@ -18,6 +22,7 @@ The parent waits on the pipe and on a pidfd of the child together with
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import multiprocessing
 import os
@@ -32,13 +37,15 @@ import psutil
 
 from . import child
 from .ipc import recv_frame
+from .leaks import Leak, Probe, RunInfo
+from .leaks.process import REAP_WAIT as _REAP_WAIT
+from .leaks.process import ProcessProbe, alive
 
 STACK_SIGNAL = int(signal.SIGRTMIN) + 2  # unlikely to collide with a test's own handlers
 OUTPUT_TAIL_BYTES = 8192
 OUTPUT_TAIL_LINES = 60
 OUTPUT_KEEP_BYTES = 1 << 20  # of what the child wrote outside pytest's capture
 _STACK_WAIT = 2.0  # upper bound for faulthandler to write the dump
-_REAP_WAIT = 10.0  # upper bound for the kernel to reap a SIGKILLed child
 
 
 _RUNS = itertools.count(1)  # unique file tags within this process, whatever the Supervisor
@@ -59,9 +66,18 @@ class Outcome:
     duration: float
     stack: str = ""
     output: str = ""  # what the child wrote to fds 1/2 outside pytest's capture
-    escaped: list[dict[str, Any]] = field(default_factory=list)
+    leaks: list[Leak] = field(default_factory=list)  # process leaks first, then the probes'
     cutoff: int | None = None  # on timeout: how many frames had arrived by the deadline
     captured: list[str] = field(default_factory=list)  # tails of the test's captured output
+
+    @property
+    def escaped(self) -> list[dict[str, Any]]:
+        """Descendants still running after the test's process ended (then killed)."""
+        return [
+            {"pid": leak.fields["pid"], "cmdline": leak.fields["cmdline"]}
+            for leak in self.leaks
+            if leak.kind == "process"
+        ]
 
     @property
     def output_tail(self) -> str:
@@ -111,8 +127,12 @@ class Supervisor:
         timeout: float | None,
         grace: float,
         env: dict[str, str] | None = None,
+        probes: tuple[Probe, ...] = (),
     ) -> Outcome:
-        """Run ``job`` (an object with ``run(conn, boot)``) in a fresh process."""
+        """Run ``job`` (an object with ``run(conn, boot)``) in a fresh process.
+
+        ``probes`` are leak checks besides the process sweep, which always runs.
+        """
         tag = f"{os.getpid()}-{next(_RUNS)}"
         output = self._private_file(f"out-{tag}.log") if self.capture_output else None
         stack_file = self._private_file(f"stack-{tag}.txt")
@@ -129,7 +149,9 @@ class Supervisor:
         reader, writer = self._ctx.Pipe(duplex=False)
         # The tracker is a long-lived helper of ours, not something the test left behind.
         _ensure_resource_tracker()
-        before = _descendant_keys()
+        probes = (ProcessProbe(), *probes)
+        snapshots = [probe.snapshot() for probe in probes]
+        wall_start = time.time()
         proc = self._ctx.Process(target=child.main, args=(boot, job, writer), daemon=False)
         try:
             proc.start()
@@ -145,6 +167,7 @@ class Supervisor:
         timed_out = False
         cutoff = None
         stack = ""
+        interrupted = False
         try:
             deadline = None if timeout is None else started + timeout
             if not _pump(reader, sentinel, frames, deadline):
@@ -154,12 +177,21 @@ class Supervisor:
                     stack = _dump_stack(proc.pid, stack_file)
                 _terminate(proc, reader, sentinel, frames, grace)
         except BaseException:  # KeyboardInterrupt: take the child's tree down before leaving
+            interrupted = True
             _terminate(proc, reader, sentinel, frames, min(grace, 1.0))
             raise
         finally:
             duration = time.monotonic() - started
             _reap(proc, sentinel)
-            escaped = _sweep(before, grace)
+            run = RunInfo(proc.pid, wall_start, time.time(), grace, frozenset({proc.pid}))
+            leaks: list[Leak] = []
+            # Interrupted: only the sweep, which must never be skipped.
+            checks = list(zip(probes, snapshots, strict=True))
+            for probe, before in checks[:1] if interrupted else checks:
+                found = probe.check(before, run)
+                leaks += found
+                pids = {leak.fields["pid"] for leak in found if leak.kind == "process"}
+                run = dataclasses.replace(run, tree_pids=run.tree_pids | pids)
             reader.close()
             if isinstance(sentinel, int):
                 os.close(sentinel)
@@ -178,7 +210,7 @@ class Supervisor:
             duration=duration,
             stack=stack,
             output=written,
-            escaped=escaped,
+            leaks=leaks,
             cutoff=cutoff,
             captured=captured,
         )
@@ -293,29 +325,11 @@ def _terminate(proc, reader: Connection, sentinel: Any, frames: list, grace: flo
     deadline = time.monotonic() + grace
     if _pump(reader, sentinel, frames, deadline):
         rest = max(0.0, deadline - time.monotonic())
-        _, alive = psutil.wait_procs([p for p in tree if _alive(p)], timeout=rest)
-        if not alive:
+        _, running = psutil.wait_procs([p for p in tree if alive(p)], timeout=rest)
+        if not running:
             return
     _signal_tree(proc, signal.SIGKILL, tree)
     wait([sentinel], _REAP_WAIT)
-
-
-def _alive(p: psutil.Process) -> bool:
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def _key(p: psutil.Process) -> tuple[int, float]:
-    try:
-        return (p.pid, p.create_time())
-    except psutil.Error:
-        return (p.pid, 0.0)
-
-
-def _descendant_keys() -> set[tuple[int, float]]:
-    return {_key(p) for p in psutil.Process().children(recursive=True)}
 
 
 def _ensure_resource_tracker() -> None:
@@ -323,31 +337,6 @@ def _ensure_resource_tracker() -> None:
         from multiprocessing import resource_tracker
 
         resource_tracker.ensure_running()
-
-
-def _sweep(before: set[tuple[int, float]], grace: float) -> list[dict[str, Any]]:
-    """Kill (TERM, grace, KILL) and reap descendants that appeared during the run.
-
-    Returns the ones that were still running, with pid and command line.
-    """
-    new = [p for p in psutil.Process().children(recursive=True) if _key(p) not in before]
-    escaped = []
-    for p in new:
-        if not _alive(p):
-            continue
-        try:
-            cmdline = " ".join(p.cmdline()) or p.name()
-        except psutil.Error:
-            cmdline = "?"
-        escaped.append({"pid": p.pid, "cmdline": cmdline})
-        with contextlib.suppress(psutil.Error):
-            p.terminate()
-    _, alive = psutil.wait_procs(new, timeout=grace if escaped else 0)
-    for p in alive:
-        with contextlib.suppress(psutil.Error):
-            p.kill()
-    psutil.wait_procs(alive, timeout=_REAP_WAIT)  # also reaps zombies re-parented to us
-    return escaped
 
 
 def _read_output(path: Path) -> str:

@@ -1,0 +1,88 @@
+"""Leftover processes: descendants of the test's process that outlived it.
+
+The pytest process is a child subreaper (``PR_SET_CHILD_SUBREAPER``), so a
+double-forked daemon or a ``setsid`` child of the test is re-parented to it
+instead of init, and ``psutil`` finds it among our descendants. Whatever is new
+since the snapshot and still running once the test's process is reaped is
+reported with its pid and command line, then killed (TERM, grace, KILL) and
+reaped. Descendants that exit on their own within ``SETTLE`` seconds (a pool
+worker that notices its parent is gone) are not reported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import psutil
+
+from . import Leak, RunInfo
+
+SETTLE = 0.1  # seconds a new descendant gets to exit by itself before it counts
+REAP_WAIT = 10.0  # upper bound for the kernel to reap a SIGKILLed process
+
+
+def alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _key(p: psutil.Process) -> tuple[int, float]:
+    try:
+        return (p.pid, p.create_time())
+    except psutil.Error:
+        return (p.pid, 0.0)
+
+
+def descendant_keys() -> set[tuple[int, float]]:
+    """(pid, start time) of every descendant of this process."""
+    return {_key(p) for p in psutil.Process().children(recursive=True)}
+
+
+def sweep(before: set[tuple[int, float]], grace: float) -> list[dict[str, Any]]:
+    """Kill (TERM, grace, KILL) and reap descendants that appeared since ``before``.
+
+    Returns the ones that were still running, as ``{"pid", "cmdline"}``.
+    """
+    new = [p for p in psutil.Process().children(recursive=True) if _key(p) not in before]
+    if not new:
+        return []
+    _, running = psutil.wait_procs([p for p in new if alive(p)], timeout=SETTLE)
+    escaped = []
+    for p in running:
+        if not alive(p):
+            continue
+        try:
+            cmdline = " ".join(p.cmdline()) or p.name()
+        except psutil.Error:
+            cmdline = "?"
+        escaped.append({"pid": p.pid, "cmdline": cmdline})
+        with contextlib.suppress(psutil.Error):
+            p.terminate()
+    _, stubborn = psutil.wait_procs(new, timeout=grace if escaped else 0)
+    for p in stubborn:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(stubborn, timeout=REAP_WAIT)  # also reaps zombies re-parented to us
+    return escaped
+
+
+class ProcessProbe:
+    """Reports (and kills) the test's descendants that outlived it."""
+
+    kind = "process"
+
+    def snapshot(self) -> set[tuple[int, float]]:
+        return descendant_keys()
+
+    def check(self, before: set[tuple[int, float]], run: RunInfo) -> list[Leak]:
+        return [
+            Leak(
+                "process",
+                f"process {e['pid']} still running after the test ended (killed): {e['cmdline']}",
+                {"pid": e["pid"], "cmdline": e["cmdline"]},
+            )
+            for e in sweep(before, run.grace)
+        ]
