@@ -180,6 +180,7 @@ class ItemJob:
     invocation_dir: str
     basetemp: str
     junit_family: str | None = None  # the parent writes junitxml with this family
+    torch_check: bool = False  # compare torch's CUDA allocator before and after the test
 
     def run(self, channel: Channel, boot: Bootstrap) -> None:
         from _pytest.config import _prepareconfig
@@ -297,6 +298,7 @@ class ChildPlugin:
             )
             return True
         item = session.items[0]
+        before = torch_allocated() if self.job.torch_check else {}
         try:
             item.config.hook.pytest_runtest_protocol(item=item, nextitem=None)
         except (pytest.exit.Exception, KeyboardInterrupt) as exc:
@@ -310,6 +312,9 @@ class ChildPlugin:
                 },
             )
             raise
+        if self.job.torch_check:
+            for device, grown in torch_growth(before).items():
+                self.channel.send("torch_leak", {"device": device, "bytes": grown})
         return True
 
     def pytest_runtest_logreport(self, report: Any) -> None:
@@ -332,6 +337,29 @@ class ChildPlugin:
 
     def pytest_internalerror(self, excrepr: Any, excinfo: Any) -> None:
         self.channel.send("error", f"internal pytest error in the isolated process:\n{excrepr}")
+
+
+def torch_allocated() -> dict[int, int]:
+    """Bytes held by torch's CUDA allocator per device; {} when CUDA is not initialised.
+
+    Never initialises CUDA itself: a test that did not use the GPU has nothing to compare.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return {}
+    return {d: int(torch.cuda.memory_allocated(d)) for d in range(torch.cuda.device_count())}
+
+
+def torch_growth(before: dict[int, int]) -> dict[int, int]:
+    """Growth of ``torch_allocated()`` since ``before``, after dropping unreachable tensors."""
+    import gc
+
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+    after = torch_allocated()
+    return {d: n - before.get(d, 0) for d, n in after.items() if n > before.get(d, 0)}
 
 
 class JunitRecorder:

@@ -8,6 +8,7 @@ in ``supervisor``, the child side in ``child``, reports in ``results`` and
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import tempfile
 import warnings
@@ -22,7 +23,10 @@ from . import report, workdir
 from ._linux import set_child_subreaper
 from .call import call_isolated
 from .child import CHILD_PLUGIN, ItemJob
-from .leases import Devices, Leases, LeaseTimeout, discover
+from .leaks import Leak, Probe, Verdict, judge
+from .leaks.gpu_memory import GpuMemoryProbe, NvmlReader
+from .leaks.shm import ShmProbe
+from .leases import Devices, Lease, Leases, LeaseTimeout, discover
 from .results import RECORD_ATTR, item_reports, setup_error_reports, skip_reports
 from .spec import (
     DEFAULT_TIMEOUT,
@@ -36,9 +40,13 @@ from .spec import (
 from .supervisor import Supervisor
 
 MARKER_DOC = (
-    f"{MARKER}(timeout=None, grace=None, gpus=None): run this test in a fresh spawned "
-    "process with a clean CUDA context (pytest-gpuiso)"
+    f"{MARKER}(timeout=None, grace=None, gpus=None, allow_leaks=()): run this test in a fresh "
+    "spawned process with a clean CUDA context (pytest-gpuiso)"
 )
+
+
+class GpuIsoLeakWarning(UserWarning):
+    """An isolated test left something behind (``--gpu-isolate-leaks=warn``)."""
 
 
 @dataclass
@@ -49,6 +57,8 @@ class State:
     supervisor: Supervisor | None = None
     devices: Devices = Devices((), "none")
     leases: Leases | None = None  # None: no GPUs, nothing to lease
+    nvml: NvmlReader = field(default_factory=NvmlReader)
+    summary_path: Path | None = None
 
 
 STATE = pytest.StashKey[State]()
@@ -110,6 +120,51 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="fail a test that waited longer than this for its GPUs (default: wait; "
         "ini: gpu_isolate_lease_timeout).",
     )
+    group.addoption(
+        "--gpu-isolate-leaks",
+        dest="gpu_isolate_leaks",
+        metavar="warn|fail|off|KIND=LEVEL,...",
+        help="what a leak (shm, process, gpu_memory) does: warn, fail the test, or off; "
+        "per kind e.g. shm=fail,process=warn (default warn; ini: gpu_isolate_leaks).",
+    )
+    group.addoption(
+        "--gpu-isolate-gpu-tolerance",
+        dest="gpu_isolate_gpu_tolerance",
+        metavar="MiB",
+        help="GPU memory growth ignored by the leak check (default 64; "
+        "ini: gpu_isolate_gpu_tolerance).",
+    )
+    group.addoption(
+        "--gpu-isolate-torch-check",
+        action="store_true",
+        dest="gpu_isolate_torch_check",
+        default=None,
+        help="in the test's process, compare torch.cuda.memory_allocated() before and after "
+        "the test (ini: gpu_isolate_torch_check).",
+    )
+    group.addoption(
+        "--gpu-isolate-cleanup",
+        action="store_true",
+        dest="gpu_isolate_cleanup",
+        default=None,
+        help="delete leaked /dev/shm entries after reporting them (only the current user's, "
+        "created during that test; ini: gpu_isolate_cleanup).",
+    )
+    group.addoption(
+        "--gpu-isolate-summary",
+        dest="gpu_isolate_summary",
+        metavar="PATH",
+        help="write a Markdown summary (leaks, timeouts, crashes) for PR checks "
+        "(ini: gpu_isolate_summary).",
+    )
+    parser.addini("gpu_isolate_leaks", "leak policy: warn, fail, off or kind=level,...", default="")
+    parser.addini("gpu_isolate_gpu_tolerance", "GPU memory growth ignored, MiB", default="")
+    parser.addini("gpu_isolate_torch_check", "compare torch's allocator (true/false)", default="")
+    parser.addini("gpu_isolate_cleanup", "delete leaked /dev/shm entries", default="")
+    parser.addini("gpu_isolate_summary", "path of the Markdown summary", default="")
+    parser.addini(
+        "gpu_isolate_shm_ignore", "glob patterns of /dev/shm names never reported", type="args"
+    )
     parser.addini("gpu_isolate", "isolate every test (true/false)", default="false")
     parser.addini("gpu_isolate_devices", "GPUs to lease: auto, none or 0,1,...", default="")
     parser.addini("gpu_isolate_slots", "isolated tests per GPU at once", default="")
@@ -132,6 +187,8 @@ def pytest_configure(config: pytest.Config) -> None:
     if settings.report_path:
         report_path = Path(config.invocation_params.dir, settings.report_path).resolve()
     state = State(settings=settings, report_path=report_path)
+    if settings.summary_path:
+        state.summary_path = Path(config.invocation_params.dir, settings.summary_path).resolve()
     if settings.mode != "off":
         workdir.clean_stale()
         state.devices = discover(settings.devices, settings.devices_source)
@@ -173,9 +230,53 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         )
     else:
         lines.append(f"gpu-isolate: no GPUs to lease (from {d.source})")
+    lines.append(_leak_header(s, state))
     if config.option.usepdb:
         lines.append("gpu-isolate: --pdb cannot reach into isolated tests; use --no-gpu-isolate")
     return lines
+
+
+def _leak_header(s: Settings, state: State) -> str:
+    levels = ", ".join(f"{kind}={level}" for kind, level in s.leaks)
+    line = f"gpu-isolate: leak checks {levels}"
+    if s.cleanup:
+        line += ", leaked /dev/shm entries deleted"
+    if s.leak_level("gpu_memory") != "off":
+        if not state.devices.names:
+            line += " (gpu_memory: no GPUs to check)"
+        elif not state.nvml.available():
+            line += f" (gpu_memory unavailable: {state.nvml.error})"
+        else:
+            line += f" (gpu_memory tolerance {s.gpu_tolerance_mib:g} MiB)"
+    return line
+
+
+def _probes(spec: IsolationSpec, state: State, lease: Lease | None) -> tuple[Probe, ...]:
+    """The leak probes of one test, besides the process sweep (which always runs)."""
+    s = state.settings
+    probes: list[Probe] = []
+    if s.leak_level("shm") != "off":
+        cleanup = s.cleanup and "shm" not in spec.allow_leaks
+        probes.append(ShmProbe(s.shm_ignore, cleanup=cleanup))
+    if lease is not None and s.leak_level("gpu_memory") != "off" and state.nvml.available():
+        probes.append(
+            GpuMemoryProbe(state.nvml, lease.devices, s.gpu_tolerance_mib, shared=s.slots > 1)
+        )
+    return tuple(probes)
+
+
+def _warn_leaks(item: pytest.Item, verdict: Verdict) -> None:
+    """``warn`` leaks reach pytest's warnings summary, like any warning of the test."""
+    for leak in verdict.warning:
+        record = warnings.WarningMessage(
+            message=GpuIsoLeakWarning(f"{leak.kind}: {leak.detail}"),
+            category=GpuIsoLeakWarning,
+            filename=str(item.path),
+            lineno=(item.location[1] or 0) + 1,
+        )
+        item.config.hook.pytest_warning_recorded.call_historic(
+            kwargs=dict(warning_message=record, when="runtest", nodeid=item.nodeid, location=None)
+        )
 
 
 def _isolated(item: pytest.Item) -> bool:
@@ -229,16 +330,23 @@ def _run_isolated_item(item: pytest.Item, spec: IsolationSpec, state: State) -> 
     env = state.leases.child_env(lease) if state.leases is not None else None
     try:
         outcome = _supervisor(item.config, state).run(
-            _item_job(item), timeout=spec.timeout, grace=spec.grace, env=env
+            _item_job(item, state.settings),
+            timeout=spec.timeout,
+            grace=spec.grace,
+            env=env,
+            probes=_probes(spec, state, lease),
         )
     finally:
         if lease is not None:
             state.leases.release(lease)
+    leaks = outcome.leaks + [_torch_leak(data) for data in outcome.frames_of("torch_leak")]
+    verdict = judge(leaks, dict(state.settings.leaks), spec.allow_leaks)
     _replay_warnings(item.config, outcome.frames_of("warning"))
+    _warn_leaks(item, verdict)
     _replay_junit(item.config, outcome.frames_of("junit"))
     if outcome.finished and outcome.output:
         _echo(item.config, outcome.output)
-    reports = item_reports(item, spec, outcome, lease)
+    reports = item_reports(item, spec, outcome, lease, verdict)
     stop = outcome.frames_of("exit")
     if stop:  # pytest.exit() or KeyboardInterrupt in the test: end the session here too
         for rep in reports:
@@ -257,7 +365,17 @@ def _supervisor(config: pytest.Config, state: State) -> Supervisor:
     return state.supervisor
 
 
-def _item_job(item: pytest.Item) -> ItemJob:
+def _torch_leak(data: dict[str, Any]) -> Leak:
+    """A growth of torch's allocator reported by the child (--gpu-isolate-torch-check)."""
+    return Leak(
+        "gpu_memory",
+        f"cuda:{data['device']}: torch.cuda.memory_allocated() grew by {data['bytes']} bytes "
+        "during the test (tensors still referenced after teardown)",
+        {"device": f"cuda:{data['device']}", "bytes": data["bytes"], "source": "torch"},
+    )
+
+
+def _item_job(item: pytest.Item, settings: Settings) -> ItemJob:
     config = item.config
     factory = getattr(config, "_tmp_path_factory", None)
     parent = factory.getbasetemp() if factory is not None else Path(tempfile.gettempdir())
@@ -269,6 +387,7 @@ def _item_job(item: pytest.Item) -> ItemJob:
         invocation_dir=str(config.invocation_params.dir),
         basetemp=tempfile.mkdtemp(prefix="isolated-", dir=parent),
         junit_family=getattr(xml, "family", None),
+        torch_check=settings.torch_check,
     )
 
 
@@ -382,6 +501,7 @@ class Recorder:
     def __init__(self, config: pytest.Config, state: State) -> None:
         self.config = config
         self.state = state
+        self.summaries: list[str] = []  # where the Markdown summary went
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         record = getattr(report, RECORD_ATTR, None)
@@ -389,13 +509,26 @@ class Recorder:
             self.state.records.append(record)
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        path = self.state.report_path
-        if path is not None and not hasattr(self.config, "workerinput"):
-            report.write_json(path, self.state.records)
+        if hasattr(self.config, "workerinput"):
+            return  # the xdist controller writes the reports, from every worker's records
+        state = self.state
+        if state.report_path is not None:
+            report.write_json(state.report_path, state.records)
+        if state.summary_path is not None or (state.records and _step_summary()):
+            self.summaries = report.write_markdown(state.summary_path, state.records)
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
-        if self.state.records:
-            report.terminal_summary(terminalreporter, self.state.records, self.state.report_path)
+        state = self.state
+        if state.records:
+            report.terminal_summary(terminalreporter, state.records, state.report_path)
+        if self.summaries:
+            terminalreporter.write_line(
+                f"gpu-isolate: Markdown summary written to {', '.join(self.summaries)}"
+            )
+
+
+def _step_summary() -> bool:
+    return bool(os.environ.get("GITHUB_STEP_SUMMARY"))
 
 
 @pytest.fixture

@@ -14,14 +14,21 @@ from typing import Any
 
 import pytest
 
+from .leaks import Verdict
 from .spec import IsolationSpec
 from .supervisor import Outcome
 
 RECORD_ATTR = "gpu_isolate"  # attribute of the teardown report; survives xdist serialization
+LEAK_SECTION = "gpu-isolate leaks"
+LEAK_PROPERTY = "gpu_isolate_leak"  # junit <property> name of each leak
 
 
 def item_reports(
-    item: pytest.Item, spec: IsolationSpec, outcome: Outcome, lease: Any = None
+    item: pytest.Item,
+    spec: IsolationSpec,
+    outcome: Outcome,
+    lease: Any = None,
+    verdict: Verdict | None = None,
 ) -> list[pytest.TestReport]:
     config = item.config
     reports: list[pytest.TestReport] = []
@@ -33,13 +40,46 @@ def item_reports(
     complete = outcome.finished and any(r.when == "teardown" for r in reports)
     if not complete and not stopped:
         _close_with_failure(item, reports, lambda phase: describe_problem(outcome, spec, phase))
+    if reports and verdict is not None and verdict.records:
+        _attach_leaks(item, reports, verdict)
     if reports:
         record = make_record(item.nodeid, reports, outcome, spec)
+        record["leaks"] = verdict.records if verdict is not None else []
         if lease is not None:
             record["gpus"] = list(lease.devices)
             record["lease_wait"] = round(lease.waited, 6)
         setattr(reports[-1], RECORD_ATTR, record)
     return reports
+
+
+def _attach_leaks(item: pytest.Item, reports: list[pytest.TestReport], verdict: Verdict) -> None:
+    """Show a test's leaks in its teardown report; ``fail`` leaks make teardown an error.
+
+    The section is printed with the test's other sections (-rP, failures); each
+    leak also becomes a junit ``<property>`` through the report's user properties.
+    """
+    last = reports[-1]
+    lines = [
+        f"{r['kind']}: {r['detail']}" + (" (allowed)" if r.get("allowed") else "")
+        for r in verdict.records
+    ]
+    if verdict.failing and not last.failed:
+        problem = (
+            f"gpu-isolate: the test left {len(verdict.failing)} leak"
+            f"{'s' if len(verdict.failing) != 1 else ''} behind "
+            f"(--gpu-isolate-leaks {verdict.policy_text}):\n"
+            + "\n".join(f"  {leak.kind}: {leak.detail}" for leak in verdict.failing)
+        )
+        failed = synthetic_report(item, "teardown", problem)
+        failed.sections = list(last.sections)
+        failed.user_properties = list(last.user_properties)
+        failed.duration = last.duration
+        reports[-1] = last = failed
+    last.sections.append((LEAK_SECTION, "\n".join(lines)))
+    last.user_properties = [
+        *last.user_properties,
+        *((LEAK_PROPERTY, line) for line in lines),
+    ]
 
 
 def setup_error_reports(item: pytest.Item, message: str) -> list[pytest.TestReport]:

@@ -15,10 +15,12 @@ from typing import Any
 
 import pytest
 
+from .leaks import KINDS
+
 MARKER = "gpu_isolated"
 DEFAULT_TIMEOUT = 900.0
 DEFAULT_GRACE = 5.0
-MARKER_KWARGS = ("timeout", "grace", "gpus")
+MARKER_KWARGS = ("timeout", "grace", "gpus", "allow_leaks")
 
 
 class SpecError(ValueError):
@@ -65,6 +67,24 @@ def parse_count(value: Any, what: str) -> int:
     return value
 
 
+def parse_bool(value: str, what: str) -> bool:
+    """An ini boolean: true/yes/on/1 or false/no/off/0 (empty: false)."""
+    text = value.strip().lower()
+    if text in ("true", "yes", "on", "1"):
+        return True
+    if text in ("false", "no", "off", "0", ""):
+        return False
+    raise SpecError(f"invalid value {value!r} for {what}: expected true or false")
+
+
+def _flag(config: pytest.Config, dest: str) -> bool:
+    """A store_true option (None when not given) that falls back to its ini boolean."""
+    value = config.getoption(dest)
+    if value is not None:
+        return bool(value)
+    return parse_bool(config.getini(dest), f"ini {dest}")
+
+
 @dataclass(frozen=True)
 class Settings:
     """Session-wide settings, validated once at configure time."""
@@ -78,6 +98,15 @@ class Settings:
     devices_source: str = "auto"
     slots: int = 1
     lease_timeout: float | None = None
+    leaks: tuple[tuple[str, str], ...] = tuple((kind, "warn") for kind in KINDS)
+    shm_ignore: tuple[str, ...] = ()
+    cleanup: bool = False
+    gpu_tolerance_mib: float = 64.0
+    torch_check: bool = False
+    summary_path: str | None = None
+
+    def leak_level(self, kind: str) -> str:
+        return dict(self.leaks)[kind]
 
     @classmethod
     def from_config(cls, config: pytest.Config) -> Settings:
@@ -91,14 +120,7 @@ class Settings:
     def _from_config(cls, config: pytest.Config) -> Settings:
         flag = config.getoption("gpu_isolate")
         if flag is None:
-            ini = config.getini("gpu_isolate").strip().lower()
-            truthy = {"true": True, "yes": True, "on": True, "1": True}
-            falsy = {"false": False, "no": False, "off": False, "0": False, "": False}
-            if ini not in truthy and ini not in falsy:
-                raise SpecError(
-                    f"invalid value {ini!r} for ini gpu_isolate: expected true or false"
-                )
-            flag = truthy.get(ini, False)
+            flag = parse_bool(config.getini("gpu_isolate"), "ini gpu_isolate")
             mode = "all" if flag else "marked"
         else:
             mode = "all" if flag else "off"
@@ -116,7 +138,20 @@ class Settings:
         slots_text, slots_source = _text_option(config, "gpu_isolate_slots")
         slots = parse_int(slots_text, slots_source, 1, 16) if slots_text else 1
         lease_timeout, _ = _option_or_ini(config, "gpu_isolate_lease_timeout", allow_zero=False)
+        from .leaks import parse_policy
+        from .leaks.gpu_memory import DEFAULT_TOLERANCE_MIB
+
+        leaks_text, leaks_source = _text_option(config, "gpu_isolate_leaks")
+        policy = parse_policy(leaks_text or "warn", leaks_source or "--gpu-isolate-leaks")
+        tolerance, _ = _option_or_ini(config, "gpu_isolate_gpu_tolerance", allow_zero=True)
+        summary = _text_option(config, "gpu_isolate_summary")[0]
         return cls(
+            leaks=tuple(policy.items()),
+            shm_ignore=tuple(config.getini("gpu_isolate_shm_ignore")),
+            cleanup=_flag(config, "gpu_isolate_cleanup"),
+            gpu_tolerance_mib=DEFAULT_TOLERANCE_MIB if tolerance is None else tolerance,
+            torch_check=_flag(config, "gpu_isolate_torch_check"),
+            summary_path=summary or None,
             devices=devices,
             devices_source=devices_source or "auto",
             slots=slots,
@@ -157,6 +192,7 @@ class IsolationSpec:
     timeout_source: str  # "marker", "--gpu-isolate-timeout", "pytest-timeout", "default", ...
     grace: float
     gpus: int | None  # None: not given (the lease layer decides)
+    allow_leaks: frozenset[str] = frozenset()  # leak kinds this test may leave (marker)
 
 
 def wants_isolation(item: pytest.Item, settings: Settings) -> bool:
@@ -203,7 +239,14 @@ def spec_for_item(item: pytest.Item, settings: Settings) -> IsolationSpec:
     gpus = None
     if "gpus" in kwargs:
         gpus = parse_count(kwargs["gpus"], f"{MARKER} marker argument gpus")
-    return IsolationSpec(timeout=timeout, timeout_source=timeout_source, grace=grace, gpus=gpus)
+    allowed: frozenset[str] = frozenset()
+    if "allow_leaks" in kwargs:
+        from .leaks import parse_allowed
+
+        allowed = parse_allowed(kwargs["allow_leaks"], f"{MARKER} marker argument allow_leaks")
+    return IsolationSpec(
+        timeout=timeout, timeout_source=timeout_source, grace=grace, gpus=gpus, allow_leaks=allowed
+    )
 
 
 def pytest_timeout_value(item: pytest.Item) -> float | None:

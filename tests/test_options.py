@@ -63,9 +63,9 @@ def test_bad_marker_arguments_fail_only_their_test(gpuiso):
             "gpu-isolate: invalid value 1.5 for gpu_isolated marker argument gpus: "
             "expected an integer >= 0",
             "gpu-isolate: invalid gpu_isolated marker argument 'timout': "
-            "expected one of timeout, grace, gpus",
+            "expected one of timeout, grace, gpus, allow_leaks",
             "gpu-isolate: invalid gpu_isolated marker: positional arguments (5,) are not "
-            "accepted; use keyword arguments (timeout, grace, gpus)",
+            "accepted; use keyword arguments (timeout, grace, gpus, allow_leaks)",
             "ERROR test_markers.py::test_bad_timeout - *",
             "ERROR test_markers.py::test_positional_argument - *",
             "PASSED test_markers.py::test_good_marker",

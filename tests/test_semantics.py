@@ -448,7 +448,7 @@ def test_markers_lists_gpu_isolated(gpuiso: GpuIso) -> None:
     assert result.ret == pytest.ExitCode.OK
     result.stdout.fnmatch_lines(
         [
-            "@pytest.mark.gpu_isolated(timeout=None, grace=None, gpus=None): "
+            "@pytest.mark.gpu_isolated(timeout=None, grace=None, gpus=None, allow_leaks=()): "
             "run this test in a fresh spawned process*"
         ]
     )

@@ -97,3 +97,36 @@ def parse_allowed(value: Any, what: str) -> frozenset[str]:
             f"(expected {', '.join(KINDS)} or all)"
         )
     return frozenset(items)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The leaks of one test after the policy: what to record, what fails the test."""
+
+    records: list[dict[str, Any]]  # every reported leak, for the JSON report
+    failing: list[Leak]  # leaks of kinds whose level is "fail" (and not allowed)
+    warning: list[Leak]  # leaks of kinds whose level is "warn" (and not allowed)
+    policy_text: str = ""  # how the failing level was set, for the failure message
+
+    @property
+    def reported(self) -> list[Leak]:
+        return self.failing + self.warning
+
+
+def judge(leaks: list[Leak], policy: dict[str, str], allowed: frozenset[str]) -> Verdict:
+    """Apply the per-kind levels and the marker's ``allow_leaks``; ``off`` kinds vanish."""
+    records, failing, warning = [], [], []
+    for leak in leaks:
+        level = policy[leak.kind]
+        if level == "off":
+            continue
+        record = leak.as_record()
+        if leak.kind in allowed:
+            record["allowed"] = True
+        elif level == "fail":
+            failing.append(leak)
+        else:
+            warning.append(leak)
+        records.append(record)
+    text = ",".join(f"{k}={v}" for k, v in policy.items())
+    return Verdict(records, failing, warning, text)
