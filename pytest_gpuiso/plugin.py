@@ -8,6 +8,7 @@ in ``supervisor``, the child side in ``child``, reports in ``results`` and
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import sys
 import tempfile
@@ -59,6 +60,7 @@ class State:
     leases: Leases | None = None  # None: no GPUs, nothing to lease
     nvml: NvmlReader = field(default_factory=NvmlReader)
     summary_path: Path | None = None
+    parallel: bool = False  # an xdist worker: other isolated tests run at the same time
 
 
 STATE = pytest.StashKey[State]()
@@ -187,6 +189,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if settings.report_path:
         report_path = Path(config.invocation_params.dir, settings.report_path).resolve()
     state = State(settings=settings, report_path=report_path)
+    state.parallel = hasattr(config, "workerinput")
     if settings.summary_path:
         state.summary_path = Path(config.invocation_params.dir, settings.summary_path).resolve()
     if settings.mode != "off":
@@ -251,13 +254,17 @@ def _leak_header(s: Settings, state: State) -> str:
     return line
 
 
+_SHM_LOGS = itertools.count(1)
+
+
 def _probes(spec: IsolationSpec, state: State, lease: Lease | None) -> tuple[Probe, ...]:
     """The leak probes of one test, besides the process sweep (which always runs)."""
     s = state.settings
     probes: list[Probe] = []
     if s.leak_level("shm") != "off":
         cleanup = s.cleanup and "shm" not in spec.allow_leaks
-        probes.append(ShmProbe(s.shm_ignore, cleanup=cleanup))
+        log = workdir.process_dir() / f"shm-{next(_SHM_LOGS)}.log"
+        probes.append(ShmProbe(s.shm_ignore, cleanup=cleanup, log=log, alone=not state.parallel))
     if lease is not None and s.leak_level("gpu_memory") != "off" and state.nvml.available():
         probes.append(
             GpuMemoryProbe(state.nvml, lease.devices, s.gpu_tolerance_mib, shared=s.slots > 1)

@@ -28,6 +28,7 @@ import multiprocessing
 import os
 import signal
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -153,8 +154,12 @@ class Supervisor:
         snapshots = [probe.snapshot() for probe in probes]
         wall_start = time.time()
         proc = self._ctx.Process(target=child.main, args=(boot, job, writer), daemon=False)
+        exec_env: dict[str, str] = {}
+        for probe in probes:
+            exec_env.update(getattr(probe, "exec_env", {}))
         try:
-            proc.start()
+            with _exec_environment(exec_env):
+                proc.start()
         except Exception as exc:
             reader.close()
             _remove(output, stack_file)
@@ -219,6 +224,25 @@ class Supervisor:
         path = self.workdir / name
         os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
         return path
+
+
+@contextlib.contextmanager
+def _exec_environment(extra: dict[str, str]) -> Iterator[None]:
+    """Variables the new process must have when it is exec'd (LD_PRELOAD of a probe).
+
+    ``spawn`` execs the interpreter with this process's environment, and setting
+    them later, in the child, would be too late for the dynamic linker.
+    """
+    saved = {name: os.environ.get(name) for name in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _remove(*paths: Path | None) -> None:

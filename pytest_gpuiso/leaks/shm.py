@@ -6,35 +6,57 @@ tree is gone, an entry that is new is a candidate; it is reported unless
 
 * it matches an ignore pattern (``gpu_isolate_shm_ignore``, and our own files);
 * it was created before the test started (ctime) — a rename, not a creation;
-* a live process still has it open or mapped: under xdist that is another
-  worker's test (or a server) using it, not something this test left behind.
+* it is not the test's: under xdist other workers' tests create entries in the
+  same window. The test's processes run with ``native/gpuiso_shmtrace.c``
+  preloaded, which logs every entry they create, with the creator's pid; an
+  entry the log does not name is another test's. Without the shim (not built),
+  or for a creator the shim cannot see (a static binary, a scrubbed
+  environment), names like ``torch_<pid>_...`` give the creator, and a pid that
+  is alive and outside the test's tree is not ours; an unnamed entry is then
+  the test's only when no other test of the session can have run beside it;
+* a live process still has it open or mapped (someone is using it).
 
-The last check reads ``/proc/*/fd`` and ``/proc/*/maps`` and runs only when
+The holder check reads ``/proc/*/fd`` and ``/proc/*/maps`` and runs only when
 there is a candidate, so a clean test pays for one ``scandir`` before and after.
-Names like ``torch_<pid>_...`` (PyTorch's shared storages) give the creator's
-pid; a pid that is alive and not from the test's tree means it is not ours.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fnmatch
+import importlib.machinery
 import os
 import re
-from dataclasses import dataclass
+from pathlib import Path
 
 from . import Leak, RunInfo
 
 SHM_DIR = "/dev/shm"
 OWN_PATTERNS = ("pytest-gpuiso-*", ".pytest-gpuiso-*")  # the lease table and its temp files
+LOG_ENV = "PYTEST_GPUISO_SHM_LOG"  # read by the shim: where to log created entries
 _CREATOR = re.compile(r"^(?:sem\.)?(?:torch|loky|mp|psm)_(\d+)_")
 _CTIME_SLACK = 1.0  # seconds: filesystem timestamps are coarser than time.time()
 
 
-@dataclass(frozen=True)
-class Entry:
-    name: str
-    inode: int
+def shim_path() -> str | None:
+    """The built ``gpuiso_shmtrace`` library, if ``pip install`` built it."""
+    here = Path(__file__).resolve().parent.parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        candidate = here / f"_shmtrace{suffix}"
+        if candidate.is_file():
+            return str(candidate)
+    return None
+
+
+def read_log(path: str) -> dict[str, int]:
+    """name -> creating pid, from the shim's log."""
+    created: dict[str, int] = {}
+    with contextlib.suppress(OSError), open(path, "rb") as f:
+        for line in f:
+            pid, _, name = line.decode("utf-8", "replace").rstrip("\n").partition(" ")
+            if pid.isdigit() and name:
+                created[name] = int(pid)
+    return created
 
 
 def scan(directory: str = SHM_DIR) -> dict[str, int]:
@@ -88,17 +110,38 @@ class ShmProbe:
     kind = "shm"
 
     def __init__(
-        self, ignore: tuple[str, ...] = (), cleanup: bool = False, directory: str = SHM_DIR
+        self,
+        ignore: tuple[str, ...] = (),
+        cleanup: bool = False,
+        directory: str = SHM_DIR,
+        log: Path | None = None,
+        alone: bool = True,
     ) -> None:
+        """``log``: a new private file for the shim's log (None: no tracing); ``alone``:
+        no other isolated test of the session runs at the same time (no xdist)."""
         self.ignore = tuple(ignore) + OWN_PATTERNS
         self.cleanup = cleanup
         self.directory = directory
         self.uid = os.getuid()
+        self.alone = alone
+        shim = shim_path() if log is not None else None
+        self.log = str(log) if shim else None
+        self.exec_env: dict[str, str] = {}
+        if shim and self.log:
+            preload = " ".join(p for p in (shim, os.environ.get("LD_PRELOAD", "")) if p)
+            self.exec_env = {"LD_PRELOAD": preload, LOG_ENV: self.log}
 
     def snapshot(self) -> dict[str, int]:
+        if self.log:
+            os.close(os.open(self.log, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
         return scan(self.directory)
 
     def check(self, before: dict[str, int], run: RunInfo) -> list[Leak]:
+        created: dict[str, int] | None = None
+        if self.log:
+            created = read_log(self.log)
+            with contextlib.suppress(OSError):
+                os.unlink(self.log)
         after = scan(self.directory)
         new = [
             name
@@ -114,10 +157,21 @@ class ShmProbe:
                 st = os.lstat(os.path.join(self.directory, name))
                 if st.st_ctime >= run.started - _CTIME_SLACK:
                     stats[name] = st
+        creators: dict[str, int] = {}
         for name in list(stats):
+            if created is not None and name in created:  # the shim saw the test make it
+                creators[name] = created[name]
+                continue
+            if created is not None and not self.alone:
+                del stats[name]  # traced, and not by this test: another worker's test
+                continue
             pid = creator_pid(name)
             if pid is not None and pid not in run.tree_pids and _alive(pid):
                 del stats[name]  # a live process outside the test's tree made it
+            elif pid is None and not self.alone:
+                del stats[name]  # nothing says whose it is, and other tests ran beside it
+            elif pid is not None:
+                creators[name] = pid
         if not stats:
             return []
         held = held_inodes({(st.st_dev, st.st_ino) for st in stats.values()})
@@ -127,7 +181,7 @@ class ShmProbe:
                 continue
             path = os.path.join(self.directory, name)
             fields: dict[str, object] = {"path": path, "size": st.st_size}
-            pid = creator_pid(name)
+            pid = creators.get(name)
             if pid is not None:
                 fields["pid"] = pid
             cleaned = False
