@@ -6,14 +6,16 @@ tree is gone, an entry that is new is a candidate; it is reported unless
 
 * it matches an ignore pattern (``gpu_isolate_shm_ignore``, and our own files);
 * it was created before the test started (ctime) — a rename, not a creation;
-* it is not the test's: under xdist other workers' tests create entries in the
-  same window. The test's processes run with ``native/gpuiso_shmtrace.c``
-  preloaded, which logs every entry they create, with the creator's pid; an
-  entry the log does not name is another test's. Without the shim (not built),
-  or for a creator the shim cannot see (a static binary, a scrubbed
-  environment), names like ``torch_<pid>_...`` give the creator, and a pid that
-  is alive and outside the test's tree is not ours; an unnamed entry is then
-  the test's only when no other test of the session can have run beside it;
+* it is not the test's: under xdist, or beside another pytest session, other
+  tests create entries in the same window. The test's processes run with
+  ``native/gpuiso_shmtrace.c`` preloaded, which logs every entry they create,
+  with the creator's pid; an entry the log does not name is not the test's
+  (unless its ``torch_<pid>_...`` name names the test's own process). A creator
+  the shim cannot see (a static binary, a subprocess started with a scrubbed
+  environment) goes unreported. Without the shim (not built), names like
+  ``torch_<pid>_...`` give the creator, a pid that is alive and outside the
+  test's tree is not ours, and an unnamed entry counts as the test's only when
+  no other test of the session runs beside it (no xdist);
 * a live process still has it open or mapped (someone is using it).
 
 The holder check reads ``/proc/*/fd`` and ``/proc/*/maps`` and runs only when
@@ -162,10 +164,10 @@ class ShmProbe:
             if created is not None and name in created:  # the shim saw the test make it
                 creators[name] = created[name]
                 continue
-            if created is not None and not self.alone:
-                del stats[name]  # traced, and not by this test: another worker's test
-                continue
             pid = creator_pid(name)
+            if created is not None and pid not in run.tree_pids:
+                del stats[name]  # traced, not made by this test: another test's or session's
+                continue
             if pid is not None and pid not in run.tree_pids and _alive(pid):
                 del stats[name]  # a live process outside the test's tree made it
             elif pid is None and not self.alone:

@@ -1,0 +1,334 @@
+"""Leak checks over real pytest sessions: /dev/shm entries, leftover processes, policies,
+reports. Each test runs the programs in fixtures/programs/ through the ``gpuiso`` fixture
+and asserts on outcomes, the JSON report, the terminal and what is left on the machine."""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import kill_quietly, pid_alive, wait_gone
+
+REPORT = "--gpu-isolate-report=report.json"
+SHM = Path("/dev/shm")
+MOD = "test_leak_shm.py"
+
+
+@pytest.fixture
+def shm_name(monkeypatch: pytest.MonkeyPatch):
+    """A unique prefix for the segments the program creates; whatever is left is removed."""
+    name = f"gpuiso-t-{uuid.uuid4().hex[:10]}"
+    monkeypatch.setenv("GPUISO_SHM_NAME", name)
+    yield name
+    for path in SHM.glob(f"*{name}*"):
+        path.unlink(missing_ok=True)
+
+
+def leaks_of(records: dict, test: str) -> list[dict]:
+    return records[f"{MOD}::{test}"]["leaks"]
+
+
+def test_shm_leaks_are_reported_with_name_size_and_creator(gpuiso, shm_name):
+    gpuiso.copy(MOD)
+    result = gpuiso.run(
+        "--gpu-isolate",
+        REPORT,
+        "-k",
+        "leaks_segment or raw_file or torch_style or clean_segment",
+    )
+    result.assert_outcomes(passed=4, warnings=3)
+    records = gpuiso.records()
+    [seg] = leaks_of(records, "test_leaks_segment")
+    assert seg["kind"] == "shm"
+    assert seg["path"] == f"/dev/shm/{shm_name}-seg"
+    assert seg["size"] == 8192
+    assert seg["pid"] == records[f"{MOD}::test_leaks_segment"]["pid"]  # the shim saw it
+    assert seg["cleaned"] is False
+    assert seg["detail"] == (
+        f"segment /dev/shm/{shm_name}-seg (8192 bytes, created by pid {seg['pid']}) "
+        "left in /dev/shm"
+    )
+    [raw] = leaks_of(records, "test_leaks_raw_file")
+    assert (raw["path"], raw["size"]) == (f"/dev/shm/{shm_name}-raw", 100)
+    [torch_style] = leaks_of(records, "test_leaks_torch_style_name")
+    assert torch_style["pid"] == records[f"{MOD}::test_leaks_torch_style_name"]["pid"]
+    assert leaks_of(records, "test_clean_segment") == []
+    # Reported, not deleted (no --gpu-isolate-cleanup).
+    assert (SHM / f"{shm_name}-seg").exists() and (SHM / f"{shm_name}-raw").exists()
+    assert not (SHM / f"{shm_name}-clean").exists()
+    result.stdout.fnmatch_lines(
+        [
+            "*GpuIsoLeakWarning: shm: segment /dev/shm/*-seg (8192 bytes, created by pid *",
+            "*- gpu-isolate leak summary -*",
+            "gpu-isolate: 3 leaks in 3 tests (3 shm, 0 process, 0 gpu_memory)",
+            f"  {MOD}::test_leaks_segment: 1 shm",
+        ]
+    )
+
+
+def test_shm_ignore_patterns_and_allow_leaks_marker(gpuiso, shm_name):
+    gpuiso.copy(MOD)
+    gpuiso.pytester.makeini(f"[pytest]\ngpu_isolate_shm_ignore = other-* {shm_name}-ignored-*\n")
+    result = gpuiso.run(
+        "--gpu-isolate", REPORT, "--gpu-isolate-leaks=fail", "-k", "ignored or allowed"
+    )
+    result.assert_outcomes(passed=2)
+    records = gpuiso.records()
+    assert leaks_of(records, "test_ignored_segment") == []
+    [allowed] = leaks_of(records, "test_allowed_leak")
+    assert allowed["allowed"] is True and allowed["path"].endswith("-allowed")
+    result.stdout.fnmatch_lines(["gpu-isolate: 1 more allowed by allow_leaks markers"])
+
+
+def test_fail_policy_turns_a_leak_into_a_teardown_error(gpuiso, shm_name):
+    gpuiso.copy(MOD)
+    result = gpuiso.run(
+        "--gpu-isolate",
+        REPORT,
+        "--gpu-isolate-leaks=warn,shm=fail",
+        "-k",
+        "leaks_segment or clean_segment",
+    )
+    result.assert_outcomes(passed=2, errors=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*_ ERROR at teardown of test_leaks_segment _*",
+            "gpu-isolate: the test left 1 leak behind "
+            "(--gpu-isolate-leaks shm=fail,process=warn,gpu_memory=warn):",
+            f"  shm: segment /dev/shm/{shm_name}-seg (8192 bytes, created by pid *",
+        ]
+    )
+    records = gpuiso.records()
+    assert records[f"{MOD}::test_leaks_segment"]["outcome"] == "error"
+    assert records[f"{MOD}::test_clean_segment"]["outcome"] == "passed"
+
+
+def test_off_policy_reports_nothing(gpuiso, shm_name):
+    gpuiso.copy(MOD)
+    gpuiso.pytester.makeini("[pytest]\ngpu_isolate_leaks = off\n")
+    result = gpuiso.run("--gpu-isolate", REPORT, "-k", "leaks_segment")
+    result.assert_outcomes(passed=1)
+    assert leaks_of(gpuiso.records(), "test_leaks_segment") == []
+    assert "leak summary" not in result.stdout.str()
+    result.stdout.fnmatch_lines(["gpu-isolate: leak checks shm=off, process=off, gpu_memory=off*"])
+
+
+def test_cleanup_deletes_only_what_the_test_leaked(gpuiso, shm_name):
+    gpuiso.copy(MOD)
+    older = SHM / f"{shm_name}-raw"  # same name as the test will use, but there before
+    older.write_bytes(b"old")
+    inode = older.stat().st_ino
+    result = gpuiso.run(
+        "--gpu-isolate", REPORT, "--gpu-isolate-cleanup", "-k", "leaks_segment or raw_file"
+    )
+    result.assert_outcomes(passed=2, warnings=1)
+    records = gpuiso.records()
+    [seg] = leaks_of(records, "test_leaks_segment")
+    assert seg["cleaned"] is True and seg["detail"].endswith("(deleted)")
+    assert not (SHM / f"{shm_name}-seg").exists()
+    # The test rewrote an entry that existed before it: not a leak, not deleted.
+    assert leaks_of(records, "test_leaks_raw_file") == []
+    assert older.exists() and older.stat().st_ino == inode
+
+
+def test_xdist_attributes_each_segment_to_its_own_test(gpuiso, shm_name):
+    """Two workers, two tests at once: only the test that made the segment reports it."""
+    gpuiso.copy(MOD)
+    result = gpuiso.run(
+        "--gpu-isolate", REPORT, "-n", "2", "-k", "while_neighbour_runs or slow_clean"
+    )
+    result.assert_outcomes(passed=2, warnings=1)
+    records = gpuiso.records()
+    [mine] = leaks_of(records, "test_leaks_while_neighbour_runs")
+    assert mine["path"] == f"/dev/shm/{shm_name}-mine"
+    assert leaks_of(records, "test_slow_clean_neighbour") == []
+
+
+def test_leftover_processes_are_reported_killed_and_clean_children_are_not(
+    gpuiso, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    gpuiso.copy("test_leak_procs.py")
+    pidfile = tmp_path / "pids"
+    monkeypatch.setenv("GPUISO_PIDFILE", str(pidfile))
+    result = gpuiso.run("--gpu-isolate", REPORT, "--junitxml=junit.xml")
+    pids = [int(p) for p in pidfile.read_text().split()] if pidfile.exists() else []
+    try:
+        result.assert_outcomes(passed=3, warnings=2)
+        assert len(pids) == 2
+        assert wait_gone(pids, timeout=5) == []
+        records = {k.split("::")[1]: v for k, v in gpuiso.records().items()}
+        [daemon] = records["test_double_fork_daemon"]["leaks"]
+        [popen] = records["test_setsid_popen"]["leaks"]
+        assert records["test_clean_children"]["leaks"] == []
+        assert (daemon["kind"], daemon["pid"]) == ("process", pids[0])
+        assert (popen["kind"], popen["pid"]) == ("process", pids[1])
+        assert "time.sleep(1000)" in popen["cmdline"]
+        assert popen["detail"].startswith(f"process {pids[1]} still running after the test")
+        assert records["test_setsid_popen"]["escaped"] == [
+            {"pid": pids[1], "cmdline": popen["cmdline"]}
+        ]
+        # Each leak is a junit property of its testcase.
+        cases = {c.get("name"): c for c in ET.parse(gpuiso.path / "junit.xml").iter("testcase")}
+        props = [
+            (p.get("name"), p.get("value")) for p in cases["test_setsid_popen"].iter("property")
+        ]
+        assert props == [("gpu_isolate_leak", f"process: {popen['detail']}")]
+        assert list(cases["test_clean_children"].iter("property")) == []
+    finally:
+        kill_quietly([p for p in pids if pid_alive(p)])
+
+
+def test_process_policy_fail(gpuiso, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    gpuiso.copy("test_leak_procs.py")
+    monkeypatch.setenv("GPUISO_PIDFILE", str(tmp_path / "pids"))
+    result = gpuiso.run("--gpu-isolate", "--gpu-isolate-leaks=process=fail", "-k", "setsid")
+    result.assert_outcomes(passed=1, errors=1)
+    result.stdout.fnmatch_lines(
+        ["*ERROR at teardown of test_setsid_popen*", "  process: process * still running *"]
+    )
+
+
+def test_markdown_summary_and_github_step_summary(
+    gpuiso, shm_name, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    gpuiso.copy(MOD, "test_crashes.py")
+    step = tmp_path / "step.md"
+    step.write_text("earlier step\n")
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(step))
+    result = gpuiso.run(
+        "--gpu-isolate",
+        "--gpu-isolate-summary=out/summary.md",
+        f"{MOD}::test_leaks_segment",
+        f"{MOD}::test_clean_segment",
+        "test_crashes.py::test_segfault",
+    )
+    result.assert_outcomes(passed=2, failed=1, warnings=1)
+    text = (gpuiso.path / "out" / "summary.md").read_text()
+    assert step.read_text() == "earlier step\n" + text
+    lines = text.splitlines()
+    assert lines[0] == "## pytest-gpuiso"
+    assert "**3 isolated tests** (1 failed, 2 passed)" in lines
+    assert "| 1 in 1 tests | 1 | 0 | 0 | 0 | 1 |" in lines
+    assert any(
+        line.startswith(f"| `{MOD}::test_leaks_segment` | shm | segment /dev/shm/{shm_name}-seg")
+        for line in lines
+    )
+    assert "| `test_crashes.py::test_segfault` | failed | crashed with SIGSEGV |" in lines
+    result.stdout.fnmatch_lines(
+        ["gpu-isolate: Markdown summary written to *summary.md, $GITHUB_STEP_SUMMARY"]
+    )
+
+
+def test_xdist_controller_aggregates_leaks_of_every_worker(gpuiso, shm_name):
+    gpuiso.copy(MOD)
+    result = gpuiso.run(
+        "--gpu-isolate",
+        REPORT,
+        "--gpu-isolate-summary=summary.md",
+        "-n",
+        "2",
+        "-k",
+        "leaks_segment or raw_file or torch_style or clean_segment",
+    )
+    result.assert_outcomes(passed=4, warnings=3)
+    records = gpuiso.records()
+    assert sorted(len(r["leaks"]) for r in records.values()) == [0, 1, 1, 1]
+    assert "| 3 in 3 tests | 3 | 0 | 0 | 0 | 0 |" in (gpuiso.path / "summary.md").read_text()
+
+
+def test_records_of_a_crashed_worker_are_not_lost(gpuiso, shm_name):
+    """Records ride on each test's reports: tests finished before a worker dies keep theirs."""
+    gpuiso.pytester.makepyfile(
+        test_kill_worker="""
+        import os, signal, pytest
+
+        @pytest.mark.gpu_isolated
+        def test_1_leaks():
+            with open("/dev/shm/" + os.environ["GPUISO_SHM_NAME"] + "-w", "wb") as f:
+                f.write(b"w")
+
+        def test_2_kills_its_worker():  # in-process (not marked): takes the xdist worker down
+            os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    result = gpuiso.run(REPORT, "-n", "1", "test_kill_worker.py")
+    result.stdout.fnmatch_lines(["*worker 'gw0' crashed while running*test_2_kills_its_worker*"])
+    records = gpuiso.records()
+    [leak] = records["test_kill_worker.py::test_1_leaks"]["leaks"]
+    assert leak["path"] == f"/dev/shm/{shm_name}-w"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--gpu-isolate-leaks=shm=loud"], "bad part 'shm=loud'"),
+        (["--gpu-isolate-leaks=gpu=fail"], "bad part 'gpu=fail'"),
+        (["--gpu-isolate-leaks=warn,"], "bad part ''"),
+        (["--gpu-isolate-leaks=shm=fail,shm=warn"], "shm is given twice"),
+        (["--gpu-isolate-gpu-tolerance=lots"], "--gpu-isolate-gpu-tolerance"),
+        (["-o", "gpu_isolate_leaks=maybe"], "ini gpu_isolate_leaks"),
+        (["-o", "gpu_isolate_cleanup=perhaps"], "ini gpu_isolate_cleanup"),
+        (["-o", "gpu_isolate_torch_check=2"], "ini gpu_isolate_torch_check"),
+    ],
+)
+def test_bad_leak_options_are_one_line_usage_errors(gpuiso, args, message):
+    gpuiso.copy(MOD)
+    result = gpuiso.run("--gpu-isolate", *args, "-k", "clean_segment")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    errors = [line for line in result.stderr.lines if line.startswith("ERROR:")]
+    assert len(errors) == 1 and message in errors[0], result.stderr.str()
+    assert "Traceback" not in result.stderr.str()
+
+
+def test_bad_allow_leaks_marker_fails_only_its_test(gpuiso):
+    gpuiso.pytester.makepyfile(
+        test_bad="""
+        import pytest
+
+        @pytest.mark.gpu_isolated(allow_leaks=["shm", "gpu"])
+        def test_bad():
+            pass
+
+        @pytest.mark.gpu_isolated(allow_leaks=["process"])
+        def test_good():
+            pass
+        """
+    )
+    result = gpuiso.run()
+    result.assert_outcomes(passed=1, errors=1)
+    assert (
+        "gpu-isolate: invalid value ['shm', 'gpu'] for gpu_isolated marker argument "
+        "allow_leaks: unknown kind 'gpu' (expected shm, process, gpu_memory or all)"
+    ) in result.outlines
+
+
+def test_header_says_the_gpu_probe_is_unavailable_once(gpuiso, shm_name):
+    gpuiso.copy(MOD)
+    result = gpuiso.run(
+        "--gpu-isolate", "--gpu-isolate-devices=0,1", REPORT, "-k", "clean_segment or raw"
+    )
+    result.assert_outcomes(passed=2, warnings=1)
+    out = result.stdout.str()
+    if os.path.exists("/dev/nvidiactl"):
+        pytest.skip("a GPU driver is present: NVML is available here")
+    assert out.count("gpu_memory unavailable") == 1
+    result.stdout.fnmatch_lines(
+        ["gpu-isolate: leak checks shm=warn, * (gpu_memory unavailable: *)"]
+    )
+    assert all(
+        leak["kind"] != "gpu_memory" for r in gpuiso.records().values() for leak in r["leaks"]
+    )
+
+
+def test_leak_records_in_json_have_kind_and_detail(gpuiso, shm_name):
+    gpuiso.copy(MOD)
+    gpuiso.run("--gpu-isolate", REPORT, "-k", "leaks_segment")
+    document = json.loads((gpuiso.path / "report.json").read_text())
+    [record] = document["tests"]
+    [leak] = record["leaks"]
+    assert set(leak) == {"kind", "detail", "path", "size", "pid", "cleaned"}
