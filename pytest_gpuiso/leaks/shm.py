@@ -36,7 +36,7 @@ from . import Leak, RunInfo
 SHM_DIR = "/dev/shm"
 OWN_PATTERNS = ("pytest-gpuiso-*", ".pytest-gpuiso-*")  # the lease table and its temp files
 LOG_ENV = "PYTEST_GPUISO_SHM_LOG"  # read by the shim: where to log created entries
-_CREATOR = re.compile(r"^(?:sem\.)?(?:torch|loky|mp|psm)_(\d+)_")
+_CREATOR = re.compile(r"^(?:sem\.)?torch_(\d+)_")  # PyTorch: torch_<pid>_<random>_<n>
 _CTIME_SLACK = 1.0  # seconds: filesystem timestamps are coarser than time.time()
 
 
