@@ -1,12 +1,56 @@
-"""``python -m pytest_gpuiso status | reset [--force]``: inspect or clear the GPU lease table."""
+"""``python -m pytest_gpuiso status | reset [--force] | merge REPORT... [--markdown] [--json]``:
+inspect or clear the GPU lease table, or merge the JSON reports of CI shards."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from .leases import open_region, region_path, status_table
+
+MERGE_HELP = """\
+merge the JSON reports (--gpu-isolate-report) of CI shards into one JSON report and/or
+one Markdown summary; each merged record gets a "shard" field naming the file it came
+from. The Markdown summary is also appended to $GITHUB_STEP_SUMMARY when that is set.
+
+exit status: 0 when the outputs were written; 1 when an input report cannot be read
+or used (missing, not JSON, another version, a malformed record: nothing is written
+then) or an output cannot be written, with one line on stderr: "error: PATH: problem";
+2 for a usage error (no REPORT, neither --markdown nor --json)."""
+
+
+def _merge(opts: argparse.Namespace) -> int:
+    from . import report
+
+    try:
+        records = report.merge(opts.reports)
+    except report.ReportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    shards = f"{len(records)} tests from {len(opts.reports)} reports"
+    text = report.markdown(records)
+    outputs = [
+        (opts.json, "JSON report", lambda path: report.write_json(path, records)),
+        (opts.markdown, "Markdown summary", lambda path: report.write_text(path, text)),
+    ]
+    for path, what, write in outputs:
+        if path is None:
+            continue
+        try:
+            write(path)
+        except OSError as exc:
+            print(f"error: {path}: cannot write: {exc.strerror or exc}", file=sys.stderr)
+            return 1
+        print(f"wrote the merged {what} ({shards}) to {path}")
+    if os.environ.get("GITHUB_STEP_SUMMARY"):
+        problem = report.append_step_summary(text)
+        if problem:  # a CI convenience: never fails the merge
+            print(f"warning: not appended to $GITHUB_STEP_SUMMARY ({problem})", file=sys.stderr)
+        else:
+            print(f"appended the merged Markdown summary ({shards}) to $GITHUB_STEP_SUMMARY")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,7 +64,20 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="clear it even while live holders exist, or delete a corrupted table",
     )
+    merge = sub.add_parser(
+        "merge",
+        help="merge the JSON reports of CI shards into one JSON report and/or Markdown summary",
+        description=MERGE_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    merge.add_argument("reports", nargs="+", metavar="REPORT", help="JSON report of one shard")
+    merge.add_argument("--markdown", type=Path, metavar="PATH", help="write the Markdown summary")
+    merge.add_argument("--json", type=Path, metavar="PATH", help="write the merged JSON report")
     opts = parser.parse_args(argv)
+    if opts.command == "merge":
+        if opts.markdown is None and opts.json is None:
+            merge.error("nothing to write: give --markdown PATH and/or --json PATH")
+        return _merge(opts)
     path = opts.region or region_path()
 
     from ._lease import RegionError

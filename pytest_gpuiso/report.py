@@ -6,8 +6,11 @@ version 1), so a merged report of CI shards reads exactly like one session's.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import re
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -31,12 +34,22 @@ def write_json(path: Path, records: list[dict[str, Any]]) -> None:
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:  # a file where the folder should be: say that, not "File exists"
+        raise NotADirectoryError(
+            errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path.parent)
+        ) from None
     fd, tmp = tempfile.mkstemp(prefix=".gpuiso-", suffix=path.suffix, dir=path.parent)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, Ctrl-C: leave no temporary file behind
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def _reported(record: dict[str, Any]) -> list[dict[str, Any]]:
@@ -103,23 +116,51 @@ def leak_summary(tr: Any, records: list[dict[str, Any]]) -> None:
         tr.write_line(f"  ... {len(worst) - WORST} more tests with leaks")
 
 
+_LINE_BREAK = re.compile(r"\r\n|\r|\n")  # what ends a table row in Markdown
+_SPECIAL = re.compile(r"([\\`*_\[\]<>|~&])")  # what Markdown could read as markup
+
+
 def _cell(text: Any) -> str:
-    """Text safe inside a Markdown table cell."""
-    return str(text).replace("\\", "\\\\").replace("|", "\\|").replace("\n", " ")
+    """Text rendered literally inside a Markdown table cell: one line, markup escaped.
+
+    Backslashes are doubled too, so a ``\\|`` of the text neither ends the cell nor
+    loses its backslash to the table's own pipe escape.
+    """
+    return _SPECIAL.sub(r"\\\1", _LINE_BREAK.sub(" ", str(text)))
 
 
-def _code(text: str) -> str:
-    return "`" + text.replace("`", "'") + "`"
+def _kind(kind: str) -> str:
+    """Our kinds hold no markup (an underscore inside a word is literal): left as they are."""
+    return kind if kind in KINDS else _cell(kind)
+
+
+def _code_cell(text: str) -> str:
+    """Text as a code span inside a table cell, rendered literally, backticks included."""
+    text = _LINE_BREAK.sub(" ", text)
+    if not text:
+        return ""
+    if "\\|" in text:  # the table would take this backslash as its pipe escape
+        return f"<code>{_cell(text)}</code>"
+    fence = "`" * (max((len(run) for run in re.findall("`+", text)), default=0) + 1)
+    # A span that starts or ends with a backtick needs a space; a space on both sides
+    # is stripped once by Markdown, so it gets one more.
+    pad = " " if text[:1] == "`" or text[-1:] == "`" or text[:1] == text[-1:] == " " else ""
+    escaped = text.replace("|", "\\|")  # GFM unescapes pipes in a cell, code spans included
+    return f"{fence}{pad}{escaped}{pad}{fence}"
 
 
 def markdown(records: list[dict[str, Any]], title: str = "pytest-gpuiso") -> str:
-    """A summary for PR checks: totals, a test x kind x detail table, timeouts and crashes."""
+    """A summary for PR checks: totals, a test x kind x detail table, timeouts and crashes.
+
+    Each table lists at most ``MARKDOWN_ROWS`` rows; the rest are counted.
+    """
     counts = leak_counts(records)
     outcomes = Counter(r["outcome"] for r in records)
-    ended = [(r, _ended(r)) for r in records if _ended(r)]
+    ended = [(r, how) for r in records if (how := _ended(r))]
     leaky = [r for r in records if _reported(r)]
+    allowed = sum(1 for r in records for leak in r.get("leaks", []) if leak.get("allowed"))
     lines = [f"## {title}", ""]
-    outcome_text = ", ".join(f"{n} {o}" for o, n in sorted(outcomes.items()))
+    outcome_text = ", ".join(f"{n} {_cell(o)}" for o, n in sorted(outcomes.items()))
     lines.append(f"**{len(records)} isolated tests** ({outcome_text or 'none'})")
     lines.append("")
     lines.append("| leaks | " + " | ".join(KINDS) + " | timeouts | crashes |")
@@ -131,18 +172,31 @@ def markdown(records: list[dict[str, Any]], title: str = "pytest-gpuiso") -> str
         + " | ".join(str(counts[k]) for k in KINDS)
         + f" | {timeouts} | {crashes} |"
     )
+    if allowed:
+        leaks = f"{allowed} leak{'s' if allowed != 1 else ''}"
+        lines += ["", f"Not counted: {leaks} allowed by `allow_leaks` markers."]
     if leaky:
         lines += ["", "### Leaks", "", "| test | kind | detail |", "|---|---|---|"]
         rows = [(r["nodeid"], leak) for r in leaky for leak in _reported(r)]
         for nodeid, leak in rows[:MARKDOWN_ROWS]:
-            lines.append(f"| {_cell(_code(nodeid))} | {leak['kind']} | {_cell(leak['detail'])} |")
+            lines.append(
+                f"| {_code_cell(nodeid)} | {_kind(leak['kind'])} | {_cell(leak['detail'])} |"
+            )
         if len(rows) > MARKDOWN_ROWS:
-            lines.append(f"\n{len(rows) - MARKDOWN_ROWS} more leaks are in the JSON report.")
+            more = len(rows) - MARKDOWN_ROWS
+            lines += [
+                "",
+                f"{more} more {'leak is' if more == 1 else 'leaks are'} in the JSON report.",
+            ]
     if ended:
         lines += ["", "### Timeouts and crashes", "", "| test | outcome | how it ended |"]
         lines.append("|---|---|---|")
-        for r, how in ended:
-            lines.append(f"| {_cell(_code(r['nodeid']))} | {r['outcome']} | {_cell(how)} |")
+        for r, how in ended[:MARKDOWN_ROWS]:
+            lines.append(f"| {_code_cell(r['nodeid'])} | {_cell(r['outcome'])} | {_cell(how)} |")
+        if len(ended) > MARKDOWN_ROWS:
+            more = len(ended) - MARKDOWN_ROWS
+            what = "timeout or crash is" if more == 1 else "timeouts and crashes are"
+            lines += ["", f"{more} more {what} in the JSON report."]
     if not leaky and not ended:
         lines += ["", "No leaks, timeouts or crashes."]
     return "\n".join(lines) + "\n"
@@ -157,17 +211,68 @@ def write_markdown(path: Path | None, records: list[dict[str, Any]]) -> list[str
     text = markdown(records)
     written = []
     if path is not None:
-        _write_atomic(path, text)
+        write_text(path, text)
         written.append(str(path))
     step = os.environ.get("GITHUB_STEP_SUMMARY")
     if step:
-        try:
-            with open(step, "a", encoding="utf-8") as f:
-                f.write(text)
-            written.append("$GITHUB_STEP_SUMMARY")
-        except OSError as exc:
-            written.append(f"not $GITHUB_STEP_SUMMARY ({exc.strerror}: {step})")
+        problem = append_step_summary(text)
+        written.append(
+            f"not $GITHUB_STEP_SUMMARY ({problem})" if problem else "$GITHUB_STEP_SUMMARY"
+        )
     return written
+
+
+def write_text(path: Path, text: str) -> None:
+    """Write a text file atomically, like the JSON report."""
+    _write_atomic(path, text)
+
+
+def append_step_summary(text: str) -> str | None:
+    """Append ``text`` to ``$GITHUB_STEP_SUMMARY`` when it is set.
+
+    Returns None when done (or not set), else why not, naming the file.
+    """
+    step = os.environ.get("GITHUB_STEP_SUMMARY")
+    if not step:
+        return None
+    try:
+        with open(step, "a", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as exc:
+        return f"{exc.strerror}: {step}"
+    return None
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _record_problem(record: Any) -> str | None:
+    """What makes a test record unusable for the reports, None if nothing does."""
+    if not isinstance(record, dict):
+        return "not an object"
+    for key in ("nodeid", "outcome"):
+        if not isinstance(record.get(key), str):
+            return f"{key!r} is not a string"
+    exit_ = record.get("exit")
+    if not isinstance(exit_, dict):
+        return "'exit' is not an object"
+    if not isinstance(exit_.get("timed_out"), bool):
+        return "'exit.timed_out' is not true or false"
+    if not (exit_.get("signal") is None or isinstance(exit_["signal"], str)):
+        return "'exit.signal' is not a string or null"
+    timeout = record.get("timeout")
+    if not (_is_number(timeout) or (timeout is None and not exit_["timed_out"])):
+        return "'timeout' is not a number"
+    for key in ("leaks", "escaped"):
+        if not isinstance(record.get(key, []), list):
+            return f"{key!r} is not a list"
+    for n, leak in enumerate(record.get("leaks", [])):
+        if not isinstance(leak, dict) or not isinstance(leak.get("detail"), str):
+            return f"leak {n} has no 'detail' string"
+        if leak.get("kind") not in KINDS:
+            return f"leak {n} has kind {leak.get('kind')!r}, expected one of {', '.join(KINDS)}"
+    return None
 
 
 def load(path: str) -> list[dict[str, Any]]:
@@ -177,27 +282,23 @@ def load(path: str) -> list[dict[str, Any]]:
             document = json.load(f)
     except OSError as exc:
         raise ReportError(f"{path}: cannot read: {exc.strerror}") from None
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
         raise ReportError(f"{path}: not JSON: {exc}") from None
     if not isinstance(document, dict) or not isinstance(document.get("tests"), list):
         raise ReportError(f"{path}: not a pytest-gpuiso report (no 'tests' list)")
-    if document.get("version") != SCHEMA_VERSION:
-        raise ReportError(
-            f"{path}: report version {document.get('version')!r}, expected {SCHEMA_VERSION}"
-        )
+    version = document.get("version")
+    if not _is_number(version) or version != SCHEMA_VERSION:
+        raise ReportError(f"{path}: report version {version!r}, expected {SCHEMA_VERSION}")
     for n, record in enumerate(document["tests"]):
-        if not (
-            isinstance(record, dict)
-            and isinstance(record.get("nodeid"), str)
-            and isinstance(record.get("exit"), dict)
-            and isinstance(record.get("leaks", []), list)
-        ):
-            raise ReportError(f"{path}: test record {n} is malformed")
+        problem = _record_problem(record)
+        if problem:
+            raise ReportError(f"{path}: test record {n} is malformed: {problem}")
     return document["tests"]
 
 
 def merge(paths: list[str]) -> list[dict[str, Any]]:
-    """The records of several shard reports, in order; each record names its shard."""
+    """The records of several shard reports, in order; each record names its shard
+    (the path it was read from, unless it already names one: a merge of merges)."""
     merged = []
     for path in paths:
         for record in load(path):

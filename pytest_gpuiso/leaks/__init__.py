@@ -57,24 +57,27 @@ def parse_policy(text: str, what: str) -> dict[str, str]:
     the default of the kinds not named). Raises ``SpecError`` naming the bad part."""
     from ..spec import SpecError
 
-    policy = dict.fromkeys(KINDS, "warn")
+    default = "warn"
     named: dict[str, str] = {}
     parts = [part.strip() for part in text.split(",")]
     expected = f"expected {'|'.join(LEVELS)} or kind=level with kinds {', '.join(KINDS)}"
+    seen_default = False
     for part in parts:
         kind, sep, level = (s.strip() for s in part.partition("="))
         if not sep:
             kind, level = "", kind
+        bad = f"invalid value {text!r} for {what}: bad part {part!r}"
         if level not in LEVELS or (sep and kind not in KINDS):
-            raise SpecError(f"invalid value {text!r} for {what}: bad part {part!r} ({expected})")
+            raise SpecError(f"{bad} ({expected})")
         if kind in named:
-            raise SpecError(f"invalid value {text!r} for {what}: {kind} is given twice")
+            raise SpecError(f"{bad}: {kind} is given twice")
         if kind:
             named[kind] = level
+        elif seen_default:
+            raise SpecError(f"{bad}: a level for every kind is given twice")
         else:
-            policy = dict.fromkeys(KINDS, level)
-    policy.update(named)
-    return policy
+            default, seen_default = level, True
+    return {kind: named.get(kind, default) for kind in KINDS}
 
 
 def parse_allowed(value: Any, what: str) -> frozenset[str]:
@@ -88,15 +91,13 @@ def parse_allowed(value: Any, what: str) -> frozenset[str]:
         raise SpecError(
             f"invalid value {value!r} for {what}: expected a list of kinds ({', '.join(KINDS)})"
         )
-    if "all" in items:
-        return frozenset(KINDS)
-    unknown = sorted(set(items) - set(KINDS))
+    unknown = sorted(set(items) - {*KINDS, "all"})
     if unknown:
         raise SpecError(
             f"invalid value {value!r} for {what}: unknown kind {unknown[0]!r} "
             f"(expected {', '.join(KINDS)} or all)"
         )
-    return frozenset(items)
+    return frozenset(KINDS) if "all" in items else frozenset(items)
 
 
 @dataclass(frozen=True)
