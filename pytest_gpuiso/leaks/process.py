@@ -12,6 +12,7 @@ worker that notices its parent is gone) are not reported.
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any
 
 import psutil
@@ -29,16 +30,58 @@ def alive(p: psutil.Process) -> bool:
         return False
 
 
-def _key(p: psutil.Process) -> tuple[int, float]:
+def _start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat)."""
     try:
-        return (p.pid, p.create_time())
-    except psutil.Error:
-        return (p.pid, 0.0)
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(b")") + 2 :].split()[19])
+
+
+def _children(pid: int) -> list[int] | None:
+    """Direct children from /proc/PID/task/*/children; None where the kernel lacks it."""
+    kids: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                kids += map(int, f.read().split())
+        except FileNotFoundError:
+            return None  # no CONFIG_PROC_CHILDREN (or the task just ended: the caller retries)
+        except OSError:
+            continue
+    return kids
 
 
 def descendant_keys() -> set[tuple[int, float]]:
-    """(pid, start time) of every descendant of this process."""
-    return {_key(p) for p in psutil.Process().children(recursive=True)}
+    """(pid, start time) of every descendant of this process.
+
+    Walks ``/proc/PID/task/*/children`` from this process down, so the cost grows
+    with our descendants, not with every process on the machine (a busy CI host
+    has thousands); psutil's full scan is the fallback.
+    """
+    keys: set[tuple[int, float]] = set()
+    todo = [os.getpid()]
+    while todo:
+        kids = _children(todo.pop())
+        if kids is None:
+            return {_key(p) for p in psutil.Process().children(recursive=True)}
+        for kid in kids:
+            start = _start_time(kid)
+            if start is not None:
+                keys.add((kid, float(start)))
+                todo.append(kid)
+    return keys
+
+
+def _key(p: psutil.Process) -> tuple[int, float]:
+    start = _start_time(p.pid)
+    return (p.pid, float(start) if start is not None else 0.0)
 
 
 def sweep(before: set[tuple[int, float]], grace: float) -> list[dict[str, Any]]:
@@ -46,9 +89,13 @@ def sweep(before: set[tuple[int, float]], grace: float) -> list[dict[str, Any]]:
 
     Returns the ones that were still running, as ``{"pid", "cmdline"}``.
     """
-    new = [p for p in psutil.Process().children(recursive=True) if _key(p) not in before]
-    if not new:
+    new_keys = descendant_keys() - before
+    if not new_keys:
         return []
+    new = []
+    for pid, _ in new_keys:
+        with contextlib.suppress(psutil.Error):
+            new.append(psutil.Process(pid))
     _, running = psutil.wait_procs([p for p in new if alive(p)], timeout=SETTLE)
     escaped = []
     for p in running:
