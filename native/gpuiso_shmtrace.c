@@ -72,15 +72,23 @@ static void *real(const char *symbol)
     return dlsym(RTLD_NEXT, symbol);
 }
 
+/* Look up the next definition of a symbol once; ENOSYS if there is none. */
+static int resolve(void **slot, const char *symbol)
+{
+    if (*slot == NULL)
+        *slot = real(symbol);
+    if (*slot == NULL) {
+        errno = ENOSYS;
+        return 0;
+    }
+    return 1;
+}
+
 int shm_open(const char *name, int oflag, mode_t mode)
 {
     static int (*next)(const char *, int, mode_t);
-    if (next == NULL)
-        next = (int (*)(const char *, int, mode_t))real("shm_open");
-    if (next == NULL) {
-        errno = ENOSYS;
+    if (!resolve((void **)&next, "shm_open"))
         return -1;
-    }
     int fd = next(name, oflag, mode);
     if (fd >= 0 && (oflag & O_CREAT))
         note("", name);
@@ -90,12 +98,8 @@ int shm_open(const char *name, int oflag, mode_t mode)
 sem_t *sem_open(const char *name, int oflag, ...)
 {
     static sem_t *(*next)(const char *, int, ...);
-    if (next == NULL)
-        next = (sem_t * (*)(const char *, int, ...)) real("sem_open");
-    if (next == NULL) {
-        errno = ENOSYS;
+    if (!resolve((void **)&next, "sem_open"))
         return SEM_FAILED;
-    }
     sem_t *sem;
     if (oflag & O_CREAT) {
         va_list ap;
@@ -112,99 +116,73 @@ sem_t *sem_open(const char *name, int oflag, ...)
     return sem;
 }
 
-/* open-like calls: the mode argument exists only with O_CREAT / O_TMPFILE. */
-#define OPEN_LIKE(fn, ...)                                                        \
-    static int (*next)(__VA_ARGS__);                                              \
-    if (next == NULL)                                                             \
-        next = (int (*)(__VA_ARGS__))real(fn);                                    \
-    if (next == NULL) {                                                           \
-        errno = ENOSYS;                                                           \
-        return -1;                                                                \
-    }                                                                             \
-    mode_t mode = 0;                                                              \
-    if (flags & (O_CREAT | __O_TMPFILE)) {                                        \
-        va_list ap;                                                               \
-        va_start(ap, flags);                                                      \
-        mode = (mode_t)va_arg(ap, unsigned int);                                  \
-        va_end(ap);                                                               \
-    }
-
-int open(const char *path, int flags, ...)
+/* Log a successful creating open of a path under /dev/shm; return fd unchanged. */
+static int noted(int fd, int flags, const char *path)
 {
-    OPEN_LIKE("open", const char *, int, mode_t)
-    int fd = next(path, flags, mode);
     if (fd >= 0 && (flags & O_CREAT) && shm_name(path))
         note("", shm_name(path));
     return fd;
 }
 
+/* The optional mode argument exists only with O_CREAT / O_TMPFILE. */
+#define MODE_ARG(flags, mode)                                                     \
+    do {                                                                          \
+        (mode) = 0;                                                               \
+        if ((flags) & (O_CREAT | __O_TMPFILE)) {                                  \
+            va_list ap;                                                           \
+            va_start(ap, flags);                                                  \
+            (mode) = (mode_t)va_arg(ap, unsigned int);                            \
+            va_end(ap);                                                           \
+        }                                                                         \
+    } while (0)
+
+int open(const char *path, int flags, ...)
+{
+    static int (*next)(const char *, int, mode_t);
+    mode_t mode;
+    MODE_ARG(flags, mode);
+    if (!resolve((void **)&next, "open"))
+        return -1;
+    return noted(next(path, flags, mode), flags, path);
+}
+
 int open64(const char *path, int flags, ...)
 {
-    OPEN_LIKE("open64", const char *, int, mode_t)
-    int fd = next(path, flags, mode);
-    if (fd >= 0 && (flags & O_CREAT) && shm_name(path))
-        note("", shm_name(path));
-    return fd;
+    static int (*next)(const char *, int, mode_t);
+    mode_t mode;
+    MODE_ARG(flags, mode);
+    if (!resolve((void **)&next, "open64"))
+        return -1;
+    return noted(next(path, flags, mode), flags, path);
 }
 
 /* openat: only absolute paths can be told to be under /dev/shm without a lookup. */
 int openat(int dirfd, const char *path, int flags, ...)
 {
     static int (*next)(int, const char *, int, mode_t);
-    if (next == NULL)
-        next = (int (*)(int, const char *, int, mode_t))real("openat");
-    if (next == NULL) {
-        errno = ENOSYS;
+    mode_t mode;
+    MODE_ARG(flags, mode);
+    if (!resolve((void **)&next, "openat"))
         return -1;
-    }
-    mode_t mode = 0;
-    if (flags & (O_CREAT | __O_TMPFILE)) {
-        va_list ap;
-        va_start(ap, flags);
-        mode = (mode_t)va_arg(ap, unsigned int);
-        va_end(ap);
-    }
-    int fd = next(dirfd, path, flags, mode);
-    if (fd >= 0 && (flags & O_CREAT) && shm_name(path))
-        note("", shm_name(path));
-    return fd;
+    return noted(next(dirfd, path, flags, mode), flags, path);
 }
 
 int openat64(int dirfd, const char *path, int flags, ...)
 {
     static int (*next)(int, const char *, int, mode_t);
-    if (next == NULL)
-        next = (int (*)(int, const char *, int, mode_t))real("openat64");
-    if (next == NULL) {
-        errno = ENOSYS;
+    mode_t mode;
+    MODE_ARG(flags, mode);
+    if (!resolve((void **)&next, "openat64"))
         return -1;
-    }
-    mode_t mode = 0;
-    if (flags & (O_CREAT | __O_TMPFILE)) {
-        va_list ap;
-        va_start(ap, flags);
-        mode = (mode_t)va_arg(ap, unsigned int);
-        va_end(ap);
-    }
-    int fd = next(dirfd, path, flags, mode);
-    if (fd >= 0 && (flags & O_CREAT) && shm_name(path))
-        note("", shm_name(path));
-    return fd;
+    return noted(next(dirfd, path, flags, mode), flags, path);
 }
 
 int creat(const char *path, mode_t mode)
 {
     static int (*next)(const char *, mode_t);
-    if (next == NULL)
-        next = (int (*)(const char *, mode_t))real("creat");
-    if (next == NULL) {
-        errno = ENOSYS;
+    if (!resolve((void **)&next, "creat"))
         return -1;
-    }
-    int fd = next(path, mode);
-    if (fd >= 0 && shm_name(path))
-        note("", shm_name(path));
-    return fd;
+    return noted(next(path, mode), O_CREAT, path);
 }
 
 static FILE *fopen_common(const char *symbol, const char *path, const char *how)
