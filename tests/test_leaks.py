@@ -152,7 +152,7 @@ def test_xdist_attributes_each_segment_to_its_own_test(gpuiso, shm_name):
 def test_leftover_processes_are_reported_killed_and_clean_children_are_not(
     gpuiso, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
-    gpuiso.copy("test_leak_procs.py")
+    gpuiso.copy("test_escape.py")
     pidfile = tmp_path / "pids"
     monkeypatch.setenv("GPUISO_PIDFILE", str(pidfile))
     result = gpuiso.run("--gpu-isolate", REPORT, "--junitxml=junit.xml")
@@ -164,7 +164,7 @@ def test_leftover_processes_are_reported_killed_and_clean_children_are_not(
         records = {k.split("::")[1]: v for k, v in gpuiso.records().items()}
         [daemon] = records["test_double_fork_daemon"]["leaks"]
         [popen] = records["test_setsid_popen"]["leaks"]
-        assert records["test_clean_children"]["leaks"] == []
+        assert records["test_clean_subprocess"]["leaks"] == []
         assert (daemon["kind"], daemon["pid"]) == ("process", pids[0])
         assert (popen["kind"], popen["pid"]) == ("process", pids[1])
         assert "time.sleep(1000)" in popen["cmdline"]
@@ -178,13 +178,13 @@ def test_leftover_processes_are_reported_killed_and_clean_children_are_not(
             (p.get("name"), p.get("value")) for p in cases["test_setsid_popen"].iter("property")
         ]
         assert props == [("gpu_isolate_leak", f"process: {popen['detail']}")]
-        assert list(cases["test_clean_children"].iter("property")) == []
+        assert list(cases["test_clean_subprocess"].iter("property")) == []
     finally:
         kill_quietly([p for p in pids if pid_alive(p)])
 
 
 def test_process_policy_fail(gpuiso, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    gpuiso.copy("test_leak_procs.py")
+    gpuiso.copy("test_escape.py")
     monkeypatch.setenv("GPUISO_PIDFILE", str(tmp_path / "pids"))
     result = gpuiso.run("--gpu-isolate", "--gpu-isolate-leaks=process=fail", "-k", "setsid")
     result.assert_outcomes(passed=1, errors=1)
