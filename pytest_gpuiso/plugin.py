@@ -274,15 +274,11 @@ def _probes(spec: IsolationSpec, state: State, lease: Lease | None) -> tuple[Pro
 
 def _warn_leaks(item: pytest.Item, verdict: Verdict) -> None:
     """``warn`` leaks reach pytest's warnings summary, like any warning of the test."""
+    lineno = (item.location[1] or 0) + 1
     for leak in verdict.warning:
-        record = warnings.WarningMessage(
-            message=GpuIsoLeakWarning(f"{leak.kind}: {leak.detail}"),
-            category=GpuIsoLeakWarning,
-            filename=str(item.path),
-            lineno=(item.location[1] or 0) + 1,
-        )
-        item.config.hook.pytest_warning_recorded.call_historic(
-            kwargs=dict(warning_message=record, when="runtest", nodeid=item.nodeid, location=None)
+        message = GpuIsoLeakWarning(f"{leak.kind}: {leak.detail}")
+        _record_warning(
+            item.config, message, GpuIsoLeakWarning, item.nodeid, str(item.path), lineno
         )
 
 
@@ -453,17 +449,24 @@ def _replay_warnings(config: pytest.Config, payloads: list[dict[str, Any]]) -> N
             message: Any = category(data["message"])
         except Exception:
             message = UserWarning(data["message"])
-        record = warnings.WarningMessage(
-            message=message,
-            category=category,
-            filename=data["filename"],
-            lineno=data["lineno"],
-        )
-        config.hook.pytest_warning_recorded.call_historic(
-            kwargs=dict(
-                warning_message=record, when="runtest", nodeid=data["nodeid"], location=None
-            )
-        )
+        _record_warning(config, message, category, data["nodeid"], data["filename"], data["lineno"])
+
+
+def _record_warning(
+    config: pytest.Config,
+    message: Warning,
+    category: type[Warning],
+    nodeid: str,
+    filename: str,
+    lineno: int,
+) -> None:
+    """Hand a warning of an isolated test to pytest's warnings summary, as in-process."""
+    record = warnings.WarningMessage(
+        message=message, category=category, filename=filename, lineno=lineno
+    )
+    config.hook.pytest_warning_recorded.call_historic(
+        kwargs=dict(warning_message=record, when="runtest", nodeid=nodeid, location=None)
+    )
 
 
 def _teardown_parent_stack(item: pytest.Item, nextitem: pytest.Item | None, reports: list) -> None:
@@ -516,9 +519,9 @@ class Recorder:
             self.state.records.append(record)
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        if hasattr(self.config, "workerinput"):
-            return  # the xdist controller writes the reports, from every worker's records
         state = self.state
+        if state.parallel:
+            return  # the xdist controller writes the reports, from every worker's records
         if state.report_path is not None:
             report.write_json(state.report_path, state.records)
         if state.summary_path is not None or (state.records and _step_summary()):

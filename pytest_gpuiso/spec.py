@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from .leaks import KINDS
+from .leaks.gpu_memory import DEFAULT_TOLERANCE_MIB
 
 MARKER = "gpu_isolated"
 DEFAULT_TIMEOUT = 900.0
@@ -101,7 +102,7 @@ class Settings:
     leaks: tuple[tuple[str, str], ...] = tuple((kind, "warn") for kind in KINDS)
     shm_ignore: tuple[str, ...] = ()
     cleanup: bool = False
-    gpu_tolerance_mib: float = 64.0
+    gpu_tolerance_mib: float = DEFAULT_TOLERANCE_MIB
     torch_check: bool = False
     summary_path: str | None = None
 
@@ -139,7 +140,6 @@ class Settings:
         slots = parse_int(slots_text, slots_source, 1, 16) if slots_text else 1
         lease_timeout, _ = _option_or_ini(config, "gpu_isolate_lease_timeout", allow_zero=False)
         from .leaks import parse_policy
-        from .leaks.gpu_memory import DEFAULT_TOLERANCE_MIB
 
         leaks_text, leaks_source = _text_option(config, "gpu_isolate_leaks")
         policy = parse_policy(leaks_text or "warn", leaks_source or "--gpu-isolate-leaks")

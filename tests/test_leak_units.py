@@ -151,7 +151,7 @@ def test_off_kinds_vanish_and_fail_and_warn_are_split():
     ]
     assert verdict.failing == [PROC]
     assert verdict.warning == [GPU]
-    assert verdict.reported == [PROC, GPU]
+    assert verdict.failing + verdict.warning == [PROC, GPU]
     assert verdict.policy_text == "shm=off,process=fail,gpu_memory=warn"
 
 
@@ -181,7 +181,7 @@ def test_off_wins_over_allowed_and_the_leak_objects_are_left_alone():
     verdict = judge(
         [SHM, PROC], {"shm": "off", "process": "off", "gpu_memory": "fail"}, frozenset({"shm"})
     )
-    assert verdict.records == [] and verdict.reported == []
+    assert verdict.records == [] and verdict.failing + verdict.warning == []
     assert SHM.as_record() == {"kind": "shm", "detail": SHM.detail, "path": "/dev/shm/psm_1"}
 
 

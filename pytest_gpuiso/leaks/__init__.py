@@ -109,10 +109,6 @@ class Verdict:
     warning: list[Leak]  # leaks of kinds whose level is "warn" (and not allowed)
     policy_text: str = ""  # how the failing level was set, for the failure message
 
-    @property
-    def reported(self) -> list[Leak]:
-        return self.failing + self.warning
-
 
 def judge(leaks: list[Leak], policy: dict[str, str], allowed: frozenset[str]) -> Verdict:
     """Apply the per-kind levels and the marker's ``allow_leaks``; ``off`` kinds vanish."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import functools
 import importlib.machinery
 import os
 import re
@@ -40,6 +41,7 @@ _CREATOR = re.compile(r"^(?:sem\.)?torch_(\d+)_")  # PyTorch: torch_<pid>_<rando
 _CTIME_SLACK = 1.0  # seconds: filesystem timestamps are coarser than time.time()
 
 
+@functools.cache
 def shim_path() -> str | None:
     """The built ``gpuiso_shmtrace`` library, if ``pip install`` built it."""
     here = Path(__file__).resolve().parent.parent
