@@ -9,10 +9,17 @@ Two kinds of job run here:
 * ``CallJob``: call a picklable function (``run_isolated``) and ship its value
   or its exception.
 
-Frames sent to the parent: ``report``, ``warning``, ``error``, ``result``,
-``exception`` and finally ``done``. The child leaves with ``os._exit`` once
-``done`` is sent, so a non-daemon thread left running by a test cannot keep it
-alive.
+Frames sent to the parent: ``ready`` (bootstrap done), ``warm`` (waiting for
+its go), ``report``, ``warning``, ``error``, ``result``, ``exception`` and finally
+``done``. The child leaves with ``os._exit`` once ``done`` is sent, so a
+non-daemon thread left running by a test cannot keep it alive.
+
+A child may be started before its test's turn (prewarming, ``supervisor``): it
+bootstraps, imports, parses the configuration and configures pytest, then waits
+for the parent's go, which carries the environment of the GPUs it was leased.
+Nothing of the test itself (its module, its fixtures) runs before the go. A
+child that has initialised CUDA before the go cannot switch GPUs any more: it
+says ``stale`` and leaves, and the parent starts a fresh one.
 """
 
 from __future__ import annotations
@@ -31,12 +38,15 @@ from typing import Any
 
 import pytest
 
+from . import cuda_state
 from ._linux import die_with_parent
 from .ipc import send_frame
 
 CHILD_PLUGIN = "gpuiso-child"
 
 _keep: list[Any] = []  # objects that must live as long as the process (faulthandler's file)
+# A configuration the fork server parsed before forking this process (see ``ItemJob.run``).
+prepared: Any = None
 
 
 @dataclass(frozen=True)
@@ -48,15 +58,27 @@ class Bootstrap:
     spill_dir: str
     capture_prefix: str  # pytest's capture files get these names, so a crash can't lose them
     env: tuple[tuple[str, str], ...] = ()  # e.g. CUDA_VISIBLE_DEVICES of the leased GPUs
+    preload: tuple[str, ...] = ()  # modules to import while waiting for the go (prewarming)
 
 
-def main(boot: Bootstrap, job: Any, conn: Connection) -> None:
-    """Entry point of the spawned process."""
+# Variables that decide which GPUs a CUDA runtime sees; read once, at its initialisation.
+CUDA_ENV = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
+
+
+def main(boot: Bootstrap, job: Any, conn: Connection, go: Connection | None = None) -> None:
+    """Entry point of the isolated process (spawned, or forked by the fork server)."""
     _bootstrap(boot, conn)
-    channel = Channel(conn, boot.spill_dir)
+    channel = Channel(conn, boot.spill_dir, go, boot.output)
     status = 0
     try:
+        inherited = cuda_state.touched()
+        if inherited is not None:
+            raise RuntimeError(
+                f"the isolated process started with CUDA state it must not have: {inherited}; "
+                "refusing to run the test (it would not get a clean CUDA context)"
+            )
         channel.send("ready", os.getpid())
+        _preload(boot.preload)
         job.run(channel, boot)
     except BaseException:
         status = 1
@@ -102,15 +124,55 @@ def _close_quietly(fd: int) -> None:
         os.close(fd)
 
 
-class Channel:
-    """The child's end of the pipe."""
+def _preload(modules: tuple[str, ...]) -> None:
+    """Import what the test will need, ahead of its turn; a failure is the test's to meet."""
+    from importlib import import_module
 
-    def __init__(self, conn: Connection, spill_dir: str) -> None:
+    for name in modules:
+        with contextlib.suppress(Exception):
+            import_module(name)
+
+
+class Channel:
+    """The child's end of the pipes: frames out, the go in."""
+
+    def __init__(
+        self,
+        conn: Connection,
+        spill_dir: str,
+        go: Connection | None = None,
+        output: str | None = None,
+    ) -> None:
         self.conn = conn
         self.spill_dir = spill_dir
+        self.go = go
+        self.output = output  # the file fds 1 and 2 write to (None: pytest's terminal)
 
     def send(self, kind: str, payload: Any) -> None:
         send_frame(self.conn, kind, payload, self.spill_dir)
+
+    def wait_go(self) -> None:
+        """Block until the parent says this test's turn has come; apply its environment."""
+        if self.go is None:
+            return
+        self.send("warm", os.getpid())
+        try:
+            env: dict[str, str] = self.go.recv()
+        except (EOFError, OSError):
+            os._exit(0)  # discarded before its turn (session over, other test order)
+        self.go.close()
+        if any(os.environ.get(name) != env.get(name) for name in CUDA_ENV if name in env):
+            reason = cuda_state.touched()
+            if reason is not None:  # too late to change the GPUs this process sees
+                self.send("stale", reason)
+                os._exit(0)
+        os.environ.update(env)
+        if self.output is not None:  # start-up noise (imports) is not the test's output
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            with contextlib.suppress(OSError):
+                os.ftruncate(1, 0)
 
 
 # --------------------------------------------------------------------------- calls
@@ -123,6 +185,7 @@ class CallJob:
     kwargs: dict[str, Any]
 
     def run(self, channel: Channel, boot: Bootstrap) -> None:
+        channel.wait_go()
         try:
             value = self.func(*self.args, **self.kwargs)
         except BaseException as exc:
@@ -188,10 +251,42 @@ class ItemJob:
         _name_capture_files(boot.capture_prefix)
         os.chdir(self.invocation_dir)
         plugin = ChildPlugin(self, channel)
-        config = _prepareconfig(list(self.args), plugins=[plugin])
+        config = _take_prepared(self.args, self.invocation_dir)
+        if config is None:
+            config = _prepareconfig(list(self.args), plugins=[plugin])
+        else:
+            config.pluginmanager.register(plugin)
+            _restart_capture(config)
         _override_options(config.option, self.basetemp)
         status = config.hook.pytest_cmdline_main(config=config)
         channel.send("done", int(status))
+
+
+def _take_prepared(args: tuple[str, ...], invocation_dir: str) -> Any:
+    """The fork server's parsed (never configured) configuration, if it fits this job.
+
+    Parsing imports and registers every plugin and the initial conftests; doing it
+    once in the server saves each test's process ~15 ms of its start-up.
+    """
+    global prepared
+    config, prepared = prepared, None
+    if config is None:
+        return None
+    params = config.invocation_params
+    if tuple(params.args) != tuple(args) or str(params.dir) != invocation_dir:
+        return None
+    return config
+
+
+def _restart_capture(config: Any) -> None:
+    """Give this process its own global capture (the server stopped its own after parsing).
+
+    As after ``pytest_load_initial_conftests``: started, then suspended until a test runs.
+    """
+    capman = config.pluginmanager.get_plugin("capturemanager")
+    if capman is not None:
+        capman.start_global_capturing()
+        capman.suspend_global_capture()
 
 
 def _name_capture_files(prefix: str) -> None:
@@ -272,11 +367,12 @@ class ChildPlugin:
         reporter = config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None:
             config.pluginmanager.unregister(reporter)
-            quiet = pytest.TerminalReporter(config, open(os.devnull, "w"))  # noqa: SIM115
+            quiet = QuietReporter(config, open(os.devnull, "w"))  # noqa: SIM115
             config.pluginmanager.register(quiet, "terminalreporter")
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_collection(self, session: Any) -> bool:
+        self.channel.wait_go()  # a prewarmed child stops here until its test's turn
         session.perform_collect([self.job.collect_arg])
         return True
 
@@ -337,6 +433,18 @@ class ChildPlugin:
 
     def pytest_internalerror(self, excrepr: Any, excinfo: Any) -> None:
         self.channel.send("error", f"internal pytest error in the isolated process:\n{excrepr}")
+
+
+class QuietReporter(pytest.TerminalReporter):
+    """The child's terminal reporter: writes to /dev/null and asks for no summary.
+
+    Nobody reads the child's terminal, and ``pytest_terminal_summary`` hooks can be
+    costly (hypothesis's imports all of hypothesis there: ~1 s in every process).
+    """
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_sessionfinish(self, session: Any, exitstatus: Any) -> Any:
+        return (yield)
 
 
 def torch_allocated() -> dict[int, int]:

@@ -26,8 +26,9 @@ from .call import call_isolated
 from .child import CHILD_PLUGIN, ItemJob
 from .leaks import Leak, Probe, Verdict, judge
 from .leaks.gpu_memory import GpuMemoryProbe, NvmlReader
-from .leaks.shm import ShmProbe
+from .leaks.shm import ShmProbe, preload_env
 from .leases import Devices, Lease, Leases, LeaseTimeout, discover
+from .prewarm import HIDDEN_GPUS, Prewarmer
 from .results import RECORD_ATTR, item_reports, setup_error_reports, skip_reports
 from .spec import (
     DEFAULT_TIMEOUT,
@@ -38,7 +39,7 @@ from .spec import (
     spec_for_item,
     wants_isolation,
 )
-from .supervisor import Supervisor
+from .supervisor import Started, Supervisor
 
 MARKER_DOC = (
     f"{MARKER}(timeout=None, grace=None, gpus=None, allow_leaks=()): run this test in a fresh "
@@ -48,6 +49,10 @@ MARKER_DOC = (
 
 class GpuIsoLeakWarning(UserWarning):
     """An isolated test left something behind (``--gpu-isolate-leaks=warn``)."""
+
+
+class GpuIsoStartWarning(UserWarning):
+    """The fork server or prewarming could not be used; isolation itself is unaffected."""
 
 
 @dataclass
@@ -61,6 +66,10 @@ class State:
     nvml: NvmlReader = field(default_factory=NvmlReader)
     summary_path: Path | None = None
     parallel: bool = False  # an xdist worker: other isolated tests run at the same time
+    prewarmer: Prewarmer | None = None
+    positions: dict[int, int] | None = None  # id(item) -> index in session.items
+    told: int = 0  # how many of the supervisor's notices were shown
+    runs: dict[str, int] = field(default_factory=dict)  # isolated runs per start method
 
 
 STATE = pytest.StashKey[State]()
@@ -159,6 +168,31 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="write a Markdown summary (leaks, timeouts, crashes) for PR checks "
         "(ini: gpu_isolate_summary).",
     )
+    group.addoption(
+        "--gpu-isolate-start",
+        dest="gpu_isolate_start",
+        metavar="spawn|forkserver",
+        help="how isolated processes start: spawn a new interpreter, or fork them from a "
+        "server that has imported pytest, the plugins, the conftests and the preload modules "
+        "and never touched CUDA (default spawn; ini: gpu_isolate_start).",
+    )
+    group.addoption(
+        "--gpu-isolate-preload",
+        dest="gpu_isolate_preload",
+        metavar="MODULE,...",
+        help="modules the fork server and prewarmed processes import ahead of the tests "
+        "(default: torch when installed; none: nothing; ini: gpu_isolate_preload).",
+    )
+    group.addoption(
+        "--gpu-isolate-prewarm",
+        dest="gpu_isolate_prewarm",
+        metavar="N",
+        help="start the processes of the next N isolated tests while one runs; 0: off "
+        "(default 1; ini: gpu_isolate_prewarm).",
+    )
+    parser.addini("gpu_isolate_start", "spawn or forkserver", default="")
+    parser.addini("gpu_isolate_preload", "modules imported ahead of the tests", default="")
+    parser.addini("gpu_isolate_prewarm", "processes started ahead of their test", default="")
     parser.addini("gpu_isolate_leaks", "leak policy: warn, fail, off or kind=level,...", default="")
     parser.addini("gpu_isolate_gpu_tolerance", "GPU memory growth ignored, MiB", default="")
     parser.addini("gpu_isolate_torch_check", "compare torch's allocator (true/false)", default="")
@@ -208,6 +242,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     if STATE in config.stash:
+        _close(config)
         workdir.remove_process_dir()
 
 
@@ -223,7 +258,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         f"{s.timeout:g} s ({s.timeout_source})" if s.timeout else f"{DEFAULT_TIMEOUT:g} s (default)"
     )
     lines = [
-        f"gpu-isolate: {scope} in a fresh spawn process, timeout {timeout}, grace {s.grace:g} s"
+        f"gpu-isolate: {scope} in a fresh process, timeout {timeout}, grace {s.grace:g} s",
+        _start_header(s),
     ]
     d = state.devices
     if d.names:
@@ -237,6 +273,15 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     if config.option.usepdb:
         lines.append("gpu-isolate: --pdb cannot reach into isolated tests; use --no-gpu-isolate")
     return lines
+
+
+def _start_header(s: Settings) -> str:
+    line = f"gpu-isolate: start {s.start}"
+    if s.start == "forkserver":
+        line += " (a server per pytest process that never initialises CUDA)"
+    preload = ",".join(s.preload) or "none"
+    prewarm = f"next {s.prewarm} test{'s' if s.prewarm != 1 else ''}" if s.prewarm else "off"
+    return f"{line}, preload {preload}, prewarm {prewarm}"
 
 
 def _leak_header(s: Settings, state: State) -> str:
@@ -294,12 +339,18 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     state = item.config.stash[STATE]
     ihook = item.ihook
     ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+    started = state.prewarmer.take(item.nodeid) if state.prewarmer is not None else None
     try:
+        _prewarm(item, nextitem, state)
         spec = spec_for_item(item, state.settings)
     except SpecError as exc:
         reports = setup_error_reports(item, str(exc))
     else:
-        reports = _run_isolated_item(item, spec, state)
+        reports = _run_isolated_item(item, spec, state, started)
+        started = None
+    finally:
+        if started is not None:
+            _supervisor(item.config, state).discard(started)
     _teardown_parent_stack(item, nextitem, reports)
     for rep in reports:
         ihook.pytest_runtest_logreport(report=rep)
@@ -315,33 +366,53 @@ def _gpus_wanted(item: pytest.Item, spec: IsolationSpec, state: State) -> int:
     return 1 if marked and state.devices.names else 0
 
 
-def _run_isolated_item(item: pytest.Item, spec: IsolationSpec, state: State) -> list:
-    """Lease the test's GPUs (in this process), run it in a child, release after reaping."""
-    n = _gpus_wanted(item, spec, state)
+def _too_few_gpus(n: int, state: State) -> str | None:
     have = len(state.devices.names)
-    if n > have:
-        found = f"{have} ({', '.join(state.devices.names)})" if have else "none"
-        return skip_reports(
-            item, f"gpu-isolate: test needs {n} GPU{'s' if n != 1 else ''}, {found} available"
-        )
+    if n <= have:
+        return None
+    found = f"{have} ({', '.join(state.devices.names)})" if have else "none"
+    return f"gpu-isolate: test needs {n} GPU{'s' if n != 1 else ''}, {found} available"
+
+
+def _run_isolated_item(
+    item: pytest.Item, spec: IsolationSpec, state: State, started: Started | None
+) -> list:
+    """Lease the test's GPUs (in this process), run it in a child, release after reaping.
+
+    ``started``: the test's prewarmed process, if any; discarded when the test does not run.
+    """
+    supervisor = _supervisor(item.config, state)
+    n = _gpus_wanted(item, spec, state)
     lease = None
-    if n > 0 and state.leases is not None:
-        try:
-            lease = state.leases.acquire(n, item.nodeid, state.settings.lease_timeout)
-        except LeaseTimeout as exc:
-            return setup_error_reports(item, str(exc))
-    env = state.leases.child_env(lease) if state.leases is not None else None
     try:
-        outcome = _supervisor(item.config, state).run(
-            _item_job(item, state.settings),
-            timeout=spec.timeout,
-            grace=spec.grace,
-            env=env,
-            probes=_probes(spec, state, lease),
+        too_few = _too_few_gpus(n, state)
+        if too_few is not None:
+            return skip_reports(item, too_few)
+        if n > 0 and state.leases is not None:
+            try:
+                lease = state.leases.acquire(n, item.nodeid, state.settings.lease_timeout)
+            except LeaseTimeout as exc:
+                return setup_error_reports(item, str(exc))
+        env = state.leases.child_env(lease) if state.leases is not None else None
+        job = started.job if started is not None else _item_job(item, state.settings)
+        outcome, started = (
+            supervisor.run(
+                job,
+                timeout=spec.timeout,
+                grace=spec.grace,
+                env=env,
+                probes=_probes(spec, state, lease),
+                started=started,
+            ),
+            None,
         )
     finally:
+        if started is not None:
+            supervisor.discard(started)
         if lease is not None:
             state.leases.release(lease)
+    state.runs[outcome.method] = state.runs.get(outcome.method, 0) + 1
+    _tell_start_problems(item, state, supervisor)
     leaks = outcome.leaks + [_torch_leak(data) for data in outcome.frames_of("torch_leak")]
     verdict = judge(leaks, dict(state.settings.leaks), spec.allow_leaks)
     _replay_warnings(item.config, outcome.frames_of("warning"))
@@ -362,10 +433,124 @@ def _run_isolated_item(item: pytest.Item, spec: IsolationSpec, state: State) -> 
 
 def _supervisor(config: pytest.Config, state: State) -> Supervisor:
     if state.supervisor is None:
-        set_child_subreaper()
+        s = state.settings
+        reaper = set_child_subreaper()  # before the fork server starts: it relies on it
         capture = config.getoption("capture") not in ("no", "tee-sys")
-        state.supervisor = Supervisor(workdir.process_dir(), capture_output=capture)
+        state.supervisor = Supervisor(
+            workdir.process_dir(),
+            capture_output=capture,
+            start=s.start,
+            preload=s.preload,
+            exec_env=preload_env() if s.leak_level("shm") != "off" else {},
+            server_args=(tuple(config.invocation_params.args), str(config.invocation_params.dir)),
+        )
+        if s.start == "forkserver" and not reaper:
+            state.supervisor.method = "spawn"
+            state.supervisor.notices.append(
+                "the fork server needs PR_SET_CHILD_SUBREAPER (Linux); "
+                "isolated tests are started with spawn instead"
+            )
+        if s.prewarm:
+            state.prewarmer = Prewarmer(state.supervisor, s.prewarm)
     return state.supervisor
+
+
+_LOOKAHEAD = 64  # items scanned past nextitem for the next isolated ones
+
+
+def _prewarm(item: pytest.Item, nextitem: pytest.Item | None, state: State) -> None:
+    """Have the processes of the next isolated tests started (see ``prewarm``)."""
+    _supervisor(item.config, state)
+    prewarmer = state.prewarmer
+    if prewarmer is None or prewarmer.disabled is not None:
+        return
+    candidates: list[pytest.Item] = []
+    if nextitem is not None:
+        candidates = [nextitem]
+        items = item.session.items
+        if not state.parallel and prewarmer.depth > 1:  # xdist: only nextitem is known
+            if state.positions is None:
+                state.positions = {id(it): i for i, it in enumerate(items)}
+            at = state.positions.get(id(nextitem))
+            if at is not None:
+                candidates = items[at : at + _LOOKAHEAD]
+    by_id = {c.nodeid: c for c in candidates if _isolated(c)}
+    prewarmer.refill(list(by_id), lambda nodeid: _prepare_warm(by_id[nodeid], state))
+
+
+def _prepare_warm(item: pytest.Item, state: State) -> tuple[ItemJob, dict[str, str]] | None:
+    """The job and start environment of a test's prewarmed process; None: it won't run one."""
+    try:
+        spec = spec_for_item(item, state.settings)
+    except SpecError:
+        return None
+    n = _gpus_wanted(item, spec, state)
+    if _too_few_gpus(n, state) is not None:
+        return None
+    env: dict[str, str] = {}
+    if state.leases is not None:
+        env = state.leases.child_env(None) if n == 0 else dict(HIDDEN_GPUS)
+    return _item_job(item, state.settings), env
+
+
+def _tell_start_problems(item: pytest.Item, state: State, supervisor: Supervisor) -> None:
+    """Say once (as a warning) that the fork server or prewarming is not used, and why."""
+    messages = supervisor.notices[state.told :]
+    state.told = len(supervisor.notices)
+    prewarmer = state.prewarmer
+    if supervisor.stale and prewarmer is not None and prewarmer.disabled is None:
+        prewarmer.disable(supervisor.stale)
+        messages.append(
+            f"prewarming turned off: a process started ahead of its test initialised CUDA "
+            f"before it was given its GPUs ({supervisor.stale}); a plugin or conftest uses "
+            "CUDA at import (for torch.cuda.is_available(), PYTORCH_NVML_BASED_CUDA_CHECK=1 "
+            "avoids that)"
+        )
+    lineno = (item.location[1] or 0) + 1
+    for text in messages:
+        message = GpuIsoStartWarning(f"gpu-isolate: {text}")
+        _record_warning(
+            item.config, message, GpuIsoStartWarning, item.nodeid, str(item.path), lineno
+        )
+
+
+def _runs_tests(config: pytest.Config) -> bool:
+    """False in an xdist controller, which runs no test itself."""
+    dist = getattr(config.option, "dist", "no")
+    return hasattr(config, "workerinput") or dist == "no" or not dist
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection(session: pytest.Session) -> None:
+    """Start the fork server now, so that it imports torch while pytest collects."""
+    state = session.config.stash.get(STATE, None)
+    if state is None or state.settings.mode == "off" or state.settings.start != "forkserver":
+        return
+    if _runs_tests(session.config):
+        _supervisor(session.config, state).start_server()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Tell the fork server which test directories' conftests to import."""
+    state = session.config.stash.get(STATE, None)
+    server = state.supervisor.server if state is not None and state.supervisor else None
+    if server is not None:
+        directories = {str(item.path.parent) for item in session.items if _isolated(item)}
+        server.load_conftests(sorted(directories))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    _close(session.config)
+
+
+def _close(config: pytest.Config) -> None:
+    """Discard prewarmed processes and stop the fork server."""
+    state = config.stash.get(STATE, None)
+    if state is not None and state.supervisor is not None:
+        if state.prewarmer is not None:
+            state.prewarmer.close()
+        state.supervisor.close()
 
 
 def _torch_leak(data: dict[str, Any]) -> Leak:

@@ -81,6 +81,9 @@ def terminal_summary(tr: Any, records: list[dict[str, Any]], path: Path | None) 
     if escaped:
         parts.append(f"{escaped} escaped processes killed")
     tr.write_line("gpu-isolate: " + ", ".join(parts))
+    starts = start_counts(records)
+    if starts:
+        tr.write_line("gpu-isolate: started " + starts)
     for r in timed_out:
         tr.write_line(f"  TIMEOUT {r['nodeid']} (after {r['timeout']:g} s)")
     for r in crashed:
@@ -90,6 +93,19 @@ def terminal_summary(tr: Any, records: list[dict[str, Any]], path: Path | None) 
     leaky = [r for r in records if r.get("leaks")]
     if leaky:
         leak_summary(tr, records)
+
+
+def start_counts(records: list[dict[str, Any]]) -> str:
+    """How the isolated processes started, e.g. "38 forkserver, 2 spawn; 39 prewarmed"."""
+    methods: dict[str, int] = {}
+    prewarmed = 0
+    for r in records:
+        start = r.get("start") or {}
+        if start.get("method"):
+            methods[start["method"]] = methods.get(start["method"], 0) + 1
+            prewarmed += bool(start.get("prewarmed"))
+    text = ", ".join(f"{n} {method}" for method, n in sorted(methods.items()))
+    return f"{text}; {prewarmed} prewarmed" if text else ""
 
 
 def leak_summary(tr: Any, records: list[dict[str, Any]]) -> None:

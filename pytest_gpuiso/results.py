@@ -261,4 +261,8 @@ def make_record(
         },
         "escaped": list(outcome.escaped) if outcome else [],
         "leaks": [],
+        "start": {
+            "method": outcome.method if outcome else None,
+            "prewarmed": outcome.prewarmed if outcome else False,
+        },
     }

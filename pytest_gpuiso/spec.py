@@ -9,7 +9,9 @@ gpu-isolate timeout was given anywhere.
 
 from __future__ import annotations
 
+import importlib.util
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +24,9 @@ MARKER = "gpu_isolated"
 DEFAULT_TIMEOUT = 900.0
 DEFAULT_GRACE = 5.0
 MARKER_KWARGS = ("timeout", "grace", "gpus", "allow_leaks")
+START_METHODS = ("spawn", "forkserver")
+DEFAULT_PREWARM = 1
+_MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 
 class SpecError(ValueError):
@@ -78,6 +83,42 @@ def parse_bool(value: str, what: str) -> bool:
     raise SpecError(f"invalid value {value!r} for {what}: expected true or false")
 
 
+def parse_start(value: str, what: str) -> str:
+    text = value.strip().lower()
+    if text not in START_METHODS:
+        raise SpecError(
+            f"invalid value {value!r} for {what}: expected {' or '.join(START_METHODS)}"
+        )
+    return text
+
+
+def parse_preload(value: str, what: str) -> tuple[str, ...]:
+    """Module names separated by commas or spaces; each must be importable.
+
+    Only the top-level package is looked up, which imports nothing: the pytest
+    process must not import (say) torch just to check a name.
+    """
+    if value.strip().lower() == "none":
+        return ()
+    names = tuple(dict.fromkeys(n for n in re.split(r"[,\s]+", value.strip()) if n))
+    for name in names:
+        if not _MODULE_NAME.match(name):
+            raise SpecError(f"invalid value {value!r} for {what}: {name!r} is not a module name")
+        top = name.split(".", 1)[0]
+        try:
+            found = importlib.util.find_spec(top) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise SpecError(f"invalid value {value!r} for {what}: no module named {top!r}")
+    return names
+
+
+def default_preload() -> tuple[str, ...]:
+    """torch when it is installed (found, not imported)."""
+    return ("torch",) if importlib.util.find_spec("torch") is not None else ()
+
+
 def _flag(config: pytest.Config, dest: str) -> bool:
     """A store_true option (None when not given) that falls back to its ini boolean."""
     value = config.getoption(dest)
@@ -105,6 +146,9 @@ class Settings:
     gpu_tolerance_mib: float = DEFAULT_TOLERANCE_MIB
     torch_check: bool = False
     summary_path: str | None = None
+    start: str = "spawn"  # how isolated processes start: spawn or forkserver
+    preload: tuple[str, ...] = ()  # imported by the fork server and by prewarmed children
+    prewarm: int = DEFAULT_PREWARM  # processes of the next tests started ahead of their turn
 
     def leak_level(self, kind: str) -> str:
         return dict(self.leaks)[kind]
@@ -145,7 +189,18 @@ class Settings:
         policy = parse_policy(leaks_text or "warn", leaks_source or "--gpu-isolate-leaks")
         tolerance, _ = _option_or_ini(config, "gpu_isolate_gpu_tolerance", allow_zero=True)
         summary = _text_option(config, "gpu_isolate_summary")[0]
+        start_text, start_source = _text_option(config, "gpu_isolate_start")
+        start = parse_start(start_text, start_source) if start_text else "spawn"
+        preload = default_preload()
+        preload_text, preload_source = _text_option(config, "gpu_isolate_preload")
+        if preload_source:
+            preload = parse_preload(preload_text, preload_source)
+        prewarm_text, prewarm_source = _text_option(config, "gpu_isolate_prewarm")
+        prewarm = parse_int(prewarm_text, prewarm_source, 0, 16) if prewarm_text else 1
         return cls(
+            start=start,
+            preload=preload,
+            prewarm=prewarm,
             leaks=tuple(policy.items()),
             shm_ignore=tuple(config.getini("gpu_isolate_shm_ignore")),
             cleanup=_flag(config, "gpu_isolate_cleanup"),

@@ -21,6 +21,7 @@ The parent waits on the pipe and on a pidfd of the child together with
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import itertools
@@ -37,6 +38,7 @@ from typing import Any
 import psutil
 
 from . import child
+from .forkserver import ForkServer, Unavailable
 from .ipc import recv_frame
 from .leaks import Leak, Probe, RunInfo
 from .leaks.process import REAP_WAIT as _REAP_WAIT
@@ -47,6 +49,7 @@ OUTPUT_TAIL_BYTES = 8192
 OUTPUT_TAIL_LINES = 60
 OUTPUT_KEEP_BYTES = 1 << 20  # of what the child wrote outside pytest's capture
 _STACK_WAIT = 2.0  # upper bound for faulthandler to write the dump
+_SERVER_WAIT = 300.0  # seconds the first fork may wait for the server to import everything
 
 
 _RUNS = itertools.count(1)  # unique file tags within this process, whatever the Supervisor
@@ -70,6 +73,8 @@ class Outcome:
     leaks: list[Leak] = field(default_factory=list)  # process leaks first, then the probes'
     cutoff: int | None = None  # on timeout: how many frames had arrived by the deadline
     captured: list[str] = field(default_factory=list)  # tails of the test's captured output
+    method: str = "spawn"  # how the process was started: spawn or forkserver
+    prewarmed: bool = False  # started ahead of its turn (prewarm)
 
     @property
     def escaped(self) -> list[dict[str, Any]]:
@@ -113,13 +118,241 @@ class Outcome:
         return [payload for k, payload in self.frames_in_time if k == kind]
 
 
-class Supervisor:
-    """Runs jobs in fresh ``spawn`` processes, one at a time, with files under ``workdir``."""
+START_METHODS = ("spawn", "forkserver")
 
-    def __init__(self, workdir: Path, *, capture_output: bool = True) -> None:
+
+@dataclass(eq=False)
+class Started:
+    """A started child, waiting for its go (prewarmed, or about to be run)."""
+
+    job: Any
+    reader: Connection  # frames from the child
+    go: Connection  # the go (and its environment) to the child
+    env: dict[str, str]  # what the child started with
+    method: str
+    output: Path | None
+    stack_file: Path
+    capture_prefix: Path
+    # multiprocessing's Process (spawn) or a ``Forked``; None until the fork server answers
+    proc: Any = None
+    sentinel: Any = None  # readable once the child has exited
+    failed: str | None = None  # the fork server could not fork it
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def attach(self, proc: Any) -> None:
+        self.proc = proc
+        self.sentinel = _pidfd(proc)
+
+    def close(self) -> None:
+        """Close our ends of the pipes and the pidfd."""
+        for conn in (self.reader, self.go):
+            conn.close()
+        if isinstance(self.sentinel, int):
+            with contextlib.suppress(OSError):
+                os.close(self.sentinel)
+        self.sentinel = None
+
+    def capture_files(self) -> list[Path]:
+        """The files pytest captured the test's output into, in order."""
+        prefix = self.capture_prefix
+        return sorted(
+            prefix.parent.glob(prefix.name + "*"), key=lambda p: int(p.name.rsplit("-", 1)[1])
+        )
+
+
+class Forked:
+    """A process the fork server forked and that is now our child: ``Process``'s subset we use."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.exitcode: int | None = None
+        self.sentinel = None  # the pidfd serves instead
+
+    def join(self, timeout: float | None = None) -> None:
+        if self.exitcode is not None:
+            return
+        try:
+            pid, status = os.waitpid(self.pid, 0 if timeout is None else os.WNOHANG)
+        except ChildProcessError:
+            self.exitcode = 255
+            return
+        if pid:
+            self.exitcode = os.waitstatus_to_exitcode(status)
+
+
+class Supervisor:
+    """Runs jobs in fresh processes, one at a time, with files under ``workdir``.
+
+    ``start="forkserver"`` forks them from a ``forkserver.ForkServer`` (started on
+    first use); when it cannot serve, the supervisor falls back to ``spawn`` for
+    good and says why once in ``notices``. Fork requests are answered in order
+    and read only when needed, so a prewarm fork costs the running test nothing.
+    """
+
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        capture_output: bool = True,
+        start: str = "spawn",
+        preload: tuple[str, ...] = (),
+        exec_env: dict[str, str] | None = None,
+        server_args: tuple[tuple[str, ...], str] | None = None,
+    ) -> None:
         self.workdir = workdir
         self.capture_output = capture_output
+        self.method = start
+        self.preload = tuple(preload)
+        self.exec_env = dict(exec_env or {})  # must be there at exec (LD_PRELOAD of a probe)
+        self.server_args = server_args  # (pytest args, invocation dir) for the fork server
+        self.server: ForkServer | None = None
+        self.notices: list[str] = []  # start-method problems, for the plugin to show once
+        self.stale: str | None = None  # why a prewarmed child had to be replaced, once seen
+        self.live: dict[int, Started] = {}  # started children not yet reaped, by id()
+        self._awaiting: collections.deque[Started] = collections.deque()  # fork answers due
         self._ctx = multiprocessing.get_context("spawn")
+
+    def start_server(self) -> None:
+        """Start the fork server now (it loads while pytest collects)."""
+        if self.method == "forkserver" and self.server is None and self.server_args:
+            if not hasattr(os, "pidfd_open"):
+                self._fall_back("the fork server needs os.pidfd_open (Python 3.9+, Linux 5.3+)")
+                return
+            args, directory = self.server_args
+            log = self._private_file(f"forkserver-{next(_RUNS)}.log")
+            _ensure_resource_tracker()
+            try:
+                with _exec_environment(self.exec_env):
+                    self.server = ForkServer(self._ctx, log, self.preload, args, directory)
+            except Exception as exc:
+                self._fall_back(f"the fork server could not be started: {exc}")
+
+    def _fall_back(self, reason: str) -> None:
+        if self.method != "spawn":
+            self.notices.append(f"{reason}; isolated tests are started with spawn instead")
+        self.method = "spawn"
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+
+    def _settle(self, until: Started | None = None, *, everything: bool = False) -> None:
+        """Read the fork server's answers that are in (or due: up to ``until``, or all)."""
+        while self._awaiting:
+            first = self._awaiting[0]
+            server = self.server
+            must = everything or (until is not None and until in self._awaiting)
+            if server is None:
+                kind, payload = "failed", "the fork server is gone"
+            elif not must and not server.conn.poll(0):
+                return
+            else:
+                kind, payload = server.answer(_SERVER_WAIT)
+            self._awaiting.popleft()
+            if kind == "forked":
+                first.attach(Forked(payload))
+            else:
+                first.failed = payload
+                self._fall_back(payload)
+
+    def discard(self, started: Started) -> None:
+        """Kill a child that will not run (its test is not next after all), reap it, tidy up."""
+        if self.live.pop(id(started), None) is None:
+            return  # already run or discarded: its pid may belong to someone else by now
+        self._settle(started)
+        if started.proc is not None:
+            _signal_tree(started.proc, signal.SIGKILL, [])
+            _reap(started.proc, started.sentinel)
+        started.close()
+        _remove(started.output, started.stack_file, *started.capture_files())
+
+    def close(self) -> None:
+        """Discard children that never got their go, and stop the fork server."""
+        for started in list(self.live.values()):
+            self.discard(started)
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+
+    def spare(self, *, settle: bool = False) -> frozenset[int]:
+        """Our processes that are not a test's leftovers: the server and waiting children.
+
+        ``settle``: wait for pending fork answers first, so that every child counts.
+        """
+        self._settle(everything=settle)
+        pids = {s.pid for s in self.live.values() if s.proc is not None}
+        if self.server is not None:
+            pids.add(self.server.pid)
+        return frozenset(pids)
+
+    def start(self, job: Any, env: dict[str, str] | None = None, *, warm: bool = False) -> Started:
+        """Start ``job``'s process; it runs up to its go and waits.
+
+        ``env`` is applied first thing in the child. A ``warm`` child (prewarmed
+        ahead of its turn) also imports the preload modules while it waits (the
+        fork server has them already), and its fork may still be under way.
+        """
+        tag = f"{os.getpid()}-{next(_RUNS)}"
+        output = self._private_file(f"out-{tag}.log") if self.capture_output else None
+        stack_file = self._private_file(f"stack-{tag}.txt")
+        capture_prefix = self.workdir / f"cap-{tag}-"
+        if self.method == "forkserver":
+            self.start_server()
+        method = "forkserver" if self.server is not None else "spawn"
+        boot = child.Bootstrap(
+            parent_pid=os.getpid(),
+            output=str(output) if output else None,
+            stack_file=str(stack_file),
+            stack_signal=STACK_SIGNAL,
+            spill_dir=str(self.workdir),
+            capture_prefix=str(capture_prefix),
+            env=tuple(sorted((env or {}).items())),
+            preload=self.preload if warm and method == "spawn" else (),
+        )
+        reader, writer = self._ctx.Pipe(duplex=False)
+        go_reader, go_writer = self._ctx.Pipe(duplex=False)
+        started = Started(
+            job=job,
+            reader=reader,
+            go=go_writer,
+            env=dict(env or {}),
+            method=method,
+            output=output,
+            stack_file=stack_file,
+            capture_prefix=capture_prefix,
+        )
+        # The tracker is a long-lived helper of ours, not something the test left behind.
+        _ensure_resource_tracker()
+        try:
+            if self.server is not None:
+                try:
+                    fds = [writer.fileno(), go_reader.fileno()]
+                    self.server.request_fork(boot, job, fds, _SERVER_WAIT)
+                    self._awaiting.append(started)
+                except Unavailable as exc:
+                    self._fall_back(str(exc))
+            if started.method == "forkserver" and started not in self._awaiting:
+                started.method = "spawn"
+            if started.method == "spawn":
+                proc = self._ctx.Process(
+                    target=child.main, args=(boot, job, writer, go_reader), daemon=False
+                )
+                with _exec_environment(self.exec_env):
+                    proc.start()
+                started.attach(proc)
+        except Exception as exc:
+            started.close()
+            _remove(output, stack_file)
+            raise StartError(f"could not start the isolated process: {exc}") from exc
+        finally:
+            writer.close()
+            go_reader.close()
+        self.live[id(started)] = started
+        if not warm:
+            self._settle(started)
+        return started
 
     def run(
         self,
@@ -129,65 +362,76 @@ class Supervisor:
         grace: float,
         env: dict[str, str] | None = None,
         probes: tuple[Probe, ...] = (),
+        started: Started | None = None,
     ) -> Outcome:
-        """Run ``job`` (an object with ``run(conn, boot)``) in a fresh process.
+        """Run ``job`` (an object with ``run(channel, boot)``) in a fresh process.
 
-        ``probes`` are leak checks besides the process sweep, which always runs.
+        ``started``: the job's prewarmed process, if there is one. ``probes`` are
+        leak checks besides the process sweep, which always runs. The timeout
+        clock starts at the go.
         """
-        tag = f"{os.getpid()}-{next(_RUNS)}"
-        output = self._private_file(f"out-{tag}.log") if self.capture_output else None
-        stack_file = self._private_file(f"stack-{tag}.txt")
-        capture_prefix = self.workdir / f"cap-{tag}-"
-        boot = child.Bootstrap(
-            parent_pid=os.getpid(),
-            output=str(output) if output else None,
-            stack_file=str(stack_file),
-            stack_signal=STACK_SIGNAL,
-            spill_dir=str(self.workdir),
-            capture_prefix=str(capture_prefix),
-            env=tuple(sorted((env or {}).items())),
-        )
-        reader, writer = self._ctx.Pipe(duplex=False)
-        # The tracker is a long-lived helper of ours, not something the test left behind.
-        _ensure_resource_tracker()
-        probes = (ProcessProbe(), *probes)
+        if started is not None:
+            self._settle(started)
+            if started.failed is not None:  # the fork server could not fork it after all
+                self.discard(started)
+                started = None
+        prewarmed = started is not None
+        if started is None:
+            started = self.start(job, env)
+        outcome = self._run(started, timeout=timeout, grace=grace, env=env, probes=probes)
+        stale = outcome.frames_of("stale")
+        if stale:  # it initialised CUDA before it knew its GPUs: run a fresh one
+            self.stale = self.stale or stale[0]
+            prewarmed = False
+            outcome = self._run(
+                self.start(job, env), timeout=timeout, grace=grace, env=env, probes=probes
+            )
+        outcome.prewarmed = prewarmed
+        return outcome
+
+    def _run(
+        self,
+        started: Started,
+        *,
+        timeout: float | None,
+        grace: float,
+        env: dict[str, str] | None,
+        probes: tuple[Probe, ...],
+    ) -> Outcome:
+        proc, reader, sentinel = started.proc, started.reader, started.sentinel
+        sweep = ProcessProbe(spare=self.spare() - {proc.pid})
+        probes = (sweep, *probes)
         snapshots = [probe.snapshot() for probe in probes]
-        wall_start = time.time()
-        proc = self._ctx.Process(target=child.main, args=(boot, job, writer), daemon=False)
-        exec_env: dict[str, str] = {}
+        go_env = dict(env or {})
         for probe in probes:
-            exec_env.update(getattr(probe, "exec_env", {}))
-        try:
-            with _exec_environment(exec_env):
-                proc.start()
-        except Exception as exc:
-            reader.close()
-            _remove(output, stack_file)
-            raise StartError(f"could not start the isolated process: {exc}") from exc
-        finally:
-            writer.close()
-        started = time.monotonic()
-        sentinel = _pidfd(proc)
+            go_env.update(getattr(probe, "child_env", {}))
+        wall_start = time.time()
+        with contextlib.suppress(OSError):  # a child that already died has no use for it
+            started.go.send(go_env)
+        started.go.close()
+        begun = time.monotonic()
         frames: list[tuple[str, Any]] = []
         timed_out = False
         cutoff = None
         stack = ""
         interrupted = False
         try:
-            deadline = None if timeout is None else started + timeout
+            deadline = None if timeout is None else begun + timeout
             if not _pump(reader, sentinel, frames, deadline):
                 timed_out, cutoff = True, len(frames)
                 # Before its bootstrap the child has no handler and the signal would kill it.
                 if any(kind == "ready" for kind, _ in frames):
-                    stack = _dump_stack(proc.pid, stack_file)
+                    stack = _dump_stack(proc.pid, started.stack_file)
                 _terminate(proc, reader, sentinel, frames, grace)
         except BaseException:  # KeyboardInterrupt: take the child's tree down before leaving
             interrupted = True
             _terminate(proc, reader, sentinel, frames, min(grace, 1.0))
             raise
         finally:
-            duration = time.monotonic() - started
+            duration = time.monotonic() - begun
             _reap(proc, sentinel)
+            self.live.pop(id(started), None)
+            sweep.spare = self.spare(settle=True)  # children forked during the test included
             run = RunInfo(proc.pid, wall_start, time.time(), grace, frozenset({proc.pid}))
             leaks: list[Leak] = []
             # Interrupted: only the sweep, which must never be skipped.
@@ -197,16 +441,11 @@ class Supervisor:
                 leaks += found
                 pids = {leak.fields["pid"] for leak in found if leak.kind == "process"}
                 run = dataclasses.replace(run, tree_pids=run.tree_pids | pids)
-            reader.close()
-            if isinstance(sentinel, int):
-                os.close(sentinel)
-            written = _read_output(output) if output else ""
-            captures = sorted(
-                self.workdir.glob(capture_prefix.name + "*"),
-                key=lambda p: int(p.name.rsplit("-", 1)[1]),
-            )
+            started.close()
+            written = _read_output(started.output) if started.output else ""
+            captures = started.capture_files()
             captured = [text for text in map(_tail, captures) if text.strip()]
-            _remove(output, stack_file, *captures)
+            _remove(started.output, started.stack_file, *captures)
         return Outcome(
             frames=frames,
             pid=proc.pid,
@@ -218,6 +457,7 @@ class Supervisor:
             leaks=leaks,
             cutoff=cutoff,
             captured=captured,
+            method=started.method,
         )
 
     def _private_file(self, name: str) -> Path:
@@ -323,9 +563,7 @@ def _dump_stack(pid: int, stack_file: Path) -> str:
     return text.strip()
 
 
-def _signal_tree(
-    proc: multiprocessing.process.BaseProcess, sig: int, extra: list[psutil.Process]
-) -> None:
+def _signal_tree(proc: Any, sig: int, extra: list[psutil.Process]) -> None:
     """Signal the child's process group (or the child alone before it made one) and ``extra``."""
     try:
         if os.getpgid(proc.pid) == proc.pid:

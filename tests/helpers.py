@@ -25,9 +25,12 @@ _FAST = ("-p", "no:hypothesispytest")
 class GpuIso:
     """Copy fixture programs into a pytester directory and run pytest on them."""
 
-    def __init__(self, pytester: pytest.Pytester) -> None:
+    def __init__(self, pytester: pytest.Pytester, start: str = "spawn") -> None:
         self.pytester = pytester
         self.path = pytester.path
+        self.start = start
+        # The programs here do not import torch: preloading it would only cost time.
+        self.start_options = (f"--gpu-isolate-start={start}", "--gpu-isolate-preload=none")
 
     def copy(self, *names: str) -> None:
         """Copy files or directories from fixtures/programs/ into the test directory."""
@@ -46,7 +49,9 @@ class GpuIso:
     def run_with_cache(self, *args: str, timeout: float = 180) -> pytest.RunResult:
         # hypothesis's pytest plugin costs ~0.6 s in every process, isolated children
         # included; @given tests work without it, so the runs here leave it out.
-        return self.pytester.runpytest_subprocess(*_FAST, *args, timeout=timeout)
+        return self.pytester.runpytest_subprocess(
+            *_FAST, *self.start_options, *args, timeout=timeout
+        )
 
     def report(self, name: str = "report.json") -> dict:
         return json.loads((self.path / name).read_text())
@@ -57,7 +62,16 @@ class GpuIso:
     def popen(self, *args: str, env: dict | None = None) -> subprocess.Popen:
         """Start pytest as a background process (for signal tests)."""
         return subprocess.Popen(
-            [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *_FAST, *args],
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-p",
+                "no:cacheprovider",
+                *_FAST,
+                *self.start_options,
+                *args,
+            ],
             cwd=self.path,
             env={**os.environ, **(env or {})},
             stdout=subprocess.PIPE,

@@ -208,10 +208,12 @@ def test_timed_out_test_never_passes(gpuiso) -> None:
 def test_timeout_during_start_up_is_ended_by_the_escalation(gpuiso) -> None:
     """A timeout that fires while the child is still starting is ended by SIGTERM (or
     SIGKILL), not by the stack-dump request."""
+    if gpuiso.start == "forkserver":
+        pytest.skip("a forked process has finished its bootstrap before the timeout clock starts")
     gpuiso.copy("test_crashes.py")
     result = gpuiso.run(
         "--gpu-isolate",
-        "--gpu-isolate-timeout=0.01",
+        "--gpu-isolate-timeout=0.001",
         GRACE,
         REPORT,
         "test_crashes.py::test_after_crashes",
@@ -220,7 +222,7 @@ def test_timeout_during_start_up_is_ended_by_the_escalation(gpuiso) -> None:
     record = gpuiso.records()["test_crashes.py::test_after_crashes"]
     assert record["exit"]["timed_out"]
     assert "ended by signal" not in result.stdout.str()
-    assert record["exit"]["signal"] in ("SIGTERM", "SIGKILL"), record
+    assert record["exit"]["signal"] in ("SIGTERM", "SIGKILL"), record["exit"]
 
 
 # --------------------------------------------------------------------------- crashes

@@ -108,8 +108,9 @@ def test_report_header_describes_settings(gpuiso):
     result = gpuiso.run("--gpu-isolate", "--gpu-isolate-timeout=30", "--gpu-isolate-grace=2")
     result.stdout.fnmatch_lines(
         [
-            "gpu-isolate: every test in a fresh spawn process, timeout 30 s "
-            "(--gpu-isolate-timeout), grace 2 s"
+            "gpu-isolate: every test in a fresh process, timeout 30 s "
+            "(--gpu-isolate-timeout), grace 2 s",
+            f"gpu-isolate: start {gpuiso.start}*, preload none, prewarm next 1 test",
         ]
     )
 

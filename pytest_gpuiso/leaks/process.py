@@ -58,8 +58,8 @@ def _children(pid: int) -> list[int] | None:
     return kids
 
 
-def descendant_keys() -> set[tuple[int, float]]:
-    """(pid, start time) of every descendant of this process.
+def descendant_keys(spare: frozenset[int] = frozenset()) -> set[tuple[int, float]]:
+    """(pid, start time) of every descendant of this process, except ``spare`` subtrees.
 
     Walks ``/proc/PID/task/*/children`` from this process down, so the cost grows
     with our descendants, not with every process on the machine (a busy CI host
@@ -70,13 +70,21 @@ def descendant_keys() -> set[tuple[int, float]]:
     while todo:
         kids = _children(todo.pop())
         if kids is None:
-            return {_key(p) for p in psutil.Process().children(recursive=True)}
+            return _descendant_keys_psutil(spare)
         for kid in kids:
             start = _start_time(kid)
-            if start is not None:
+            if start is not None and kid not in spare:
                 keys.add((kid, float(start)))
                 todo.append(kid)
     return keys
+
+
+def _descendant_keys_psutil(spare: frozenset[int]) -> set[tuple[int, float]]:
+    skip = set(spare)
+    for pid in spare:
+        with contextlib.suppress(psutil.Error):
+            skip.update(p.pid for p in psutil.Process(pid).children(recursive=True))
+    return {_key(p) for p in psutil.Process().children(recursive=True) if p.pid not in skip}
 
 
 def _key(p: psutil.Process) -> tuple[int, float]:
@@ -84,12 +92,16 @@ def _key(p: psutil.Process) -> tuple[int, float]:
     return (p.pid, float(start) if start is not None else 0.0)
 
 
-def sweep(before: set[tuple[int, float]], grace: float) -> list[dict[str, Any]]:
+def sweep(
+    before: set[tuple[int, float]], grace: float, spare: frozenset[int] = frozenset()
+) -> list[dict[str, Any]]:
     """Kill (TERM, grace, KILL) and reap descendants that appeared since ``before``.
 
-    Returns the ones that were still running, as ``{"pid", "cmdline"}``.
+    ``spare``: our own processes (the fork server, prewarmed children), whose
+    subtrees are not the test's. Returns the ones that were still running, as
+    ``{"pid", "cmdline"}``.
     """
-    new_keys = descendant_keys() - before
+    new_keys = descendant_keys(spare) - before
     if not new_keys:
         return []
     new = []
@@ -121,8 +133,11 @@ class ProcessProbe:
 
     kind = "process"
 
+    def __init__(self, spare: frozenset[int] = frozenset()) -> None:
+        self.spare = spare  # our processes beside the test's: never its leftovers
+
     def snapshot(self) -> set[tuple[int, float]]:
-        return descendant_keys()
+        return descendant_keys(self.spare)
 
     def check(self, before: set[tuple[int, float]], run: RunInfo) -> list[Leak]:
         return [
@@ -131,5 +146,5 @@ class ProcessProbe:
                 f"process {e['pid']} still running after the test ended (killed): {e['cmdline']}",
                 {"pid": e["pid"], "cmdline": e["cmdline"]},
             )
-            for e in sweep(before, run.grace)
+            for e in sweep(before, run.grace, self.spare)
         ]

@@ -52,6 +52,14 @@ def shim_path() -> str | None:
     return None
 
 
+def preload_env() -> dict[str, str]:
+    """What a process must be started with for the shim to trace it (empty: no shim)."""
+    shim = shim_path()
+    if shim is None:
+        return {}
+    return {"LD_PRELOAD": " ".join(p for p in (shim, os.environ.get("LD_PRELOAD", "")) if p)}
+
+
 def read_log(path: str) -> dict[str, int]:
     """name -> creating pid, from the shim's log."""
     created: dict[str, int] = {}
@@ -128,12 +136,11 @@ class ShmProbe:
         self.directory = directory
         self.uid = os.getuid()
         self.alone = alone
-        shim = shim_path() if log is not None else None
-        self.log = str(log) if shim else None
-        self.exec_env: dict[str, str] = {}
-        if shim and self.log:
-            preload = " ".join(p for p in (shim, os.environ.get("LD_PRELOAD", "")) if p)
-            self.exec_env = {"LD_PRELOAD": preload, LOG_ENV: self.log}
+        preload = preload_env() if log is not None else {}
+        self.log = str(log) if preload else None
+        # The process gets LD_PRELOAD when it is started (it may be started before
+        # this test's turn) and the log's path with its go.
+        self.child_env: dict[str, str] = {**preload, LOG_ENV: self.log} if self.log else {}
 
     def snapshot(self) -> dict[str, int]:
         if self.log:
