@@ -1,4 +1,4 @@
-"""pytest-gpuiso: run GPU tests in fresh spawned processes, bounded and crash-proof."""
+"""pytest-gpuiso: run GPU tests in fresh processes with a clean CUDA context, crash-proof."""
 
 from __future__ import annotations
 

@@ -43,7 +43,7 @@ from .supervisor import Started, Supervisor
 
 MARKER_DOC = (
     f"{MARKER}(timeout=None, grace=None, gpus=None, allow_leaks=()): run this test in a fresh "
-    "spawned process with a clean CUDA context (pytest-gpuiso)"
+    "process with a clean CUDA context (pytest-gpuiso)"
 )
 
 
@@ -82,7 +82,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="store_true",
         dest="gpu_isolate",
         default=None,
-        help="run every test in a fresh spawned process (ini: gpu_isolate).",
+        help="run every test in a fresh process (ini: gpu_isolate).",
     )
     group.addoption(
         "--no-gpu-isolate",
@@ -95,7 +95,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--gpu-isolate-timeout",
         dest="gpu_isolate_timeout",
         metavar="SECONDS",
-        help="timeout of an isolated test, start-up included (default 900; "
+        help="timeout of an isolated test, counted from its turn (default 900; "
         "ini: gpu_isolate_timeout).",
     )
     group.addoption(

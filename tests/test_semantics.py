@@ -449,7 +449,7 @@ def test_markers_lists_gpu_isolated(gpuiso: GpuIso) -> None:
     result.stdout.fnmatch_lines(
         [
             "@pytest.mark.gpu_isolated(timeout=None, grace=None, gpus=None, allow_leaks=()): "
-            "run this test in a fresh spawned process*"
+            "run this test in a fresh process with a clean CUDA context*"
         ]
     )
 
