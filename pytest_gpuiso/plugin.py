@@ -520,23 +520,35 @@ def _runs_tests(config: pytest.Config) -> bool:
     return hasattr(config, "workerinput") or dist == "no" or not dist
 
 
+def _wants_server(config: pytest.Config, state: State | None) -> bool:
+    if state is None or state.settings.mode == "off" or state.settings.start != "forkserver":
+        return False
+    return _runs_tests(config) and not config.option.collectonly
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection(session: pytest.Session) -> None:
-    """Start the fork server now, so that it imports torch while pytest collects."""
+    """Start the fork server now, so that it imports torch while pytest collects.
+
+    Only when every test is isolated; otherwise once collection found a marked test.
+    """
     state = session.config.stash.get(STATE, None)
-    if state is None or state.settings.mode == "off" or state.settings.start != "forkserver":
-        return
-    if _runs_tests(session.config):
+    if _wants_server(session.config, state) and state.settings.mode == "all":
         _supervisor(session.config, state).start_server()
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Tell the fork server which test directories' conftests to import."""
     state = session.config.stash.get(STATE, None)
-    server = state.supervisor.server if state is not None and state.supervisor else None
-    if server is not None:
-        directories = {str(item.path.parent) for item in session.items if _isolated(item)}
-        server.load_conftests(sorted(directories))
+    if not _wants_server(session.config, state):
+        return
+    directories = {str(item.path.parent) for item in session.items if _isolated(item)}
+    if not directories:
+        return
+    supervisor = _supervisor(session.config, state)
+    supervisor.start_server()
+    if supervisor.server is not None:
+        supervisor.server.load_conftests(sorted(directories))
 
 
 @pytest.hookimpl(trylast=True)
