@@ -352,6 +352,9 @@ class Supervisor:
         self.live[id(started)] = started
         if not warm:
             self._settle(started)
+            if started.failed is not None:  # refused: we use spawn from now on
+                self.discard(started)
+                return self.start(job, env)
         return started
 
     def run(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import GpuIso
+from tests.helpers import GpuIso, make_gpuiso
 
 
 @pytest.fixture(params=["spawn", "forkserver"])
@@ -15,11 +15,5 @@ def gpuiso(
 
     Every test that uses it runs twice, once per start method (spawn, forkserver):
     each guarantee must hold whichever way the isolated processes start.
-
-    The runs see the same terminal everywhere: pytest stops truncating summary lines
-    when it detects CI (CI, BUILD_NUMBER), and wraps at the terminal's width.
     """
-    monkeypatch.delenv("CI", raising=False)
-    monkeypatch.delenv("BUILD_NUMBER", raising=False)
-    monkeypatch.setenv("COLUMNS", "80")
-    return GpuIso(pytester, start=request.param)
+    return make_gpuiso(pytester, monkeypatch, request.param)

@@ -80,6 +80,17 @@ class GpuIso:
         )
 
 
+def make_gpuiso(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, start: str = "spawn"
+) -> GpuIso:
+    """A ``GpuIso`` whose runs see the same terminal everywhere: pytest stops truncating
+    summary lines when it detects CI (CI, BUILD_NUMBER), and wraps at the terminal's width."""
+    monkeypatch.delenv("CI", raising=False)
+    monkeypatch.delenv("BUILD_NUMBER", raising=False)
+    monkeypatch.setenv("COLUMNS", "80")
+    return GpuIso(pytester, start=start)
+
+
 def wait_for_file(path: Path, timeout: float = 60) -> str:
     """Wait until ``path`` exists and is not empty; return its text."""
     deadline = time.monotonic() + timeout

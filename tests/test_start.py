@@ -1,0 +1,465 @@
+"""Start methods: the fork server, preloading, prewarming and their fallbacks.
+
+The sessions run the programs in fixtures/programs/ (test_start_*.py, start_*.py).
+Their tests log how their process was started (``start_log``: pid, parent,
+creation time on the boot clock, whether the preload module was there and who
+imported it) as JSON lines; the tests here check those lines, the outcomes, the
+JSON report's ``start`` records, the warnings summary and the processes left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import PROGRAMS, GpuIso, kill_quietly, make_gpuiso, wait_gone
+
+REPORT = "--gpu-isolate-report=report.json"
+PRELOAD = "start_preload_mod"
+TICK = 1 / os.sysconf("SC_CLK_TCK")  # resolution of a process's creation time
+USAGE_ERROR = pytest.ExitCode.USAGE_ERROR
+
+PROCS = "test_start_procs.py"
+LOGGERS = [f"{PROCS}::test_logs_its_process[{i}]" for i in range(3)]
+IMPORTER = f"{PROCS}::test_imports_the_preload_module_itself"
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+@pytest.fixture
+def forkserver_iso(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> GpuIso:
+    return make_gpuiso(pytester, monkeypatch, "forkserver")
+
+
+@pytest.fixture
+def spawn_iso(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> GpuIso:
+    return make_gpuiso(pytester, monkeypatch, "spawn")
+
+
+class Logs:
+    """The files the programs append to, named through environment variables."""
+
+    def __init__(self, directory: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.tests = directory / "tests.jsonl"  # start_log.log(): one line per test
+        self.preload = directory / "preload.log"  # start_preload_mod: one pid per import
+        self.imports = directory / "imports.jsonl"  # start_cuda_conftest: one line per import
+        monkeypatch.setenv("GPUISO_START_LOG", str(self.tests))
+        monkeypatch.setenv("GPUISO_START_PRELOAD_LOG", str(self.preload))
+        monkeypatch.setenv("GPUISO_START_IMPORTS", str(self.imports))
+
+    def by_test(self) -> dict[str, dict]:
+        rows = _json_lines(self.tests)
+        by_test = {row["test"]: row for row in rows}
+        assert len(by_test) == len(rows), rows  # each test ran (and logged) once
+        return by_test
+
+    def preloaded_by(self) -> list[int]:
+        if not self.preload.exists():
+            return []
+        return [int(pid) for pid in self.preload.read_text().split()]
+
+    def conftest_imports(self) -> list[dict]:
+        return _json_lines(self.imports)
+
+
+def _json_lines(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture
+def logs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Logs:
+    directory = tmp_path / "logs"
+    directory.mkdir()
+    return Logs(directory, monkeypatch)
+
+
+@pytest.fixture(scope="session")
+def fake_libcuda(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fake CUDA driver (libcuda.so.1) built from fixtures/programs/start_fake_libcuda.c."""
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        pytest.skip("gcc is needed to build a fake libcuda.so.1")
+    lib = tmp_path_factory.mktemp("fake-cuda") / "libcuda.so.1"
+    subprocess.run(
+        [gcc, "-shared", "-fPIC", "-o", str(lib), str(PROGRAMS / "start_fake_libcuda.c")],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    return lib
+
+
+@pytest.fixture
+def region(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A private lease table for the fake GPUs of this test."""
+    path = tmp_path / "leases"
+    monkeypatch.setenv("PYTEST_GPUISO_LEASE_REGION", str(path))
+    return path
+
+
+def _cuda_conftest(iso: GpuIso, monkeypatch: pytest.MonkeyPatch, lib: Path | None) -> None:
+    """A conftest.py that loads ``lib`` (the fake driver) at import, in every process."""
+    shutil.copy(PROGRAMS / "start_cuda_conftest.py", iso.path / "conftest.py")
+    if lib is None:
+        monkeypatch.delenv("GPUISO_FAKE_LIBCUDA", raising=False)
+    else:
+        monkeypatch.setenv("GPUISO_FAKE_LIBCUDA", str(lib))
+
+
+def _starts(iso: GpuIso) -> dict[str, dict]:
+    return {nodeid: record["start"] for nodeid, record in iso.records().items()}
+
+
+def _start_warnings(result: pytest.RunResult) -> list[str]:
+    return [line for line in result.outlines if "GpuIsoStartWarning" in line]
+
+
+# --------------------------------------------------------------------------- the fork server
+
+
+@pytest.mark.parametrize(
+    ("start", "prewarm"),
+    [("forkserver", 1), ("spawn", 0), ("spawn", 1)],
+    ids=["forkserver", "spawn-no-prewarm", "spawn-prewarm"],
+)
+def test_preload_and_where_the_processes_come_from(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, logs: Logs, start, prewarm
+) -> None:
+    """forkserver: every test runs in its own process forked from one server, which
+    imported the preload module once; each process is pytest's own child. spawn without
+    prewarming imports the preload module nowhere ahead of the tests; a prewarmed spawned
+    process imports it itself while it waits."""
+    iso = make_gpuiso(pytester, monkeypatch, start)
+    iso.copy("start_log.py", "start_preload_mod.py", PROCS)
+    preload, prewarming = f"--gpu-isolate-preload={PRELOAD}", f"--gpu-isolate-prewarm={prewarm}"
+    result = iso.run("--gpu-isolate", preload, prewarming, REPORT, PROCS)
+    result.assert_outcomes(passed=4)
+    runs = logs.by_test()
+    records = iso.records()
+    assert sorted(runs) == sorted([*LOGGERS, IMPORTER])
+    pids = [run["pid"] for run in runs.values()]
+    assert len(set(pids)) == 4, runs  # a fresh process for every test
+    for nodeid, run in runs.items():
+        assert records[nodeid]["pid"] == run["pid"]
+        # The test's parent is the pytest process this test started, under both methods.
+        assert run["grandparent"] == os.getpid(), run
+    [pytest_pid] = {run["ppid"] for run in runs.values()}
+    prewarmed = {nodeid: nodeid != LOGGERS[0] and prewarm > 0 for nodeid in runs}
+    assert _starts(iso) == {
+        nodeid: {"method": start, "prewarmed": prewarmed[nodeid]} for nodeid in runs
+    }
+    preloaded_by = logs.preloaded_by()
+    if start == "forkserver":
+        result.stdout.fnmatch_lines(
+            [
+                f"gpu-isolate: start forkserver (*), preload {PRELOAD}, prewarm next 1 test",
+                "gpu-isolate: started 4 forkserver; 3 prewarmed",
+            ]
+        )
+        # Imported once, by the server: neither pytest nor any test's process imported it,
+        # yet every test found it imported (inherited through the fork), and the objects
+        # the server froze for the garbage collector.
+        [server] = preloaded_by
+        assert server not in pids and server != pytest_pid
+        for run in runs.values():
+            assert run["before"] and run["preloaded_in"] == server, run
+            assert run["frozen"] > 0, run
+    elif prewarm == 0:
+        result.stdout.fnmatch_lines(
+            [f"gpu-isolate: start spawn, preload {PRELOAD}, prewarm off", "*started 4 spawn; 0*"]
+        )
+        # Nobody imported it ahead; the test that imports it did so in its own process.
+        assert preloaded_by == [runs[IMPORTER]["pid"]]
+        for run in runs.values():
+            assert not run["before"], run
+        assert runs[IMPORTER]["preloaded_in"] == runs[IMPORTER]["pid"]
+        assert all(runs[nodeid]["preloaded_in"] is None for nodeid in LOGGERS)
+    else:
+        result.stdout.fnmatch_lines(["*started 4 spawn; 3 prewarmed"])
+        # Each prewarmed process imported it itself, while waiting for its go.
+        ahead = [run for nodeid, run in runs.items() if prewarmed[nodeid]]
+        assert sorted(preloaded_by) == sorted(run["pid"] for run in ahead)
+        for run in ahead:
+            assert run["before"] and run["preloaded_in"] == run["pid"], run
+        assert not runs[LOGGERS[0]]["before"]
+
+
+@pytest.mark.parametrize("prewarm", [1, 0])
+def test_server_with_cuda_refuses_to_fork_and_tests_start_with_spawn(
+    forkserver_iso: GpuIso, logs: Logs, fake_libcuda: Path, monkeypatch, prewarm
+) -> None:
+    """A conftest loads the CUDA driver at import, so the fork server has it mapped when
+    asked to fork: it refuses, every test still passes (started with spawn), and the
+    reason is said once."""
+    iso = forkserver_iso
+    iso.copy("start_log.py", "start_preload_mod.py", PROCS)
+    _cuda_conftest(iso, monkeypatch, fake_libcuda)
+    result = iso.run("--gpu-isolate", f"--gpu-isolate-prewarm={prewarm}", REPORT, PROCS)
+    result.assert_outcomes(passed=4, warnings=1)
+    [warning] = _start_warnings(result)
+    assert "the fork server refused to fork: the CUDA driver library is loaded" in warning
+    assert f"{fake_libcuda}); isolated tests are started with spawn instead" in warning
+    assert {start["method"] for start in _starts(iso).values()} == {"spawn"}
+    result.stdout.fnmatch_lines(["gpu-isolate: started 4 spawn; *"])
+
+
+@pytest.mark.parametrize("driver", [True, False], ids=["libcuda-loaded", "clean"])
+def test_a_fork_of_a_process_with_the_driver_counts_as_touched(fake_libcuda: Path, driver):
+    """cuda_state.touched() in a forked child names the driver library its parent loaded
+    (in a subprocess: this process never maps the fake driver)."""
+    seen = _probe("touched", fake_libcuda if driver else None)
+    if driver:
+        expected = f"the CUDA driver library is loaded ({fake_libcuda})"
+        assert seen == {"parent": expected, "child": expected}
+    else:
+        assert seen == {"parent": None, "child": None}
+
+
+@pytest.mark.parametrize("driver", [True, False], ids=["libcuda-loaded", "clean"])
+def test_an_isolated_process_with_cuda_state_refuses_to_run(fake_libcuda: Path, driver):
+    """child.main, started in a fork of a process that loaded the driver, sends an error
+    naming libcuda and runs nothing; from a clean process it runs its job."""
+    seen = _probe("child-main", fake_libcuda if driver else None)
+    kinds = [kind for kind, _ in seen["frames"]]
+    if driver:
+        assert (kinds, seen["status"]) == (["error"], 1), seen
+        message = seen["frames"][0][1]
+        assert "started with CUDA state it must not have" in message
+        assert f"the CUDA driver library is loaded ({fake_libcuda})" in message
+    else:
+        assert (kinds, seen["status"]) == (["ready", "result", "done"], 0), seen
+        assert seen["frames"][1][1] == seen["child"]  # the job ran, in the forked child
+
+
+def test_unsafe_to_fork_reports_a_running_thread() -> None:
+    """forkserver.unsafe_to_fork() names the threads of a process that has more than one
+    (in a subprocess: this process may have threads of its own, e.g. xdist's)."""
+    seen = _probe("threads", None)
+    assert seen["alone"] is None, seen
+    assert seen["with_thread"] == (
+        "the fork server has 2 threads (start-probe-sleeper); a fork could deadlock"
+    )
+    assert seen["after"] is None, seen
+
+
+def _probe(mode: str, lib: Path | None) -> dict:
+    args = [sys.executable, str(PROGRAMS / "start_fork_probe.py"), mode]
+    done = subprocess.run(
+        args + ([str(lib)] if lib else []), capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_preload_module_failing_at_import_falls_back_to_spawn(
+    forkserver_iso: GpuIso, logs: Logs
+) -> None:
+    """A preload module that raises at import stops the fork server from starting: the
+    session still passes, started with spawn, and says why once."""
+    iso = forkserver_iso
+    iso.copy("start_log.py", "start_preload_mod.py", "start_preload_broken.py", PROCS)
+    result = iso.run("--gpu-isolate", "--gpu-isolate-preload=start_preload_broken", REPORT, PROCS)
+    result.assert_outcomes(passed=4, warnings=1)
+    [warning] = _start_warnings(result)
+    assert "the fork server could not start:" in warning
+    assert "importing start_preload_broken failed" in warning
+    assert "RuntimeError('start_preload_broken refuses to be imported')" in warning
+    assert warning.endswith("; isolated tests are started with spawn instead")
+    assert {start["method"] for start in _starts(iso).values()} == {"spawn"}
+    result.stdout.fnmatch_lines(["gpu-isolate: started 4 spawn; 3 prewarmed"])
+
+
+def test_forkserver_under_xdist(forkserver_iso: GpuIso, logs: Logs) -> None:
+    """-n 2: each worker has its own fork server, which imported the preload module once;
+    every test passes in a process forked from its worker's server."""
+    iso = forkserver_iso
+    iso.copy("start_log.py", "start_preload_mod.py", PROCS)
+    result = iso.run("-n", "2", "--gpu-isolate", f"--gpu-isolate-preload={PRELOAD}", REPORT, PROCS)
+    result.assert_outcomes(passed=4)
+    assert {start["method"] for start in _starts(iso).values()} == {"forkserver"}
+    runs = logs.by_test()
+    assert len(runs) == 4 and len({run["pid"] for run in runs.values()}) == 4
+    servers = logs.preloaded_by()
+    assert 1 <= len(servers) <= 2 and len(set(servers)) == len(servers), servers
+    server_of: dict[int, set[int]] = {}
+    for run in runs.values():
+        assert run["before"] and run["preloaded_in"] in servers, run
+        server_of.setdefault(run["ppid"], set()).add(run["preloaded_in"])
+    # One server per worker: a worker's tests share it, two workers never do.
+    assert all(len(found) == 1 for found in server_of.values()), server_of
+    assert len(set.union(*server_of.values())) == len(server_of), server_of
+    assert not set(servers) & ({run["pid"] for run in runs.values()} | set(server_of))
+
+
+# --------------------------------------------------------------------------- prewarming
+
+
+FIRST = "test_start_order.py::test_first_sleeps"
+SECOND = "test_start_order.py::test_second"
+
+
+@pytest.mark.parametrize("prewarm", [1, 0])
+def test_prewarm_starts_the_next_process_while_a_test_runs(gpuiso: GpuIso, logs: Logs, prewarm):
+    """--gpu-isolate-prewarm=1: the second test's process exists (as pytest's child)
+    while the first test runs; =0: it is created after the first test ended."""
+    gpuiso.copy("start_log.py", "test_start_order.py")
+    result = gpuiso.run(
+        "--gpu-isolate", f"--gpu-isolate-prewarm={prewarm}", REPORT, "test_start_order.py"
+    )
+    result.assert_outcomes(passed=2)
+    runs = logs.by_test()
+    first, second = runs[FIRST], runs[SECOND]
+    around_first = {sibling["pid"] for sibling in first["siblings"]}
+    if prewarm:
+        assert second["created"] < first["ended"], (first, second)
+        assert second["pid"] in around_first, (first, second)
+    else:
+        # Both on the boot clock; a creation time is rounded down to a clock tick.
+        assert second["created"] > first["ended"] - TICK, (first, second)
+        assert second["pid"] not in around_first, (first, second)
+    assert _starts(gpuiso) == {
+        FIRST: {"method": gpuiso.start, "prewarmed": False},
+        SECOND: {"method": gpuiso.start, "prewarmed": bool(prewarm)},
+    }
+    result.stdout.fnmatch_lines([f"gpu-isolate: started 2 {gpuiso.start}; {prewarm} prewarmed"])
+
+
+GPU_TESTS = [f"test_start_gpus.py::test_gets_a_gpu[{i}]" for i in range(3)]
+
+
+@pytest.mark.parametrize("cuda_at_import", [True, False], ids=["conftest-loads-libcuda", "clean"])
+def test_prewarmed_process_that_touched_cuda_is_replaced(
+    spawn_iso: GpuIso, logs: Logs, region, monkeypatch, request, cuda_at_import
+) -> None:
+    """Fake GPUs 0,1; a prewarmed process sees CUDA_VISIBLE_DEVICES="" until its go.
+    One whose conftest loaded the driver at import cannot switch to its GPU: a fresh
+    process runs the test, prewarming is turned off, and that is said once."""
+    iso = spawn_iso
+    lib = request.getfixturevalue("fake_libcuda") if cuda_at_import else None
+    iso.copy("start_log.py", "test_start_gpus.py")
+    _cuda_conftest(iso, monkeypatch, lib)
+    result = iso.run("--gpu-isolate-devices=0,1", REPORT, "test_start_gpus.py")
+    runs = logs.by_test()
+    assert sorted(runs) == GPU_TESTS
+    assert {run["cvd"] for run in runs.values()} <= {"0", "1"}, runs
+    test_pids = {run["pid"] for run in runs.values()}
+    assert len(test_pids) == 3
+    cvd_at_import = {row["pid"]: row["cvd"] for row in logs.conftest_imports()}
+    starts = _starts(iso)
+    if cuda_at_import:
+        result.assert_outcomes(passed=3, warnings=1)
+        [warning] = _start_warnings(result)
+        assert (
+            "prewarming turned off: a process started ahead of its test initialised CUDA "
+            f"before it was given its GPUs (the CUDA driver library is loaded ({lib}))"
+        ) in warning
+        assert starts == {nodeid: {"method": "spawn", "prewarmed": False} for nodeid in runs}
+        result.stdout.fnmatch_lines(["gpu-isolate: started 3 spawn; 0 prewarmed"])
+        # The replaced process: started ahead (no GPU yet), never ran a test.
+        replaced = [pid for pid, cvd in cvd_at_import.items() if pid not in test_pids]
+        assert any(cvd_at_import[pid] == "" for pid in replaced), cvd_at_import
+        for pid in test_pids:  # the fresh processes had their GPU from the start
+            assert cvd_at_import[pid] in ("0", "1"), cvd_at_import
+    else:
+        result.assert_outcomes(passed=3)
+        assert not _start_warnings(result)
+        assert starts == {
+            nodeid: {"method": "spawn", "prewarmed": nodeid != GPU_TESTS[0]} for nodeid in runs
+        }
+        result.stdout.fnmatch_lines(["gpu-isolate: started 3 spawn; 2 prewarmed"])
+        assert cvd_at_import[runs[GPU_TESTS[0]]["pid"]] in ("0", "1")
+        for nodeid in GPU_TESTS[1:]:  # no GPU while waiting, its GPU after the go
+            assert cvd_at_import[runs[nodeid]["pid"]] == "", cvd_at_import
+
+
+# --------------------------------------------------------------------------- clean-up
+
+
+def test_waiting_processes_do_not_outlive_the_session(gpuiso: GpuIso, logs: Logs) -> None:
+    """-x ends the session at the first test while the next test's process waits (and,
+    under forkserver, the server serves): none of pytest's other children lives on."""
+    gpuiso.copy("start_log.py", "test_start_stop.py")
+    result = gpuiso.run("--gpu-isolate", "-x", "test_start_stop.py", timeout=60)
+    result.assert_outcomes(failed=1)
+    [run] = logs.by_test().values()
+    others = run["siblings"]
+    # spawn: the prewarmed process; forkserver: the server and the process it forked.
+    started = [s for s in others if "spawn_main" in s["cmdline"]]
+    assert len(started) >= (2 if gpuiso.start == "forkserver" else 1), others
+    left = wait_gone([run["pid"], *(s["pid"] for s in others)], timeout=10)
+    kill_quietly(left)
+    assert left == [], [s for s in others if s["pid"] in left]
+
+
+# --------------------------------------------------------------------------- usage errors
+
+
+@pytest.mark.parametrize(
+    ("args", "ini", "culprit"),
+    [
+        (
+            ["--gpu-isolate-start=fork"],
+            "",
+            "invalid value 'fork' for --gpu-isolate-start: expected spawn or forkserver",
+        ),
+        (
+            [],
+            "gpu_isolate_start = bogus",
+            "invalid value 'bogus' for ini gpu_isolate_start: expected spawn or forkserver",
+        ),
+        (
+            ["--gpu-isolate-preload=nosuchmodule_xyz"],
+            "",
+            "invalid value 'nosuchmodule_xyz' for --gpu-isolate-preload: "
+            "no module named 'nosuchmodule_xyz'",
+        ),
+        (
+            ["--gpu-isolate-preload=1bad"],
+            "",
+            "invalid value '1bad' for --gpu-isolate-preload: '1bad' is not a module name",
+        ),
+        (
+            ["--gpu-isolate-prewarm=-1"],
+            "",
+            "invalid value '-1' for --gpu-isolate-prewarm: expected an integer from 0 to 16",
+        ),
+        (
+            ["--gpu-isolate-prewarm=abc"],
+            "",
+            "invalid value 'abc' for --gpu-isolate-prewarm: expected an integer from 0 to 16",
+        ),
+        (
+            [],
+            "gpu_isolate_prewarm = 99",
+            "invalid value '99' for ini gpu_isolate_prewarm: expected an integer from 0 to 16",
+        ),
+    ],
+    ids=[
+        "start-cli",
+        "start-ini",
+        "preload-missing",
+        "preload-name",
+        "prewarm-neg",
+        "prewarm-text",
+        "prewarm-ini",
+    ],
+)
+def test_bad_start_settings_are_usage_errors(pytester: pytest.Pytester, args, ini, culprit):
+    """One line naming the option (or ini key) and the value; no traceback."""
+    pytester.makepyfile(test_one="def test_one():\n    pass\n")
+    if ini:
+        pytester.makeini(f"[pytest]\n{ini}\n")
+    result = pytester.runpytest_subprocess("-p", "no:hypothesispytest", *args)
+    assert result.ret == USAGE_ERROR
+    errors = [line for line in result.errlines if line.startswith("ERROR")]
+    assert errors == [f"ERROR: gpu-isolate: {culprit}"], result.errlines
+    assert "Traceback" not in result.stderr.str() + result.stdout.str()
