@@ -76,7 +76,6 @@ class ForkServer:
         theirs.close()
         self.sock = socket.socket(fileno=os.dup(self.conn.fileno()))
         self.info: dict[str, Any] | None = None
-        self.forks = 0
 
     @property
     def pid(self) -> int:
@@ -103,7 +102,6 @@ class ForkServer:
             self.conn.send(("fork", boot, job))
         except OSError as exc:
             raise Unavailable(f"the fork server is gone ({exc}){self._log_tail()}") from None
-        self.forks += 1
 
     def answer(self, timeout: float) -> tuple[str, Any]:
         """The next answer to a fork request: ("forked", pid) or ("refused"/"failed", why)."""
