@@ -196,7 +196,9 @@ def serve(boot: ServerBoot, conn: Connection) -> None:
 
 def _one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split()) or type(exc).__name__
-    return f"{type(exc).__name__}: {text}" if text != type(exc).__name__ else text
+    if isinstance(exc, Unavailable) or text == type(exc).__name__:
+        return text  # our own message says what failed
+    return f"{type(exc).__name__}: {text}"
 
 
 def _prepare(boot: ServerBoot) -> None:
