@@ -60,24 +60,43 @@ class GpuIso:
         return {t["nodeid"]: t for t in self.report(name)["tests"]}
 
     def popen(self, *args: str, env: dict | None = None) -> subprocess.Popen:
-        """Start pytest as a background process (for signal tests)."""
-        return subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "pytest",
-                "-p",
-                "no:cacheprovider",
-                *_FAST,
-                *self.start_options,
-                *args,
-            ],
-            cwd=self.path,
-            env={**os.environ, **(env or {})},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        """Start pytest as a background process (for signal tests).
+
+        Its SIGINT is never ignored: a shell's background job inherits SIGINT ignored
+        (and Python then installs no KeyboardInterrupt handler), which would make the
+        Ctrl-C tests hang when this suite itself runs in the background.
+        """
+        with _sigint_not_ignored():
+            return subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "pytest",
+                    "-p",
+                    "no:cacheprovider",
+                    *_FAST,
+                    *self.start_options,
+                    *args,
+                ],
+                cwd=self.path,
+                env={**os.environ, **(env or {})},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+
+@contextlib.contextmanager
+def _sigint_not_ignored():
+    """While it lasts, SIGINT is handled, so processes started now get its default action."""
+    previous = signal.getsignal(signal.SIGINT)
+    if previous == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        if previous == signal.SIG_IGN:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def make_gpuiso(
