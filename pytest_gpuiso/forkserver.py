@@ -26,7 +26,9 @@ are pickled messages.
 from __future__ import annotations
 
 import contextlib
+import multiprocessing.process
 import os
+import pickle
 import signal
 import socket
 import sys
@@ -34,7 +36,7 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +75,10 @@ class ForkServer:
         boot = ServerBoot(os.getpid(), str(log), tuple(preload), tuple(args), invocation_dir)
         self.proc = ctx.Process(target=serve, args=(boot, theirs), daemon=False)
         self.proc.start()
+        with contextlib.suppress(AttributeError, KeyError):  # not in active_children()
+            multiprocessing.process._children.discard(self.proc)  # type: ignore[attr-defined]
+        # Its exit, seen even while forked tests hold its sentinel pipe (they inherit it).
+        self.pidfd = os.pidfd_open(self.proc.pid)
         theirs.close()
         self.sock = socket.socket(fileno=os.dup(self.conn.fileno()))
         self.info: dict[str, Any] | None = None
@@ -97,9 +103,10 @@ class ForkServer:
         pipes) travel with the request; the caller may close its copies at once.
         """
         self.wait_ready(timeout)
+        request = pickle.dumps(("fork", boot, job))  # before the first byte goes out
         try:
             socket.send_fds(self.sock, [b"F"], fds)
-            self.conn.send(("fork", boot, job))
+            self.conn.send_bytes(request)
         except OSError as exc:
             raise Unavailable(f"the fork server is gone ({exc}){self._log_tail()}") from None
 
@@ -135,11 +142,12 @@ class ForkServer:
         for closer in (self.sock.close, self.conn.close):
             with contextlib.suppress(OSError):
                 closer()
-        self.proc.join(1.0)
-        if self.proc.exitcode is None:
+        if not wait([self.pidfd], 1.0):
             with contextlib.suppress(OSError):
                 self.proc.kill()
-            self.proc.join(5.0)
+            wait([self.pidfd], 5.0)
+        self.proc.join(0)
+        os.close(self.pidfd)
         with contextlib.suppress(OSError):
             self.log.unlink()
 
@@ -215,6 +223,11 @@ def _prepare(boot: ServerBoot) -> None:
     from _pytest.config import _prepareconfig
 
     config = _prepareconfig(list(boot.args))
+    if config.pluginmanager.has_plugin("_cov"):
+        raise Unavailable(
+            "pytest-cov is active: its coverage would be measured in the fork server, "
+            "not in the tests' processes"
+        )
     # Parsing starts pytest's global capture into temporary files; children forked
     # from here must not share them, so each child's own configuration makes its own.
     capman = config.pluginmanager.get_plugin("capturemanager")
@@ -243,13 +256,17 @@ def _load_conftests(directories: list[str]) -> None:
     if config is None:
         return
     for directory in directories:
-        with contextlib.suppress(Exception):
+        try:
             config.pluginmanager._loadconftestmodules(
                 Path(directory),
                 config.getoption("importmode"),
                 rootpath=config.rootpath,
                 consider_namespace_packages=config.getini("consider_namespace_packages"),
             )
+        except KeyboardInterrupt:
+            raise
+        except BaseException:  # noqa: BLE001 - even pytest.skip() at import: the test meets it
+            continue
 
 
 def unsafe_to_fork() -> str | None:

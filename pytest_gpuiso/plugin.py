@@ -468,7 +468,7 @@ def _prewarm(item: pytest.Item, nextitem: pytest.Item | None, state: State) -> N
     if nextitem is not None:
         candidates = [nextitem]
         items = item.session.items
-        if not state.parallel and prewarmer.depth > 1:  # xdist: only nextitem is known
+        if not state.parallel:  # under xdist only nextitem is known
             if state.positions is None:
                 state.positions = {id(it): i for i, it in enumerate(items)}
             at = state.positions.get(id(nextitem))

@@ -43,6 +43,8 @@ from .ipc import recv_frame
 from .leaks import Leak, Probe, RunInfo
 from .leaks.process import REAP_WAIT as _REAP_WAIT
 from .leaks.process import ProcessProbe, alive
+from .leaks.shm import LOG_ENV
+from .leaks.shm import scan as shm_scan
 
 STACK_SIGNAL = int(signal.SIGRTMIN) + 2  # unlikely to collide with a test's own handlers
 OUTPUT_TAIL_BYTES = 8192
@@ -133,6 +135,9 @@ class Started:
     output: Path | None
     stack_file: Path
     capture_prefix: Path
+    created: float = 0.0  # time.time() when it was started
+    shm_log: str | None = None  # the /dev/shm shim's log, given to the child at its start
+    shm_at_start: dict[str, int] = field(default_factory=dict)  # /dev/shm when it started
     # multiprocessing's Process (spawn) or a ``Forked``; None until the fork server answers
     proc: Any = None
     sentinel: Any = None  # readable once the child has exited
@@ -218,8 +223,10 @@ class Supervisor:
     def start_server(self) -> None:
         """Start the fork server now (it loads while pytest collects)."""
         if self.method == "forkserver" and self.server is None and self.server_args:
-            if not hasattr(os, "pidfd_open"):
-                self._fall_back("the fork server needs os.pidfd_open (Python 3.9+, Linux 5.3+)")
+            try:
+                os.close(os.pidfd_open(os.getpid()))
+            except (AttributeError, OSError) as exc:
+                self._fall_back(f"the fork server needs pidfd_open (Linux 5.3+): {exc}")
                 return
             args, directory = self.server_args
             log = self._private_file(f"forkserver-{next(_RUNS)}.log")
@@ -244,13 +251,13 @@ class Supervisor:
             first = self._awaiting[0]
             server = self.server
             must = everything or (until is not None and until in self._awaiting)
+            if server is not None and not must and not server.conn.poll(0):
+                return
+            self._awaiting.popleft()  # first: an interrupted read must not shift the answers
             if server is None:
                 kind, payload = "failed", "the fork server is gone"
-            elif not must and not server.conn.poll(0):
-                return
             else:
                 kind, payload = server.answer(_SERVER_WAIT)
-            self._awaiting.popleft()
             if kind == "forked":
                 first.attach(Forked(payload))
             else:
@@ -266,7 +273,8 @@ class Supervisor:
             _signal_tree(started.proc, signal.SIGKILL, [])
             _reap(started.proc, started.sentinel)
         started.close()
-        _remove(started.output, started.stack_file, *started.capture_files())
+        shm_log = Path(started.shm_log) if started.shm_log else None
+        _remove(started.output, started.stack_file, shm_log, *started.capture_files())
 
     def close(self) -> None:
         """Discard children that never got their go, and stop the fork server."""
@@ -301,6 +309,13 @@ class Supervisor:
         if self.method == "forkserver":
             self.start_server()
         method = "forkserver" if self.server is not None else "spawn"
+        shm_log = None
+        shm_at_start: dict[str, int] = {}
+        env = dict(env or {})
+        if self.exec_env:  # the shim is preloaded: it logs from the process's start on
+            shm_log = str(self._private_file(f"shm-{tag}.log"))
+            shm_at_start = shm_scan()
+            env[LOG_ENV] = shm_log
         boot = child.Bootstrap(
             parent_pid=os.getpid(),
             output=str(output) if output else None,
@@ -317,11 +332,14 @@ class Supervisor:
             job=job,
             reader=reader,
             go=go_writer,
-            env=dict(env or {}),
+            env=env,
             method=method,
             output=output,
             stack_file=stack_file,
             capture_prefix=capture_prefix,
+            created=time.time(),
+            shm_log=shm_log,
+            shm_at_start=shm_at_start,
         )
         # The tracker is a long-lived helper of ours, not something the test left behind.
         _ensure_resource_tracker()
@@ -341,10 +359,11 @@ class Supervisor:
                 )
                 with _exec_environment(self.exec_env):
                     proc.start()
+                _unlist(proc)
                 started.attach(proc)
         except Exception as exc:
             started.close()
-            _remove(output, stack_file)
+            _remove(output, stack_file, Path(shm_log) if shm_log else None)
             raise StartError(f"could not start the isolated process: {exc}") from exc
         finally:
             writer.close()
@@ -375,7 +394,9 @@ class Supervisor:
         """
         if started is not None:
             self._settle(started)
-            if started.failed is not None:  # the fork server could not fork it after all
+            # The fork server could not fork it after all, or it died while it waited
+            # (killed by someone who cleans up processes): its test starts afresh.
+            if started.failed is not None or wait([started.sentinel], 0):
                 self.discard(started)
                 started = None
         prewarmed = started is not None
@@ -402,13 +423,18 @@ class Supervisor:
         probes: tuple[Probe, ...],
     ) -> Outcome:
         proc, reader, sentinel = started.proc, started.reader, started.sentinel
-        sweep = ProcessProbe(spare=self.spare() - {proc.pid})
+        # The test's own process is spared in the snapshot: what it started before its go
+        # (plugins, conftests) is then new, and swept with the rest of its tree.
+        sweep = ProcessProbe(spare=self.spare())
         probes = (sweep, *probes)
+        for probe in probes:
+            use_log = getattr(probe, "use_log", None)
+            if use_log is not None and started.shm_log is not None:
+                use_log(started.shm_log, started.shm_at_start)
         snapshots = [probe.snapshot() for probe in probes]
         go_env = dict(env or {})
         for probe in probes:
             go_env.update(getattr(probe, "child_env", {}))
-        wall_start = time.time()
         with contextlib.suppress(OSError):  # a child that already died has no use for it
             started.go.send(go_env)
         started.go.close()
@@ -435,7 +461,7 @@ class Supervisor:
             _reap(proc, sentinel)
             self.live.pop(id(started), None)
             sweep.spare = self.spare(settle=True)  # children forked during the test included
-            run = RunInfo(proc.pid, wall_start, time.time(), grace, frozenset({proc.pid}))
+            run = RunInfo(proc.pid, started.created, time.time(), grace, frozenset({proc.pid}))
             leaks: list[Leak] = []
             # Interrupted: only the sweep, which must never be skipped.
             checks = list(zip(probes, snapshots, strict=True))
@@ -595,6 +621,17 @@ def _terminate(proc, reader: Connection, sentinel: Any, frames: list, grace: flo
             return
     _signal_tree(proc, signal.SIGKILL, tree)
     wait([sentinel], _REAP_WAIT)
+
+
+def _unlist(proc: multiprocessing.process.BaseProcess) -> None:
+    """Keep our processes out of ``multiprocessing.active_children()``.
+
+    A test (run in-process) that cleans up the children it sees there must not
+    terminate the fork server or a prewarmed process. We wait for and reap them
+    ourselves (pidfd, ``join``).
+    """
+    with contextlib.suppress(AttributeError, KeyError):
+        multiprocessing.process._children.discard(proc)  # type: ignore[attr-defined]
 
 
 def _ensure_resource_tracker() -> None:

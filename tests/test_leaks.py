@@ -10,6 +10,7 @@ import uuid
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.helpers import kill_quietly, pid_alive, wait_gone
@@ -332,3 +333,31 @@ def test_leak_records_in_json_have_kind_and_detail(gpuiso, shm_name):
     [record] = document["tests"]
     [leak] = record["leaks"]
     assert set(leak) == {"kind", "detail", "path", "size", "pid", "cleaned"}
+
+
+@pytest.mark.parametrize("prewarm", [0, 1])
+def test_leaks_made_before_the_go_are_the_tests(gpuiso, shm_name, prewarm, monkeypatch):
+    """A process and a segment that a test's process made before its turn (a plugin's
+    pytest_configure / pytest_sessionstart; earlier still when it was prewarmed) are that
+    test's leaks: reported for it, killed and deleted, nothing left after the session."""
+    tag = f"gpuiso-pre-go-{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv("GPUISO_PRE_GO_TAG", tag)
+    gpuiso.copy("test_start_pre_go.py", "start_pre_go_conftest.py")
+    (gpuiso.path / "start_pre_go_conftest.py").rename(gpuiso.path / "conftest.py")
+    result = gpuiso.run(
+        "--gpu-isolate", REPORT, "--gpu-isolate-cleanup", f"--gpu-isolate-prewarm={prewarm}"
+    )
+    result.assert_outcomes(passed=2, warnings=4)
+    records = gpuiso.records()
+    for test in ("test_first", "test_second"):
+        record = records[f"test_start_pre_go.py::{test}"]
+        kinds = sorted(leak["kind"] for leak in record["leaks"])
+        assert kinds == ["process", "shm"], record["leaks"]
+        [proc] = [leak for leak in record["leaks"] if leak["kind"] == "process"]
+        assert tag in proc["cmdline"]
+        [shm] = [leak for leak in record["leaks"] if leak["kind"] == "shm"]
+        assert shm["path"] == f"/dev/shm/{shm_name}-{record['pid']}" and shm["cleaned"]
+    assert list(SHM.glob(f"{shm_name}*")) == []
+    assert [
+        p.pid for p in psutil.process_iter(["cmdline"]) if tag in (p.info["cmdline"] or [])
+    ] == []

@@ -82,13 +82,12 @@ def logs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Logs:
     return Logs(directory, monkeypatch)
 
 
-@pytest.fixture(scope="session")
-def fake_libcuda(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A fake CUDA driver (libcuda.so.1) built from fixtures/programs/start_fake_libcuda.c."""
+def _fake_library(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
+    """A shared library called ``name``, built from fixtures/programs/start_fake_libcuda.c."""
     gcc = shutil.which("gcc")
     if gcc is None:
-        pytest.skip("gcc is needed to build a fake libcuda.so.1")
-    lib = tmp_path_factory.mktemp("fake-cuda") / "libcuda.so.1"
+        pytest.skip(f"gcc is needed to build a fake {name}")
+    lib = tmp_path_factory.mktemp("fake-cuda") / name
     subprocess.run(
         [gcc, "-shared", "-fPIC", "-o", str(lib), str(PROGRAMS / "start_fake_libcuda.c")],
         check=True,
@@ -96,6 +95,18 @@ def fake_libcuda(tmp_path_factory: pytest.TempPathFactory) -> Path:
         timeout=60,
     )
     return lib
+
+
+@pytest.fixture(scope="session")
+def fake_libcuda(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fake CUDA driver (libcuda.so.1)."""
+    return _fake_library(tmp_path_factory, "libcuda.so.1")
+
+
+@pytest.fixture(scope="session")
+def fake_libnvml(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fake NVIDIA management library (libnvidia-ml.so.1)."""
+    return _fake_library(tmp_path_factory, "libnvidia-ml.so.1")
 
 
 @pytest.fixture
@@ -210,6 +221,48 @@ def test_server_with_cuda_refuses_to_fork_and_tests_start_with_spawn(
     assert f"{fake_libcuda}); isolated tests are started with spawn instead" in warning
     assert {start["method"] for start in _starts(iso).values()} == {"spawn"}
     result.stdout.fnmatch_lines(["gpu-isolate: started 4 spawn; *"])
+
+
+def test_server_that_queried_nvml_refuses_to_fork(
+    forkserver_iso: GpuIso, logs: Logs, fake_libnvml: Path, monkeypatch
+) -> None:
+    """NVML loaded at import (torch.cuda.device_count() does that) counts like the driver:
+    its answer describes pytest's GPUs, not a test's lease. The server refuses, once."""
+    iso = forkserver_iso
+    iso.copy("start_log.py", "start_preload_mod.py", PROCS)
+    _cuda_conftest(iso, monkeypatch, fake_libnvml)
+    result = iso.run("--gpu-isolate", "--gpu-isolate-prewarm=0", REPORT, PROCS)
+    result.assert_outcomes(passed=4, warnings=1)
+    [warning] = _start_warnings(result)
+    assert "refused to fork: the NVIDIA management library is loaded" in warning
+    assert str(fake_libnvml) in warning and warning.endswith("spawn instead")
+    assert {start["method"] for start in _starts(iso).values()} == {"spawn"}
+
+
+def test_our_processes_are_not_in_active_children(spawn_iso: GpuIso) -> None:
+    """An in-process test that cleans up multiprocessing's children sees neither the fork
+    server nor a prewarmed process (and so cannot kill one)."""
+    spawn_iso.pytester.makepyfile(
+        test_children="""
+        import multiprocessing
+        import pytest
+
+        @pytest.mark.gpu_isolated
+        def test_isolated_first():
+            pass
+
+        def test_in_process_sees_no_children():
+            assert multiprocessing.active_children() == []
+
+        @pytest.mark.gpu_isolated
+        def test_isolated_after():
+            pass
+        """
+    )
+    for start in ("spawn", "forkserver"):
+        result = spawn_iso.run(f"--gpu-isolate-start={start}", "--gpu-isolate-prewarm=2")
+        result.assert_outcomes(passed=3)
+        result.stdout.fnmatch_lines([f"gpu-isolate: started 2 {start}; 1 prewarmed"])
 
 
 @pytest.mark.parametrize("driver", [True, False], ids=["libcuda-loaded", "clean"])

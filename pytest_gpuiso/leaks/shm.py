@@ -141,9 +141,19 @@ class ShmProbe:
         # The process gets LD_PRELOAD when it is started (it may be started before
         # this test's turn) and the log's path with its go.
         self.child_env: dict[str, str] = {**preload, LOG_ENV: self.log} if self.log else {}
+        self.at_start: dict[str, int] = {}  # entries when the test's process started
+
+    def use_log(self, path: str, at_start: dict[str, int]) -> None:
+        """The test's process was started with this log already (it logs from its start,
+        before its turn: imports, configure). Entries it names that were not there at
+        its start (``at_start``: ``scan()`` then) count even if made before the snapshot."""
+        if self.log is not None:
+            self.log = path
+            self.child_env[LOG_ENV] = path
+            self.at_start = at_start
 
     def snapshot(self) -> dict[str, int]:
-        if self.log:
+        if self.log and not os.path.exists(self.log):
             os.close(os.open(self.log, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
         return scan(self.directory)
 
@@ -157,7 +167,10 @@ class ShmProbe:
         new = [
             name
             for name, inode in after.items()
-            if before.get(name) != inode
+            if (
+                before.get(name) != inode
+                or (created is not None and name in created and self.at_start.get(name) != inode)
+            )
             and not any(fnmatch.fnmatchcase(name, pat) for pat in self.ignore)
         ]
         if not new:
