@@ -9,10 +9,10 @@ Two kinds of job run here:
 * ``CallJob``: call a picklable function (``run_isolated``) and ship its value
   or its exception.
 
-Frames sent to the parent: ``ready`` (bootstrap done), ``warm`` (waiting for
-its go), ``report``, ``warning``, ``error``, ``result``, ``exception`` and finally
-``done``. The child leaves with ``os._exit`` once ``done`` is sent, so a
-non-daemon thread left running by a test cannot keep it alive.
+Frames sent to the parent: ``ready`` (bootstrap done), ``stale`` (see below),
+``report``, ``warning``, ``error``, ``result``, ``exception`` and finally ``done``.
+The child leaves with ``os._exit`` once ``done`` is sent, so a non-daemon thread
+left running by a test cannot keep it alive.
 
 A child may be started before its test's turn (prewarming, ``supervisor``): it
 bootstraps, imports, parses the configuration and configures pytest, then waits
@@ -155,7 +155,6 @@ class Channel:
         """Block until the parent says this test's turn has come; apply its environment."""
         if self.go is None:
             return
-        self.send("warm", os.getpid())
         try:
             env: dict[str, str] = self.go.recv()
         except (EOFError, OSError):

@@ -75,26 +75,24 @@ class ForkServer:
         boot = ServerBoot(os.getpid(), str(log), tuple(preload), tuple(args), invocation_dir)
         self.proc = ctx.Process(target=serve, args=(boot, theirs), daemon=False)
         self.proc.start()
-        with contextlib.suppress(AttributeError, KeyError):  # not in active_children()
-            multiprocessing.process._children.discard(self.proc)  # type: ignore[attr-defined]
+        unlist(self.proc)
         # Its exit, seen even while forked tests hold its sentinel pipe (they inherit it).
         self.pidfd = os.pidfd_open(self.proc.pid)
         theirs.close()
         self.sock = socket.socket(fileno=os.dup(self.conn.fileno()))
-        self.info: dict[str, Any] | None = None
+        self.ready = False
 
     @property
     def pid(self) -> int:
         return self.proc.pid
 
-    def wait_ready(self, timeout: float) -> dict[str, Any]:
-        """What the server preloaded, once it is ready; ``Unavailable`` if it never is."""
-        if self.info is None:
+    def wait_ready(self, timeout: float) -> None:
+        """Return once the server is ready; ``Unavailable`` if it never is."""
+        if not self.ready:
             kind, payload = self._answer(timeout, "start")
             if kind != "ready":
                 raise Unavailable(payload)
-            self.info = payload
-        return self.info
+            self.ready = True
 
     def request_fork(self, boot: Any, job: Any, fds: list[int], timeout: float) -> None:
         """Ask the server to fork a test's process; ``answer()`` later gives its pid.
@@ -170,16 +168,13 @@ def serve(boot: ServerBoot, conn: Connection) -> None:
     os.dup2(log, 2)
     os.close(log)
     sock = socket.socket(fileno=os.dup(conn.fileno()))
-    start = time.monotonic()
     try:
         _prepare(boot)
     except BaseException as exc:  # noqa: BLE001 - any failure means: no fork server
         traceback.print_exc()
         conn.send(("failed", f"the fork server could not start: {_one_line(exc)}"))
         return
-    conn.send(
-        ("ready", {"pid": os.getpid(), "seconds": time.monotonic() - start, **_state["info"]})
-    )
+    conn.send(("ready", None))
     while True:
         try:
             data, fds, _, _ = socket.recv_fds(sock, 1, 4)
@@ -234,7 +229,6 @@ def _prepare(boot: ServerBoot) -> None:
     if capman is not None:
         capman.stop_global_capturing()
     _state["config"] = config
-    _state["info"] = {"preloaded": list(boot.preload)}
     _freeze()
 
 
@@ -267,6 +261,17 @@ def _load_conftests(directories: list[str]) -> None:
             raise
         except BaseException:  # noqa: BLE001 - even pytest.skip() at import: the test meets it
             continue
+
+
+def unlist(proc: Any) -> None:
+    """Keep one of our processes out of ``multiprocessing.active_children()``.
+
+    A test (run in-process) that cleans up the children it sees there must not
+    terminate the fork server or a prewarmed process. We wait for and reap them
+    ourselves (pidfd, ``join``).
+    """
+    with contextlib.suppress(AttributeError, KeyError):
+        multiprocessing.process._children.discard(proc)  # type: ignore[attr-defined]
 
 
 def unsafe_to_fork() -> str | None:

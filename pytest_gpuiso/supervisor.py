@@ -38,7 +38,7 @@ from typing import Any
 import psutil
 
 from . import child
-from .forkserver import ForkServer, Unavailable
+from .forkserver import ForkServer, Unavailable, unlist
 from .ipc import recv_frame
 from .leaks import Leak, Probe, RunInfo
 from .leaks.process import REAP_WAIT as _REAP_WAIT
@@ -130,7 +130,6 @@ class Started:
     job: Any
     reader: Connection  # frames from the child
     go: Connection  # the go (and its environment) to the child
-    env: dict[str, str]  # what the child started with
     method: str
     output: Path | None
     stack_file: Path
@@ -323,7 +322,7 @@ class Supervisor:
             stack_signal=STACK_SIGNAL,
             spill_dir=str(self.workdir),
             capture_prefix=str(capture_prefix),
-            env=tuple(sorted((env or {}).items())),
+            env=tuple(sorted(env.items())),
             preload=self.preload if warm and method == "spawn" else (),
         )
         reader, writer = self._ctx.Pipe(duplex=False)
@@ -332,7 +331,6 @@ class Supervisor:
             job=job,
             reader=reader,
             go=go_writer,
-            env=env,
             method=method,
             output=output,
             stack_file=stack_file,
@@ -351,15 +349,14 @@ class Supervisor:
                     self._awaiting.append(started)
                 except Unavailable as exc:
                     self._fall_back(str(exc))
-            if started.method == "forkserver" and started not in self._awaiting:
-                started.method = "spawn"
+                    started.method = "spawn"
             if started.method == "spawn":
                 proc = self._ctx.Process(
                     target=child.main, args=(boot, job, writer, go_reader), daemon=False
                 )
                 with _exec_environment(self.exec_env):
                     proc.start()
-                _unlist(proc)
+                unlist(proc)
                 started.attach(proc)
         except Exception as exc:
             started.close()
@@ -621,17 +618,6 @@ def _terminate(proc, reader: Connection, sentinel: Any, frames: list, grace: flo
             return
     _signal_tree(proc, signal.SIGKILL, tree)
     wait([sentinel], _REAP_WAIT)
-
-
-def _unlist(proc: multiprocessing.process.BaseProcess) -> None:
-    """Keep our processes out of ``multiprocessing.active_children()``.
-
-    A test (run in-process) that cleans up the children it sees there must not
-    terminate the fork server or a prewarmed process. We wait for and reap them
-    ourselves (pidfd, ``join``).
-    """
-    with contextlib.suppress(AttributeError, KeyError):
-        multiprocessing.process._children.discard(proc)  # type: ignore[attr-defined]
 
 
 def _ensure_resource_tracker() -> None:
