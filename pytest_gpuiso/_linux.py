@@ -11,16 +11,25 @@ import sys
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 
+MADV_HUGEPAGE = 14
+MADV_COLLAPSE = 25  # Linux 6.1+
+HUGE_PAGE = 2 << 20  # x86-64 and arm64 (4 KiB base pages)
+
 _libc = None
 
 
-def _prctl(option: int, arg: int) -> bool:
+def _lib() -> ctypes.CDLL:
     global _libc
-    if not sys.platform.startswith("linux"):
-        return False
     if _libc is None:
         _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    return _libc.prctl(option, ctypes.c_ulong(arg), 0, 0, 0) == 0
+        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return _libc
+
+
+def _prctl(option: int, arg: int) -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
+    return _lib().prctl(option, ctypes.c_ulong(arg), 0, 0, 0) == 0
 
 
 def set_child_subreaper() -> bool:
@@ -36,3 +45,41 @@ def die_with_parent(expected_parent: int, sig: int = signal.SIGKILL) -> None:
     _prctl(PR_SET_PDEATHSIG, int(sig))
     if os.getppid() != expected_parent:
         os._exit(70)
+
+
+def back_with_huge_pages() -> int:
+    """Move this process's private writable memory into transparent huge pages.
+
+    For a process that will be forked many times (the fork server): ``fork`` copies
+    one page-table entry per 4 KiB page and ``exit`` tears them all down again, about
+    10 ms for the ~150 MB heap of a process that imported torch. Backed by 2 MiB
+    pages, that is one entry per 2 MiB: ~3 ms. A child's first write to such a page
+    still copies only 4 KiB (the kernel splits the mapping). Best effort: on kernels
+    before 6.1 (no ``MADV_COLLAPSE``) or with THP disabled nothing changes.
+    Returns the bytes collapsed.
+    """
+    if not sys.platform.startswith("linux"):
+        return 0
+    try:
+        with open("/proc/self/maps") as maps:
+            lines = maps.read().splitlines()
+    except OSError:
+        return 0
+    libc = _lib()
+    done = 0
+    for line in lines:
+        fields = line.split()
+        path = fields[5] if len(fields) > 5 else ""
+        if fields[1] != "rw-p" or (path and path != "[heap]"):
+            continue  # only anonymous private memory: the heap and Python's arenas
+        lo, hi = (int(x, 16) for x in fields[0].split("-"))
+        start = -(-lo // HUGE_PAGE) * HUGE_PAGE
+        end = hi // HUGE_PAGE * HUGE_PAGE
+        if end <= start:
+            continue
+        libc.madvise(start, end - start, MADV_HUGEPAGE)
+        if libc.madvise(start, end - start, MADV_COLLAPSE) == 0:
+            done += end - start
+        elif ctypes.get_errno() == 22:  # EINVAL: this kernel has no MADV_COLLAPSE
+            break
+    return done

@@ -351,12 +351,8 @@ class ChildPlugin:
     @pytest.hookimpl(trylast=True)
     def pytest_configure(self, config: Any) -> None:
         self.config = config
-        if self.job.junit_family is not None:
-            from _pytest.junitxml import xml_key
-
-            recorder = JunitRecorder(self.job.junit_family, self.channel)
-            config.stash[xml_key] = recorder
-            config.pluginmanager.register(recorder, "gpuiso-junit-recorder")
+        if self.job is not None:
+            self._record_junit(config)
         # The parent keeps the last-failed / new-first caches and the stepwise state.
         for name in ("lfplugin", "nfplugin", "stepwiseplugin"):
             found = config.pluginmanager.get_plugin(name)
@@ -368,6 +364,14 @@ class ChildPlugin:
             config.pluginmanager.unregister(reporter)
             quiet = QuietReporter(config, open(os.devnull, "w"))  # noqa: SIM115
             config.pluginmanager.register(quiet, "terminalreporter")
+
+    def _record_junit(self, config: Any) -> None:
+        if self.job.junit_family is not None:
+            from _pytest.junitxml import xml_key
+
+            recorder = JunitRecorder(self.job.junit_family, self.channel)
+            config.stash[xml_key] = recorder
+            config.pluginmanager.register(recorder, "gpuiso-junit-recorder")
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_collection(self, session: Any) -> bool:
@@ -393,6 +397,10 @@ class ChildPlugin:
             )
             return True
         item = session.items[0]
+        self._run(item)
+        return True
+
+    def _run(self, item: Any) -> None:
         before = torch_allocated() if self.job.torch_check else {}
         try:
             item.config.hook.pytest_runtest_protocol(item=item, nextitem=None)
@@ -410,7 +418,6 @@ class ChildPlugin:
         if self.job.torch_check:
             for device, grown in torch_growth(before).items():
                 self.channel.send("torch_leak", {"device": device, "bytes": grown})
-        return True
 
     def pytest_runtest_logreport(self, report: Any) -> None:
         data = self.config.hook.pytest_report_to_serializable(config=self.config, report=report)
@@ -432,6 +439,116 @@ class ChildPlugin:
 
     def pytest_internalerror(self, excrepr: Any, excinfo: Any) -> None:
         self.channel.send("error", f"internal pytest error in the isolated process:\n{excrepr}")
+
+
+class TemplatePlugin(ChildPlugin):
+    """The template's session (see ``forkserver``): collect, then fork tests' processes.
+
+    The template configures pytest, starts the session and collects the isolated
+    tests' modules once; then its ``pytest_collection`` hands over to the fork
+    server's request loop. That loop returns only in a freshly forked test's
+    process (by raising ``forkserver.Become``), which takes its job from it, sets
+    up what is its own (pipes, output, capture files, temporary directory), waits
+    for its go and runs its item from the collected session.
+    """
+
+    def __init__(self, modules: list[str], serve: Callable[[list[str]], None]) -> None:
+        super().__init__(None, None)  # type: ignore[arg-type] - given to each fork
+        self.modules = modules
+        self.serve = serve
+        self.items: dict[str, Any] = {}
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collection(self, session: Any) -> bool:
+        from .forkserver import Become
+
+        session.perform_collect(self.modules)
+        self.items = {item.nodeid: item for item in session.items}
+        capman = self.config.pluginmanager.get_plugin("capturemanager")
+        if capman is not None:  # each test's process captures into its own files
+            capman.stop_global_capturing()
+        try:
+            self.serve(list(self.items))
+        except Become as become:
+            boot, job, conn, go = become.args
+        else:
+            os._exit(0)
+        self._become(boot, job, conn, go)
+        self.channel.wait_go()
+        return True
+
+    def _become(self, boot: Bootstrap, job: ItemJob, conn: Connection, go: Connection) -> None:
+        """This process is now the test's: take its job and what is its own."""
+        _bootstrap(boot, conn)
+        self.job = job
+        self.channel = Channel(conn, boot.spill_dir, go, boot.output)
+        inherited = cuda_state.touched()
+        if inherited is not None:
+            raise RuntimeError(f"the isolated process started with CUDA state: {inherited}")
+        self.channel.send("ready", os.getpid())
+        config = self.config
+        self._record_junit(config)
+        _name_capture_files(boot.capture_prefix)
+        _restart_capture(config)
+        _override_options(config.option, job.basetemp)
+        from _pytest import tmpdir
+
+        tmpdir.pytest_configure(config)  # a TempPathFactory for this test's basetemp
+        _repoint_faulthandler(config)
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, items: list) -> None:
+        """Keep everything: the template serves every test it collected."""
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtestloop(self, session: Any) -> bool:
+        item = self.items.get(self.job.nodeid)
+        session.items[:] = [item] if item is not None else []
+        return super().pytest_runtestloop(session)
+
+
+def run_template(config: Any, modules: list[str], serve: Callable[[list[str]], None]) -> None:
+    """The template's pytest session; in a test's process forked from it, the test's end."""
+    plugin = TemplatePlugin(modules, serve)
+    config.pluginmanager.register(plugin, CHILD_PLUGIN)
+    _restart_capture(config)
+    _override_options(config.option, config.option.basetemp)
+    status = 1
+    try:
+        status = int(config.hook.pytest_cmdline_main(config=config))
+    except BaseException:
+        if plugin.channel is None:  # the template itself failed: the server forks instead
+            raise
+        with contextlib.suppress(Exception):
+            plugin.channel.send(
+                "error", "internal error in the isolated process:\n" + traceback.format_exc()
+            )
+    else:
+        if plugin.channel is not None:
+            plugin.channel.send("done", status)
+            status = 0
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+    os._exit(status)
+
+
+def _repoint_faulthandler(config: Any) -> None:
+    """Crash dumps go to this process's stderr, as pytest's faulthandler plugin set it up.
+
+    The plugin enabled faulthandler on a copy of stderr made at configure time, in the
+    template; here the copy is pointed at this process's stderr (while capture is
+    suspended, so the real one), and faulthandler at the copy, which fd capture of
+    fd 2 during the test does not redirect.
+    """
+    with contextlib.suppress(Exception):
+        from _pytest.faulthandler import fault_handler_stderr_fd_key
+
+        fd = config.stash.get(fault_handler_stderr_fd_key, None)
+        if fd is not None:
+            os.dup2(2, fd)
+            faulthandler.enable(file=fd, all_threads=True)
 
 
 class QuietReporter(pytest.TerminalReporter):

@@ -26,24 +26,32 @@ are pickled messages.
 from __future__ import annotations
 
 import contextlib
+import gc
 import multiprocessing.process
 import os
 import pickle
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from . import cuda_state
-from ._linux import die_with_parent
+from ._linux import back_with_huge_pages, die_with_parent
+from .leaks.shm import LOG_ENV
 
 REPARENT_WAIT = 5.0  # seconds the test's process waits to become pytest's child
+# Seconds a fork request waits for the template to finish collecting before the server
+# forks the test itself (default 0: never wait). The test suite sets it, so that its
+# fork-server runs take one path, not whichever the timing gives.
+TEMPLATE_WAIT_ENV = "PYTEST_GPUISO_TEMPLATE_WAIT"
 
 
 class Unavailable(RuntimeError):
@@ -109,14 +117,20 @@ class ForkServer:
             raise Unavailable(f"the fork server is gone ({exc}){self._log_tail()}") from None
 
     def answer(self, timeout: float) -> tuple[str, Any]:
-        """The next answer to a fork request: ("forked", pid) or ("refused"/"failed", why)."""
+        """The next answer to a fork request: ("refused"/"failed", why) or ("forked", (pid,
+        source, note)): forked from the collected ``"template"`` or the parsed ``"server"``;
+        ``note``: why the template could not serve, once it has given up."""
         return self._answer(timeout, "fork")
 
-    def load_conftests(self, directories: list[str]) -> None:
-        """Ask the server to import the conftests of these test directories (best effort)."""
+    def collect(self, directories: list[str], modules: list[str]) -> None:
+        """Tell the server the isolated tests' directories and modules (best effort).
+
+        It imports the directories' conftests and starts a template that collects
+        the modules, so that most tests' processes only have to run their item.
+        """
         with contextlib.suppress(OSError):
             socket.send_fds(self.sock, [b"C"], [])
-            self.conn.send(("conftests", directories))
+            self.conn.send(("collect", directories, modules))
 
     def _answer(self, timeout: float, what: str) -> tuple[str, Any]:
         try:
@@ -159,6 +173,9 @@ _state: dict[str, Any] = {}  # the server's parsed config and saved descriptors
 def serve(boot: ServerBoot, conn: Connection) -> None:
     """Entry point of the fork server process."""
     die_with_parent(boot.parent_pid)
+    # Nothing imported here is ever garbage: no collection may dirty (and so copy into
+    # every fork) the pages of long-lived objects. Tests' processes turn it back on.
+    gc.disable()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is pytest's; it closes us
     # The tests' processes get pytest's stdout/stderr back (for -s); the server's own
     # output (import noise) goes to its log.
@@ -175,25 +192,11 @@ def serve(boot: ServerBoot, conn: Connection) -> None:
         conn.send(("failed", f"the fork server could not start: {_one_line(exc)}"))
         return
     conn.send(("ready", None))
-    while True:
-        try:
-            data, fds, _, _ = socket.recv_fds(sock, 1, 4)
-        except OSError:
-            break
-        if not data:
-            break  # pytest closed its end: the session is over
-        try:
-            kind, *payload = conn.recv()
-        except (EOFError, OSError):
-            break
-        if kind == "conftests":
-            _load_conftests(payload[0])
-            _freeze()
-        elif kind == "fork":
-            conn.send(_fork(boot, sock, conn, fds, *payload))
-        for fd in fds:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+    server = _Server(boot, sock, conn)
+    try:
+        server.loop()
+    finally:
+        server.stop_template()
     os._exit(0)
 
 
@@ -229,19 +232,303 @@ def _prepare(boot: ServerBoot) -> None:
     if capman is not None:
         capman.stop_global_capturing()
     _state["config"] = config
-    _freeze()
-
-
-def _freeze() -> None:
-    """Move everything imported so far out of the garbage collector's sight.
-
-    Forked children then neither traverse (pytest collects several times at exit;
-    ~80 ms each with torch imported) nor copy-on-write touch those objects.
-    """
-    import gc
-
-    gc.collect()
     gc.freeze()
+
+
+def _receive(sock: socket.socket, conn: Connection) -> tuple[list[int], Any] | None:
+    """One request: the descriptors that came with its first byte, and the message."""
+    try:
+        data, fds, _, _ = socket.recv_fds(sock, 1, 4)
+    except OSError:
+        return None
+    if not data:
+        return None  # the other end closed
+    try:
+        return fds, conn.recv()
+    except (EOFError, OSError):
+        _close_all(fds)
+        return None
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+class _Server:
+    """The server's request loop; forks from the template when it can, else itself."""
+
+    def __init__(self, boot: ServerBoot, sock: socket.socket, conn: Connection) -> None:
+        self.boot = boot
+        self.sock = sock
+        self.conn = conn
+        self.template: _TemplateHandle | None = None
+
+    def loop(self) -> None:
+        while (request := _receive(self.sock, self.conn)) is not None:
+            fds, (kind, *payload) = request
+            try:
+                if kind == "collect":
+                    self.collect(*payload)
+                elif kind == "fork":
+                    self.conn.send(self.fork(fds, *payload))
+            finally:
+                _close_all(fds)
+
+    def collect(self, directories: list[str], modules: list[str]) -> None:
+        """Import the test directories' conftests; start a template that collects ``modules``."""
+        _load_conftests(directories)
+        gc.freeze()
+        if modules and self.template is None:
+            self.template = _TemplateHandle.start(self, modules)
+
+    def fork(self, fds: list[int], cboot: Any, job: Any) -> tuple[str, Any]:
+        """("forked", (pid, "template" or "server")), or ("refused", why)."""
+        if len(fds) != 2:
+            return "refused", f"the fork server got {len(fds)} descriptors for a fork, expected 2"
+        template = self.template
+        if template is not None and template.serves(job):
+            kind, payload = template.fork(fds, cboot, job)
+            if kind == "forked":
+                return kind, (payload, "template", None)
+        ours = [self.sock, self.conn]
+        if template is not None:
+            ours += [template.sock, template.conn]
+        kind, payload = _fork(self.boot, ours, _run_job(cboot, job, fds))
+        if kind != "forked":
+            return kind, payload
+        return kind, (payload, "server", template.unusable if template is not None else None)
+
+    def stop_template(self) -> None:
+        if self.template is not None:
+            self.template.stop()
+            self.template = None
+
+
+class _TemplateHandle:
+    """The server's handle on its template: a configured, collected pytest session.
+
+    The template is forked from the server once the isolated tests are known. It
+    configures pytest, starts the session and collects the isolated tests' modules,
+    then waits in ``pytest_collection`` for fork requests; a test's process forked
+    there only has to run its item. A template that initialised CUDA or started a
+    thread while collecting (a test module calling ``torch.cuda.is_available()``
+    at import) must not fork: it says why and exits, and the server forks tests
+    itself, from its parsed-only configuration.
+    """
+
+    def __init__(self, pid: int, sock: socket.socket, conn: Connection) -> None:
+        self.pid = pid
+        self.sock = sock
+        self.conn = conn
+        self.items: frozenset[str] | None = None  # node ids it collected, once it says so
+        self.unusable: str | None = None
+
+    @classmethod
+    def start(cls, server: _Server, modules: list[str]) -> _TemplateHandle | None:
+        ours, theirs = socket.socketpair()
+        try:
+            pid = os.fork()
+        except OSError:
+            ours.close()
+            theirs.close()
+            return None
+        if pid == 0:  # the template
+            try:
+                ours.close()
+                server.sock.close()
+                server.conn.close()
+                _run_template(server.boot, theirs, modules)
+            finally:
+                os._exit(73)
+        theirs.close()
+        return cls(pid, ours, Connection(os.dup(ours.fileno())))
+
+    def serves(self, job: Any) -> bool:
+        """Whether this job's process can be forked from the template (it has its item)."""
+        if self.unusable is not None:
+            return False
+        if self.items is None:
+            try:
+                if not self.conn.poll(_template_wait()):
+                    return False  # still collecting: the server forks this one
+                kind, payload = self.conn.recv()
+            except (EOFError, OSError):
+                kind, payload = "unusable", "the template process exited"
+            if kind != "collected":
+                self.unusable = str(payload)
+                self.stop()
+                return False
+            self.items = frozenset(payload)
+        return job.nodeid in self.items
+
+    def fork(self, fds: list[int], cboot: Any, job: Any) -> tuple[str, Any]:
+        try:
+            request = pickle.dumps(("fork", cboot, job))
+            socket.send_fds(self.sock, [b"F"], fds)
+            self.conn.send_bytes(request)
+            answer = self.conn.recv()
+        except (EOFError, OSError) as exc:
+            answer = ("failed", f"the template process is gone ({exc})")
+        if answer[0] != "forked":
+            self.unusable = str(answer[1])
+            self.stop()
+        return answer
+
+    def stop(self) -> None:
+        for closer in (self.sock.close, self.conn.close):
+            with contextlib.suppress(OSError):
+                closer()
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+
+
+def _template_wait() -> float:
+    try:
+        return max(0.0, float(os.environ.get(TEMPLATE_WAIT_ENV, "0")))
+    except ValueError:
+        return 0.0
+
+
+def _run_template(boot: ServerBoot, sock: socket.socket, modules: list[str]) -> None:
+    """The template process: configure, collect, then fork tests from inside the session."""
+    from . import child
+
+    conn = Connection(os.dup(sock.fileno()))
+    config = _state["config"]
+    # Its own temporary directory: the session's --basetemp is pytest's to wipe, not ours.
+    workdir = os.path.dirname(boot.log)
+    config.option.basetemp = tempfile.mkdtemp(prefix="template-", dir=workdir)
+    before = _descriptors()
+    shm_log = None
+    if LOG_ENV in os.environ or "LD_PRELOAD" in os.environ:  # the /dev/shm shim may be loaded
+        shm_log = os.path.join(config.option.basetemp, "shm.log")
+        os.close(os.open(shm_log, os.O_CREAT | os.O_WRONLY, 0o600))  # the shim only appends
+        os.environ[LOG_ENV] = shm_log
+
+    def serve(items: list[str]) -> None:
+        """Called by the template's session once collected; returns only in a test's process."""
+        os.environ.pop(LOG_ENV, None)
+        problem = unsafe_to_fork() or _left_outside(before, shm_log)
+        if problem is not None:  # what it made goes with it, not to a test's account
+            _kill_children()
+            _remove_shm(shm_log)
+            conn.send(("unusable", f"after configuring and collecting: {problem}"))
+            os._exit(0)
+        gc.freeze()
+        back_with_huge_pages()
+        conn.send(("collected", items))
+        while (request := _receive(sock, conn)) is not None:
+            fds, (kind, *payload) = request
+            if kind != "fork":
+                _close_all(fds)
+                continue
+            cboot, job = payload
+            # In the test's process, _Become unwinds out of here, into the session.
+            conn.send(_fork(boot, [sock, conn], _become(cboot, job, fds)))
+            _close_all(fds)
+        os._exit(0)
+
+    try:
+        child.run_template(config, modules, serve)
+    except BaseException as exc:  # noqa: BLE001 - the server then forks every test itself
+        traceback.print_exc()
+        with contextlib.suppress(OSError):
+            conn.send(("unusable", f"the template failed: {_one_line(exc)}"))
+
+
+def _descriptors() -> dict[int, str]:
+    """This process's open descriptors and what they point to."""
+    found = {}
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            found[int(name)] = os.readlink(f"/proc/self/fd/{name}")
+    return found
+
+
+def _left_outside(before: dict[int, str], shm_log: str | None) -> str | None:
+    """What configuring and collecting made outside this process's memory, or None.
+
+    Forked tests' processes would share it, and each one's ``pytest_unconfigure``
+    would tear down what the next one still needs (a helper process, a connection).
+    Regular files are fine (a log file: each test's process appends to it).
+    """
+    kids = _children()
+    if kids:
+        return f"it started process {kids[0]}" + (f" and {len(kids) - 1} more" if kids[1:] else "")
+    for fd, target in _descriptors().items():
+        if before.get(fd) == target:
+            continue
+        regular = target.startswith("/") and not target.startswith(("/dev/", "/proc/"))
+        if not (regular or target in ("/dev/null", "/dev/urandom")):
+            return f"it opened {target} (descriptor {fd})"
+    created = _shm_created(shm_log)
+    if created:
+        return f"it created /dev/shm/{created[0]}"
+    return None
+
+
+def _shm_created(shm_log: str | None) -> list[str]:
+    """The /dev/shm entries the shim logged for this process."""
+    try:
+        with open(shm_log or "") as log:
+            lines = log.read().splitlines()
+    except OSError:
+        return []
+    return [line.split(maxsplit=1)[1] for line in lines if len(line.split(maxsplit=1)) == 2]
+
+
+def _remove_shm(shm_log: str | None) -> None:
+    for name in _shm_created(shm_log):
+        if "/" not in name:
+            with contextlib.suppress(OSError):
+                os.unlink(f"/dev/shm/{name}")
+
+
+def _children() -> list[int]:
+    try:
+        import psutil
+
+        return [p.pid for p in psutil.Process().children(recursive=True)]
+    except Exception:
+        return []
+
+
+def _kill_children() -> None:
+    """The template gives up: what it started goes with it, not to a test's account."""
+    for pid in _children():
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+
+
+class Become(BaseException):  # noqa: N818 - not an error: a control transfer
+    """Raised in a test's process forked by the template: (boot, job, conn, go).
+
+    It unwinds out of the template's request loop, back into its pytest session,
+    which then runs the job's item as that process's one test.
+    """
+
+
+def _become(cboot: Any, job: Any, fds: list[int]) -> Callable[[], NoReturn]:
+    def become() -> NoReturn:
+        raise Become(cboot, job, Connection(fds[0]), Connection(fds[1]))
+
+    return become
+
+
+def _run_job(cboot: Any, job: Any, fds: list[int]) -> Callable[[], NoReturn]:
+    """A test's process forked from the server: run the job from the parsed configuration."""
+
+    def run() -> NoReturn:
+        from . import child
+
+        child.prepared = _state.pop("config", None)
+        child.main(cboot, job, Connection(fds[0]), Connection(fds[1]))
+        os._exit(72)  # main() never returns
+
+    return run
 
 
 def _load_conftests(directories: list[str]) -> None:
@@ -290,26 +577,37 @@ def unsafe_to_fork() -> str | None:
     return None
 
 
-def _fork(
-    boot: ServerBoot, sock: socket.socket, conn: Connection, fds: list[int], cboot: Any, job: Any
-) -> tuple[str, Any]:
+def _fork(boot: ServerBoot, close: list[Any], run: Callable[[], NoReturn]) -> tuple[str, Any]:
+    """Fork a test's process that ``run``s once it is pytest's child; ("forked", pid) or why not.
+
+    ``close``: this process's own connections, which the test's process must not hold.
+    """
     problem = unsafe_to_fork()
     if problem is not None:
         return "refused", f"the fork server refused to fork: {problem}"
-    if len(fds) != 2:
-        return "refused", f"the fork server got {len(fds)} descriptors for a fork, expected 2"
     r, w = os.pipe()
-    pid = os.fork()
+    try:
+        pid = os.fork()
+    except OSError as exc:
+        os.close(r)
+        os.close(w)
+        return "refused", f"the fork server could not fork: {exc}"
     if pid == 0:  # the intermediate: fork the test's process, then orphan it
+        grandchild = -1
         try:
             os.close(r)
             grandchild = os.fork()
-            if grandchild == 0:
-                os.close(w)
-                _become_test_process(boot, sock, conn, fds, cboot, job)
-            os.write(w, grandchild.to_bytes(8, "little"))
+            if grandchild != 0:
+                os.write(w, grandchild.to_bytes(8, "little"))
         finally:
-            os._exit(0)
+            if grandchild != 0:
+                os._exit(0)
+        try:
+            os.close(w)
+            _become_test_process(boot, close)
+        except BaseException:
+            os._exit(71)
+        run()  # returns only by raising Become (a template's test process)
     os.close(w)
     data = b""
     while chunk := os.read(r, 8 - len(data)):
@@ -323,39 +621,22 @@ def _fork(
     return "forked", int.from_bytes(data, "little")
 
 
-def _become_test_process(
-    boot: ServerBoot, sock: socket.socket, conn: Connection, fds: list[int], cboot: Any, job: Any
-) -> None:
-    from . import child
-
-    status = 72
-    try:
-        sock.close()
-        conn.close()
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        out, err = _state.pop("stdio")
-        os.dup2(out, 1)
-        os.dup2(err, 2)
-        os.close(out)
-        os.close(err)
-        deadline = time.monotonic() + REPARENT_WAIT
-        while os.getppid() != boot.parent_pid:  # until the intermediate is gone
-            if time.monotonic() > deadline:
-                status = 71
-                return
-            time.sleep(0.0002)
-        _forget_server()
-        child.main(cboot, job, Connection(fds[0]), Connection(fds[1]))
-    finally:
-        os._exit(status)
-
-
-def _forget_server() -> None:
-    """Hand the parsed configuration on; undo what the test's process must not inherit."""
-    from . import child
-
-    child.prepared = _state.pop("config", None)
-    _state.clear()
+def _become_test_process(boot: ServerBoot, close: list[Any]) -> None:
+    """Undo in a freshly forked test's process what it must not inherit from the server."""
+    for closer in close:
+        closer.close()
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    out, err = _state.pop("stdio")
+    os.dup2(out, 1)
+    os.dup2(err, 2)
+    os.close(out)
+    os.close(err)
+    deadline = time.monotonic() + REPARENT_WAIT
+    while os.getppid() != boot.parent_pid:  # until the intermediate is gone
+        if time.monotonic() > deadline:
+            os._exit(71)
+        time.sleep(0.0002)
+    gc.enable()
     numpy = sys.modules.get("numpy")
     if numpy is not None:  # every fork would otherwise draw the same "random" numbers
         with contextlib.suppress(Exception):

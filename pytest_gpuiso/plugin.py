@@ -538,17 +538,18 @@ def pytest_collection(session: pytest.Session) -> None:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Tell the fork server which test directories' conftests to import."""
+    """Tell the fork server the isolated tests' modules: it loads their conftests, collects them."""
     state = session.config.stash.get(STATE, None)
     if not _wants_server(session.config, state):
         return
-    directories = {str(item.path.parent) for item in session.items if _isolated(item)}
-    if not directories:
+    modules = {str(item.path) for item in session.items if _isolated(item)}
+    if not modules:
         return
     supervisor = _supervisor(session.config, state)
     supervisor.start_server()
     if supervisor.server is not None:
-        supervisor.server.load_conftests(sorted(directories))
+        directories = {str(Path(module).parent) for module in modules}
+        supervisor.server.collect(sorted(directories), sorted(modules))
 
 
 @pytest.hookimpl(trylast=True)

@@ -96,16 +96,28 @@ def terminal_summary(tr: Any, records: list[dict[str, Any]], path: Path | None) 
 
 
 def start_counts(records: list[dict[str, Any]]) -> str:
-    """How the isolated processes started, e.g. "38 forkserver, 2 spawn; 39 prewarmed"."""
+    """How the isolated processes started, e.g. "38 forkserver, 2 spawn; 39 prewarmed".
+
+    With the fork server, also how many were forked from its collected session,
+    and why the others were not when it gave up on collecting.
+    """
     methods: dict[str, int] = {}
-    prewarmed = 0
+    prewarmed = collected = 0
+    why = ""
     for r in records:
         start = r.get("start") or {}
         if start.get("method"):
             methods[start["method"]] = methods.get(start["method"], 0) + 1
             prewarmed += bool(start.get("prewarmed"))
+            collected += bool(start.get("collected"))
+            why = why or start.get("uncollected") or ""
     text = ", ".join(f"{n} {method}" for method, n in sorted(methods.items()))
-    return f"{text}; {prewarmed} prewarmed" if text else ""
+    if not text:
+        return ""
+    text += f"; {prewarmed} prewarmed"
+    if "forkserver" in methods:
+        text += f"; {collected} pre-collected" + (f" ({why})" if why else "")
+    return text
 
 
 def leak_summary(tr: Any, records: list[dict[str, Any]]) -> None:

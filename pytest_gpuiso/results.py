@@ -264,5 +264,7 @@ def make_record(
         "start": {
             "method": outcome.method if outcome else None,
             "prewarmed": outcome.prewarmed if outcome else False,
+            "collected": outcome.collected if outcome else False,
+            "uncollected": outcome.uncollected if outcome else None,
         },
     }

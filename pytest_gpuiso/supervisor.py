@@ -77,6 +77,8 @@ class Outcome:
     captured: list[str] = field(default_factory=list)  # tails of the test's captured output
     method: str = "spawn"  # how the process was started: spawn or forkserver
     prewarmed: bool = False  # started ahead of its turn (prewarm)
+    collected: bool = False  # forked from the fork server's collected session
+    uncollected: str | None = None  # why the fork server had no collected session to fork
 
     @property
     def escaped(self) -> list[dict[str, Any]]:
@@ -141,6 +143,8 @@ class Started:
     proc: Any = None
     sentinel: Any = None  # readable once the child has exited
     failed: str | None = None  # the fork server could not fork it
+    collected: bool = False  # forked from the fork server's collected session (template)
+    uncollected: str | None = None  # why it was not, when the template gave up
 
     @property
     def pid(self) -> int:
@@ -258,7 +262,9 @@ class Supervisor:
             else:
                 kind, payload = server.answer(_SERVER_WAIT)
             if kind == "forked":
-                first.attach(Forked(payload))
+                pid, source, first.uncollected = payload
+                first.attach(Forked(pid))
+                first.collected = source == "template"
             else:
                 first.failed = payload
                 self._fall_back(payload)
@@ -484,6 +490,8 @@ class Supervisor:
             cutoff=cutoff,
             captured=captured,
             method=started.method,
+            collected=started.collected,
+            uncollected=started.uncollected,
         )
 
     def _private_file(self, name: str) -> Path:

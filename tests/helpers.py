@@ -15,6 +15,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from pytest_gpuiso.forkserver import TEMPLATE_WAIT_ENV
+
 ROOT = Path(__file__).resolve().parent.parent
 PROGRAMS = ROOT / "fixtures" / "programs"
 
@@ -103,10 +105,16 @@ def make_gpuiso(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, start: str = "spawn"
 ) -> GpuIso:
     """A ``GpuIso`` whose runs see the same terminal everywhere: pytest stops truncating
-    summary lines when it detects CI (CI, BUILD_NUMBER), and wraps at the terminal's width."""
+    summary lines when it detects CI (CI, BUILD_NUMBER), and wraps at the terminal's width.
+
+    With the fork server, a fork waits for the template to finish collecting, so that a
+    run takes one path whatever the timing (forked from the template, unless it gives up).
+    """
     monkeypatch.delenv("CI", raising=False)
     monkeypatch.delenv("BUILD_NUMBER", raising=False)
     monkeypatch.setenv("COLUMNS", "80")
+    if start == "forkserver":  # every test's process from the collected template, if it can
+        monkeypatch.setenv(TEMPLATE_WAIT_ENV, "120")
     return GpuIso(pytester, start=start)
 
 

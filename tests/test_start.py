@@ -127,7 +127,11 @@ def _cuda_conftest(iso: GpuIso, monkeypatch: pytest.MonkeyPatch, lib: Path | Non
 
 
 def _starts(iso: GpuIso) -> dict[str, dict]:
-    return {nodeid: record["start"] for nodeid, record in iso.records().items()}
+    """How each test's process started: method and prewarmed (collected: see test_template)."""
+    return {
+        nodeid: {key: record["start"][key] for key in ("method", "prewarmed")}
+        for nodeid, record in iso.records().items()
+    }
 
 
 def _start_warnings(result: pytest.RunResult) -> list[str]:
@@ -173,7 +177,7 @@ def test_preload_and_where_the_processes_come_from(
         result.stdout.fnmatch_lines(
             [
                 f"gpu-isolate: start forkserver (*), preload {PRELOAD}, prewarm next 1 test",
-                "gpu-isolate: started 4 forkserver; 3 prewarmed",
+                "gpu-isolate: started 4 forkserver; 3 prewarmed*",
             ]
         )
         # Imported once, by the server: neither pytest nor any test's process imported it,
@@ -262,7 +266,7 @@ def test_our_processes_are_not_in_active_children(spawn_iso: GpuIso) -> None:
     for start in ("spawn", "forkserver"):
         result = spawn_iso.run(f"--gpu-isolate-start={start}", "--gpu-isolate-prewarm=2")
         result.assert_outcomes(passed=3)
-        result.stdout.fnmatch_lines([f"gpu-isolate: started 2 {start}; 1 prewarmed"])
+        result.stdout.fnmatch_lines([f"gpu-isolate: started 2 {start}; 1 prewarmed*"])
 
 
 @pytest.mark.parametrize("driver", [True, False], ids=["libcuda-loaded", "clean"])
@@ -328,7 +332,7 @@ def test_preload_module_failing_at_import_falls_back_to_spawn(
     assert "RuntimeError('start_preload_broken refuses to be imported')" in warning
     assert warning.endswith("; isolated tests are started with spawn instead")
     assert {start["method"] for start in _starts(iso).values()} == {"spawn"}
-    result.stdout.fnmatch_lines(["gpu-isolate: started 4 spawn; 3 prewarmed"])
+    result.stdout.fnmatch_lines(["gpu-isolate: started 4 spawn; 3 prewarmed*"])
 
 
 def test_forkserver_under_xdist(forkserver_iso: GpuIso, logs: Logs) -> None:
@@ -383,7 +387,7 @@ def test_prewarm_starts_the_next_process_while_a_test_runs(gpuiso: GpuIso, logs:
         FIRST: {"method": gpuiso.start, "prewarmed": False},
         SECOND: {"method": gpuiso.start, "prewarmed": bool(prewarm)},
     }
-    result.stdout.fnmatch_lines([f"gpu-isolate: started 2 {gpuiso.start}; {prewarm} prewarmed"])
+    result.stdout.fnmatch_lines([f"gpu-isolate: started 2 {gpuiso.start}; {prewarm} prewarmed*"])
 
 
 GPU_TESTS = [f"test_start_gpus.py::test_gets_a_gpu[{i}]" for i in range(3)]
@@ -416,7 +420,7 @@ def test_prewarmed_process_that_touched_cuda_is_replaced(
             f"before it was given its GPUs (the CUDA driver library is loaded ({lib}))"
         ) in warning
         assert starts == {nodeid: {"method": "spawn", "prewarmed": False} for nodeid in runs}
-        result.stdout.fnmatch_lines(["gpu-isolate: started 3 spawn; 0 prewarmed"])
+        result.stdout.fnmatch_lines(["gpu-isolate: started 3 spawn; 0 prewarmed*"])
         # The replaced process: started ahead (no GPU yet), never ran a test.
         replaced = [pid for pid, cvd in cvd_at_import.items() if pid not in test_pids]
         assert any(cvd_at_import[pid] == "" for pid in replaced), cvd_at_import
@@ -428,7 +432,7 @@ def test_prewarmed_process_that_touched_cuda_is_replaced(
         assert starts == {
             nodeid: {"method": "spawn", "prewarmed": nodeid != GPU_TESTS[0]} for nodeid in runs
         }
-        result.stdout.fnmatch_lines(["gpu-isolate: started 3 spawn; 2 prewarmed"])
+        result.stdout.fnmatch_lines(["gpu-isolate: started 3 spawn; 2 prewarmed*"])
         assert cvd_at_import[runs[GPU_TESTS[0]]["pid"]] in ("0", "1")
         for nodeid in GPU_TESTS[1:]:  # no GPU while waiting, its GPU after the go
             assert cvd_at_import[runs[nodeid]["pid"]] == "", cvd_at_import
