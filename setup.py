@@ -1,6 +1,8 @@
 """Build the native parts; all metadata is in pyproject.toml.
 
 * ``pytest_gpuiso._lease`` (native/gpuiso_lease.c): the GPU lease table, a Python extension.
+* ``pytest_gpuiso._fork`` (native/gpuiso_fork.c): ``fork_sibling()``, one fork whose child is
+  the caller's sibling, for the fork server.
 * ``pytest_gpuiso._shmtrace`` (native/gpuiso_shmtrace.c): a plain shared library that
   isolated tests run with in LD_PRELOAD, logging the /dev/shm entries they create.
   setuptools builds it like an extension (same compiler, same install location);
@@ -20,6 +22,11 @@ setup(
                 "-Wextra",
                 "-Wno-missing-field-initializers",
             ],
+        ),
+        Extension(
+            "pytest_gpuiso._fork",
+            sources=["native/gpuiso_fork.c"],
+            extra_compile_args=["-std=gnu11", "-Wall", "-Wextra"],
         ),
         Extension(
             "pytest_gpuiso._shmtrace",

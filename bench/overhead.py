@@ -9,7 +9,9 @@ the same run:
 * in-process pytest;
 * ``--gpu-isolate`` with spawn, prewarming off (``--gpu-isolate-prewarm=0``);
 * spawn with prewarming of the next test (the default) and of the next 2;
-* ``--gpu-isolate-start=forkserver`` (default prewarming);
+* ``--gpu-isolate-start=forkserver`` (default prewarming), with its pre-collected
+  template (the default) and without (``--gpu-isolate-no-precollect``: each test's
+  process configures pytest and collects its module itself);
 * naive isolation: one ``pytest FILE::test_i`` process per test. It is slow, so
   only --naive-tests of the N tests are run and their per-test cost is
   extrapolated to N (the output says so);
@@ -179,10 +181,13 @@ def version(dist: str) -> str:
 def machine_line() -> str:
     cpus = os.cpu_count()
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cpus
-    return (
+    line = (
         f"machine: {cpus} CPUs ({usable} usable), Python {platform.python_version()}, "
         f"torch {version('torch')}, pytest {version('pytest')}, {platform.platform()}"
     )
+    if sys.dont_write_bytecode:  # every process then re-rewrites what has no .pyc yet
+        line += ", PYTHONDONTWRITEBYTECODE set"
+    return line
 
 
 def plugins_line() -> str:
@@ -252,6 +257,17 @@ def main() -> None:
             "forkserver, prewarm 1",
             "pytest",
             [*others, "--gpu-isolate", "--gpu-isolate-start=forkserver"],
+            isolated=True,
+        ),
+        Config(
+            "forkserver, no pre-collect",
+            "pytest",
+            [
+                *others,
+                "--gpu-isolate",
+                "--gpu-isolate-start=forkserver",
+                "--gpu-isolate-no-precollect",
+            ],
             isolated=True,
         ),
         Config("naive: pytest per test", "naive", inproc_args, isolated=True),

@@ -7,6 +7,7 @@ import ctypes.util
 import os
 import signal
 import sys
+from collections.abc import Iterator
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -32,9 +33,9 @@ def _prctl(option: int, arg: int) -> bool:
     return _lib().prctl(option, ctypes.c_ulong(arg), 0, 0, 0) == 0
 
 
-def set_child_subreaper() -> bool:
-    """Make orphaned descendants re-parent to this process instead of init."""
-    return _prctl(PR_SET_CHILD_SUBREAPER, 1)
+def set_child_subreaper(on: bool = True) -> bool:
+    """Make orphaned descendants re-parent to this process instead of init (or stop)."""
+    return _prctl(PR_SET_CHILD_SUBREAPER, int(on))
 
 
 def die_with_parent(expected_parent: int, sig: int = signal.SIGKILL) -> None:
@@ -47,26 +48,27 @@ def die_with_parent(expected_parent: int, sig: int = signal.SIGKILL) -> None:
         os._exit(70)
 
 
-def back_with_huge_pages() -> int:
-    """Move this process's private writable memory into transparent huge pages.
+def huge_page_steps(chunk: int = 8 << 20) -> Iterator[int]:
+    """Move this process's private writable memory into transparent huge pages, in steps.
 
-    For a process that will be forked many times (the fork server): ``fork`` copies
-    one page-table entry per 4 KiB page and ``exit`` tears them all down again, about
-    10 ms for the ~150 MB heap of a process that imported torch. Backed by 2 MiB
-    pages, that is one entry per 2 MiB: ~3 ms. A child's first write to such a page
-    still copies only 4 KiB (the kernel splits the mapping). Best effort: on kernels
-    before 6.1 (no ``MADV_COLLAPSE``) or with THP disabled nothing changes.
-    Returns the bytes collapsed.
+    For a process that will be forked many times (the fork server's template):
+    ``fork`` copies one page-table entry per 4 KiB page and ``exit`` tears them all
+    down again, about 10 ms for the ~150 MB heap of a process that imported torch.
+    Backed by 2 MiB pages it is one entry per 2 MiB: ~3 ms. A child's first write to
+    such a page still copies only 4 KiB (the kernel splits the mapping).
+
+    Collapsing costs ~2 ms per 2 MiB page here, so it is done ``chunk`` bytes per
+    step (each ``next()``; yields the bytes collapsed), between other work. Best
+    effort: before Linux 6.1 (no ``MADV_COLLAPSE``) or with THP off, nothing changes.
     """
     if not sys.platform.startswith("linux"):
-        return 0
+        return
     try:
         with open("/proc/self/maps") as maps:
             lines = maps.read().splitlines()
     except OSError:
-        return 0
+        return
     libc = _lib()
-    done = 0
     for line in lines:
         fields = line.split()
         path = fields[5] if len(fields) > 5 else ""
@@ -75,11 +77,9 @@ def back_with_huge_pages() -> int:
         lo, hi = (int(x, 16) for x in fields[0].split("-"))
         start = -(-lo // HUGE_PAGE) * HUGE_PAGE
         end = hi // HUGE_PAGE * HUGE_PAGE
-        if end <= start:
-            continue
-        libc.madvise(start, end - start, MADV_HUGEPAGE)
-        if libc.madvise(start, end - start, MADV_COLLAPSE) == 0:
-            done += end - start
-        elif ctypes.get_errno() == 22:  # EINVAL: this kernel has no MADV_COLLAPSE
-            break
-    return done
+        for at in range(start, end, chunk):
+            size = min(chunk, end - at)
+            libc.madvise(at, size, MADV_HUGEPAGE)
+            if libc.madvise(at, size, MADV_COLLAPSE) != 0 and ctypes.get_errno() == 22:
+                return  # EINVAL: this kernel has no MADV_COLLAPSE
+            yield size

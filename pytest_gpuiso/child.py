@@ -376,7 +376,10 @@ class ChildPlugin:
     @pytest.hookimpl(tryfirst=True)
     def pytest_collection(self, session: Any) -> bool:
         self.channel.wait_go()  # a prewarmed child stops here until its test's turn
-        session.perform_collect([self.job.collect_arg])
+        try:
+            session.perform_collect([self.job.collect_arg])
+        except pytest.UsageError:  # "found no collectors": the collect errors say why
+            session.items = []
         return True
 
     @pytest.hookimpl(trylast=True)  # after -k / -m deselection

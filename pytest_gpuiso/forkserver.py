@@ -37,14 +37,14 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, NoReturn
 
 from . import cuda_state
-from ._linux import back_with_huge_pages, die_with_parent
+from ._linux import die_with_parent, huge_page_steps, set_child_subreaper
 from .leaks.shm import LOG_ENV
 
 REPARENT_WAIT = 5.0  # seconds the test's process waits to become pytest's child
@@ -118,8 +118,9 @@ class ForkServer:
 
     def answer(self, timeout: float) -> tuple[str, Any]:
         """The next answer to a fork request: ("refused"/"failed", why) or ("forked", (pid,
-        source, note)): forked from the collected ``"template"`` or the parsed ``"server"``;
-        ``note``: why the template could not serve, once it has given up."""
+        source, note, template)): forked from the collected ``"template"`` or the parsed
+        ``"server"``; ``note``: why the template could not serve, once it has given up;
+        ``template``: the template's pid (our child, like the tests', where it could be)."""
         return self._answer(timeout, "fork")
 
     def collect(self, directories: list[str], modules: list[str]) -> None:
@@ -291,14 +292,16 @@ class _Server:
         if template is not None and template.serves(job):
             kind, payload = template.fork(fds, cboot, job)
             if kind == "forked":
-                return kind, (payload, "template", None)
+                return kind, (payload, "template", None, template.reaper_pid)
         ours = [self.sock, self.conn]
         if template is not None:
             ours += [template.sock, template.conn]
         kind, payload = _fork(self.boot, ours, _run_job(cboot, job, fds))
         if kind != "forked":
             return kind, payload
-        return kind, (payload, "server", template.unusable if template is not None else None)
+        if template is None:
+            return kind, (payload, "server", None, None)
+        return kind, (payload, "server", template.unusable, template.reaper_pid)
 
     def stop_template(self) -> None:
         if self.template is not None:
@@ -324,18 +327,26 @@ class _TemplateHandle:
         self.conn = conn
         self.items: frozenset[str] | None = None  # node ids it collected, once it says so
         self.unusable: str | None = None
+        self.ours = True  # the server's child (else pytest's)
+        self.stopped = False
 
     @classmethod
     def start(cls, server: _Server, modules: list[str]) -> _TemplateHandle | None:
+        """Fork the template: pytest's child where ``fork_sibling`` works, like its tests."""
         ours, theirs = socket.socketpair()
+        parent = server.boot.parent_pid
         try:
-            pid = os.fork()
+            pid = fork_sibling()
+            if pid is None:
+                parent = os.getpid()
+                pid = os.fork()
         except OSError:
             ours.close()
             theirs.close()
             return None
         if pid == 0:  # the template
             try:
+                die_with_parent(parent)
                 ours.close()
                 server.sock.close()
                 server.conn.close()
@@ -343,7 +354,14 @@ class _TemplateHandle:
             finally:
                 os._exit(73)
         theirs.close()
-        return cls(pid, ours, Connection(os.dup(ours.fileno())))
+        template = cls(pid, ours, Connection(os.dup(ours.fileno())))
+        template.ours = parent != server.boot.parent_pid  # else pytest's child, reaped there
+        return template
+
+    @property
+    def reaper_pid(self) -> int | None:
+        """Its pid for pytest to spare and reap, when it is pytest's child."""
+        return None if self.ours else self.pid
 
     def serves(self, job: Any) -> bool:
         """Whether this job's process can be forked from the template (it has its item)."""
@@ -377,12 +395,17 @@ class _TemplateHandle:
         return answer
 
     def stop(self) -> None:
+        """Kill it (once: after our waitpid its pid may be anyone's)."""
+        if self.stopped:
+            return
+        self.stopped = True
         for closer in (self.sock.close, self.conn.close):
             with contextlib.suppress(OSError):
                 closer()
         with contextlib.suppress(ChildProcessError, OSError):
-            os.kill(self.pid, signal.SIGKILL)
-            os.waitpid(self.pid, 0)
+            os.kill(self.pid, signal.SIGKILL)  # pytest's child: a zombie until pytest reaps it
+            if self.ours:
+                os.waitpid(self.pid, 0)
 
 
 def _template_wait() -> float:
@@ -407,26 +430,37 @@ def _run_template(boot: ServerBoot, sock: socket.socket, modules: list[str]) -> 
         shm_log = os.path.join(config.option.basetemp, "shm.log")
         os.close(os.open(shm_log, os.O_CREAT | os.O_WRONLY, 0o600))  # the shim only appends
         os.environ[LOG_ENV] = shm_log
+    # Until it has collected, daemons its plugins start (double fork, setsid) become its
+    # children too, so that _left_outside sees them, instead of being re-parented to pytest.
+    set_child_subreaper(True)
 
     def serve(items: list[str]) -> None:
         """Called by the template's session once collected; returns only in a test's process."""
         os.environ.pop(LOG_ENV, None)
-        problem = unsafe_to_fork() or _left_outside(before, shm_log)
+        problem = unsafe_to_fork("the template") or _left_outside(before, shm_log)
+        set_child_subreaper(False)  # tests' orphans (with two forks: tests) go to pytest
         if problem is not None:  # what it made goes with it, not to a test's account
             _kill_children()
             _remove_shm(shm_log)
             conn.send(("unusable", f"after configuring and collecting: {problem}"))
             os._exit(0)
         gc.freeze()
-        back_with_huge_pages()
         conn.send(("collected", items))
-        while (request := _receive(sock, conn)) is not None:
+        compact: Iterator[int] | None = huge_page_steps()
+        while True:
+            if compact is not None and not conn.poll(0):  # idle: compact a little
+                if next(compact, None) is None:
+                    compact = None
+                continue
+            request = _receive(sock, conn)
+            if request is None:
+                break
             fds, (kind, *payload) = request
             if kind != "fork":
                 _close_all(fds)
                 continue
             cboot, job = payload
-            # In the test's process, _Become unwinds out of here, into the session.
+            # In the test's process, Become unwinds out of here, into its session.
             conn.send(_fork(boot, [sock, conn], _become(cboot, job, fds)))
             _close_all(fds)
         os._exit(0)
@@ -471,20 +505,20 @@ def _left_outside(before: dict[int, str], shm_log: str | None) -> str | None:
 
 
 def _shm_created(shm_log: str | None) -> list[str]:
-    """The /dev/shm entries the shim logged for this process."""
+    """The /dev/shm entries the shim logged for this process that are still there."""
     try:
         with open(shm_log or "") as log:
             lines = log.read().splitlines()
     except OSError:
         return []
-    return [line.split(maxsplit=1)[1] for line in lines if len(line.split(maxsplit=1)) == 2]
+    names = [line.split(maxsplit=1)[1] for line in lines if len(line.split(maxsplit=1)) == 2]
+    return [name for name in names if "/" not in name and os.path.exists(f"/dev/shm/{name}")]
 
 
 def _remove_shm(shm_log: str | None) -> None:
     for name in _shm_created(shm_log):
-        if "/" not in name:
-            with contextlib.suppress(OSError):
-                os.unlink(f"/dev/shm/{name}")
+        with contextlib.suppress(OSError):
+            os.unlink(f"/dev/shm/{name}")
 
 
 def _children() -> list[int]:
@@ -561,8 +595,8 @@ def unlist(proc: Any) -> None:
         multiprocessing.process._children.discard(proc)  # type: ignore[attr-defined]
 
 
-def unsafe_to_fork() -> str | None:
-    """Why forking this process would not give a clean child, or None."""
+def unsafe_to_fork(who: str = "the fork server") -> str | None:
+    """Why forking this process (``who``) would not give a clean child, or None."""
     reason = cuda_state.touched()
     if reason is not None:
         return reason
@@ -573,18 +607,50 @@ def unsafe_to_fork() -> str | None:
     if threads > 1:
         names = ", ".join(t.name for t in threading.enumerate() if t is not threading.main_thread())
         started = f" ({names})" if names else " (native threads)"
-        return f"the fork server has {threads} threads{started}; a fork could deadlock"
+        return f"{who} has {threads} threads{started}; a fork could deadlock"
     return None
 
 
 def _fork(boot: ServerBoot, close: list[Any], run: Callable[[], NoReturn]) -> tuple[str, Any]:
-    """Fork a test's process that ``run``s once it is pytest's child; ("forked", pid) or why not.
+    """Fork a test's process that ``run``s as pytest's child; ("forked", pid) or why not.
 
-    ``close``: this process's own connections, which the test's process must not hold.
+    One fork whose child is pytest's (``fork_sibling``, this process being pytest's
+    child too), else two: the intermediate forks the test's process and exits, and
+    the orphan is re-parented to pytest. ``close``: this process's own connections,
+    which the test's process must not hold.
     """
     problem = unsafe_to_fork()
     if problem is not None:
         return "refused", f"the fork server refused to fork: {problem}"
+    pid = fork_sibling()
+    if pid is None:
+        return _fork_twice(boot, close, run)
+    if pid == 0:
+        _run_test_process(boot, close, run)
+    return "forked", pid
+
+
+_siblings = True  # fork_sibling() works here (until it fails once)
+
+
+def fork_sibling() -> int | None:
+    """``os.fork()`` whose child is this process's parent's child; None where unavailable.
+
+    See native/gpuiso_fork.c. Unavailable without the extension, before Linux 5.3
+    (clone3), or where a seccomp filter refuses clone3 (some container runtimes).
+    """
+    global _siblings
+    if _siblings:
+        try:
+            from ._fork import fork_sibling as fork
+
+            return fork()
+        except (ImportError, OSError):
+            _siblings = False
+    return None
+
+
+def _fork_twice(boot: ServerBoot, close: list[Any], run: Callable[[], NoReturn]) -> tuple[str, Any]:
     r, w = os.pipe()
     try:
         pid = os.fork()
@@ -602,12 +668,8 @@ def _fork(boot: ServerBoot, close: list[Any], run: Callable[[], NoReturn]) -> tu
         finally:
             if grandchild != 0:
                 os._exit(0)
-        try:
-            os.close(w)
-            _become_test_process(boot, close)
-        except BaseException:
-            os._exit(71)
-        run()  # returns only by raising Become (a template's test process)
+        os.close(w)
+        _run_test_process(boot, close, run)
     os.close(w)
     data = b""
     while chunk := os.read(r, 8 - len(data)):
@@ -619,6 +681,15 @@ def _fork(boot: ServerBoot, close: list[Any], run: Callable[[], NoReturn]) -> tu
     if len(data) != 8:
         return "refused", "the fork server could not fork"
     return "forked", int.from_bytes(data, "little")
+
+
+def _run_test_process(boot: ServerBoot, close: list[Any], run: Callable[[], NoReturn]) -> NoReturn:
+    try:
+        _become_test_process(boot, close)
+    except BaseException:
+        os._exit(71)
+    run()  # returns only by raising Become (a template's test process)
+    os._exit(72)
 
 
 def _become_test_process(boot: ServerBoot, close: list[Any]) -> None:

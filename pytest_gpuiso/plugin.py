@@ -190,7 +190,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="start the processes of the next N isolated tests while one runs; 0: off "
         "(default 1; ini: gpu_isolate_prewarm).",
     )
+    group.addoption(
+        "--gpu-isolate-no-precollect",
+        action="store_false",
+        dest="gpu_isolate_precollect",
+        default=None,
+        help="with the fork server, do not configure pytest and collect the tests' modules "
+        "once in a template that each test's process is forked from: each configures and "
+        "collects for itself (ini: gpu_isolate_precollect = false).",
+    )
     parser.addini("gpu_isolate_start", "spawn or forkserver", default="")
+    parser.addini(
+        "gpu_isolate_precollect", "fork tests from a pre-collected session (true/false)", default=""
+    )
     parser.addini("gpu_isolate_preload", "modules imported ahead of the tests", default="")
     parser.addini("gpu_isolate_prewarm", "processes started ahead of their test", default="")
     parser.addini("gpu_isolate_leaks", "leak policy: warn, fail, off or kind=level,...", default="")
@@ -278,7 +290,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 def _start_header(s: Settings) -> str:
     line = f"gpu-isolate: start {s.start}"
     if s.start == "forkserver":
-        line += " (a server per pytest process that never initialises CUDA)"
+        how = "pre-collected session" if s.precollect else "parsed configuration"
+        line += f" (a server per pytest process that never initialises CUDA; forks from a {how})"
     preload = ",".join(s.preload) or "none"
     prewarm = f"next {s.prewarm} test{'s' if s.prewarm != 1 else ''}" if s.prewarm else "off"
     return f"{line}, preload {preload}, prewarm {prewarm}"
@@ -549,7 +562,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     supervisor.start_server()
     if supervisor.server is not None:
         directories = {str(Path(module).parent) for module in modules}
-        supervisor.server.collect(sorted(directories), sorted(modules))
+        precollect = sorted(modules) if state.settings.precollect else []
+        supervisor.server.collect(sorted(directories), precollect)
 
 
 @pytest.hookimpl(trylast=True)

@@ -147,6 +147,7 @@ class Settings:
     torch_check: bool = False
     summary_path: str | None = None
     start: str = "spawn"  # how isolated processes start: spawn or forkserver
+    precollect: bool = True  # forkserver: fork tests from a configured, collected template
     preload: tuple[str, ...] = ()  # imported by the fork server and by prewarmed children
     prewarm: int = DEFAULT_PREWARM  # processes of the next tests started ahead of their turn
 
@@ -197,8 +198,13 @@ class Settings:
             preload = parse_preload(preload_text, preload_source)
         prewarm_text, prewarm_source = _text_option(config, "gpu_isolate_prewarm")
         prewarm = parse_int(prewarm_text, prewarm_source, 0, 16) if prewarm_text else 1
+        precollect = config.getoption("gpu_isolate_precollect")
+        if precollect is None:
+            text = config.getini("gpu_isolate_precollect")
+            precollect = parse_bool(text, "ini gpu_isolate_precollect") if text.strip() else True
         return cls(
             start=start,
+            precollect=precollect,
             preload=preload,
             prewarm=prewarm,
             leaks=tuple(policy.items()),
