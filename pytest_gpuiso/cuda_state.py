@@ -17,24 +17,34 @@ Importing ``torch`` loads neither; ``torch.cuda.is_available()``,
 
 from __future__ import annotations
 
-import os
 import sys
 
 DRIVER = "libcuda.so"
 NVML = "libnvidia-ml.so"
 
 
-def loaded(library: str) -> str | None:
-    """The path of ``library`` (a file name prefix) if it is mapped in this process."""
+def loaded(library: str, maps: bytes | None = None) -> str | None:
+    """The path of ``library`` (a file name prefix) if it is mapped in this process.
+
+    ``maps``: /proc/self/maps, read already. One search over the whole text: this
+    runs before every fork and in every test's process, ~0.05 ms (line by line: ~0.6).
+    """
+    if maps is None:
+        maps = _maps()
+    at = maps.find(b"/" + library.encode())
+    if at < 0:
+        return None
+    start = maps.rfind(b" ", 0, at) + 1
+    end = maps.find(b"\n", at)
+    return maps[start : end if end >= 0 else len(maps)].decode(errors="replace")
+
+
+def _maps() -> bytes:
     try:
         with open("/proc/self/maps", "rb") as f:
-            for line in f:
-                path = line.rpartition(b" ")[2].strip()
-                if os.path.basename(path).startswith(library.encode()):
-                    return path.decode(errors="replace")
+            return f.read()
     except OSError:
-        pass
-    return None
+        return b""
 
 
 def touched() -> str | None:
@@ -46,10 +56,11 @@ def touched() -> str | None:
             return "torch.cuda is initialised"
     except Exception:  # a stub or a half-imported torch: the driver check below decides
         pass
-    path = loaded(DRIVER)
+    maps = _maps()
+    path = loaded(DRIVER, maps)
     if path is not None:
         return f"the CUDA driver library is loaded ({path})"
-    path = loaded(NVML)
+    path = loaded(NVML, maps)
     if path is not None:
         return f"the NVIDIA management library is loaded ({path}): GPUs were queried"
     return None

@@ -13,6 +13,7 @@ import os
 import sys
 import tempfile
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import import_module
 from pathlib import Path
@@ -353,17 +354,25 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     ihook = item.ihook
     ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
     started = state.prewarmer.take(item.nodeid) if state.prewarmer is not None else None
+    prewarmed: list[bool] = []
+
+    def prewarm() -> None:
+        """Start the next tests' processes: once this test has its go, or was not run."""
+        if not prewarmed:
+            prewarmed.append(True)
+            _prewarm(item, nextitem, state)
+
     try:
-        _prewarm(item, nextitem, state)
         spec = spec_for_item(item, state.settings)
     except SpecError as exc:
         reports = setup_error_reports(item, str(exc))
     else:
-        reports = _run_isolated_item(item, spec, state, started)
+        reports = _run_isolated_item(item, spec, state, started, prewarm)
         started = None
     finally:
         if started is not None:
             _supervisor(item.config, state).discard(started)
+    prewarm()
     _teardown_parent_stack(item, nextitem, reports)
     for rep in reports:
         ihook.pytest_runtest_logreport(report=rep)
@@ -388,11 +397,17 @@ def _too_few_gpus(n: int, state: State) -> str | None:
 
 
 def _run_isolated_item(
-    item: pytest.Item, spec: IsolationSpec, state: State, started: Started | None
+    item: pytest.Item,
+    spec: IsolationSpec,
+    state: State,
+    started: Started | None,
+    after_go: Callable[[], None] | None = None,
 ) -> list:
     """Lease the test's GPUs (in this process), run it in a child, release after reaping.
 
     ``started``: the test's prewarmed process, if any; discarded when the test does not run.
+    ``after_go``: called once the child has its go (prewarming the next tests then keeps
+    their starts from delaying this one).
     """
     supervisor = _supervisor(item.config, state)
     n = _gpus_wanted(item, spec, state)
@@ -416,6 +431,7 @@ def _run_isolated_item(
                 env=env,
                 probes=_probes(spec, state, lease),
                 started=started,
+                after_go=after_go,
             ),
             None,
         )

@@ -29,7 +29,7 @@ import multiprocessing
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -394,12 +394,14 @@ class Supervisor:
         env: dict[str, str] | None = None,
         probes: tuple[Probe, ...] = (),
         started: Started | None = None,
+        after_go: Callable[[], None] | None = None,
     ) -> Outcome:
         """Run ``job`` (an object with ``run(channel, boot)``) in a fresh process.
 
         ``started``: the job's prewarmed process, if there is one. ``probes`` are
         leak checks besides the process sweep, which always runs. The timeout
-        clock starts at the go.
+        clock starts at the go. ``after_go()`` is called once the child has its go
+        (while it runs).
         """
         if started is not None:
             self._settle(started)
@@ -411,7 +413,9 @@ class Supervisor:
         prewarmed = started is not None
         if started is None:
             started = self.start(job, env)
-        outcome = self._run(started, timeout=timeout, grace=grace, env=env, probes=probes)
+        outcome = self._run(
+            started, timeout=timeout, grace=grace, env=env, probes=probes, after_go=after_go
+        )
         stale = outcome.frames_of("stale")
         if stale:  # it initialised CUDA before it knew its GPUs: run a fresh one
             self.stale = self.stale or stale[0]
@@ -430,6 +434,7 @@ class Supervisor:
         grace: float,
         env: dict[str, str] | None,
         probes: tuple[Probe, ...],
+        after_go: Callable[[], None] | None = None,
     ) -> Outcome:
         proc, reader, sentinel = started.proc, started.reader, started.sentinel
         # The test's own process is spared in the snapshot: what it started before its go
@@ -454,6 +459,8 @@ class Supervisor:
         stack = ""
         interrupted = False
         try:
+            if after_go is not None:
+                after_go()
             deadline = None if timeout is None else begun + timeout
             if not _pump(reader, sentinel, frames, deadline):
                 timed_out, cutoff = True, len(frames)
