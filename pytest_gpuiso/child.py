@@ -455,7 +455,7 @@ class TemplatePlugin(ChildPlugin):
     for its go and runs its item from the collected session.
     """
 
-    def __init__(self, modules: list[str], serve: Callable[[list[str]], None]) -> None:
+    def __init__(self, modules: list[str] | None, serve: Callable[[list[str]], None]) -> None:
         super().__init__(None, None)  # type: ignore[arg-type] - given to each fork
         self.modules = modules
         self.serve = serve
@@ -465,7 +465,7 @@ class TemplatePlugin(ChildPlugin):
     def pytest_collection(self, session: Any) -> bool:
         from .forkserver import Become
 
-        session.perform_collect(self.modules)
+        session.perform_collect(self.modules)  # None: the session's arguments, as pytest
         self.items = {item.nodeid: item for item in session.items}
         capman = self.config.pluginmanager.get_plugin("capturemanager")
         if capman is not None:  # each test's process captures into its own files
@@ -510,7 +510,9 @@ class TemplatePlugin(ChildPlugin):
         return super().pytest_runtestloop(session)
 
 
-def run_template(config: Any, modules: list[str], serve: Callable[[list[str]], None]) -> None:
+def run_template(
+    config: Any, modules: list[str] | None, serve: Callable[[list[str]], None]
+) -> None:
     """The template's pytest session; in a test's process forked from it, the test's end."""
     plugin = TemplatePlugin(modules, serve)
     config.pluginmanager.register(plugin, CHILD_PLUGIN)

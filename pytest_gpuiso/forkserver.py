@@ -65,6 +65,7 @@ class ServerBoot:
     preload: tuple[str, ...]
     args: tuple[str, ...]
     invocation_dir: str
+    collect_all: bool = False  # every test is isolated: the template collects the args at once
 
 
 class ForkServer:
@@ -77,10 +78,13 @@ class ForkServer:
         preload: tuple[str, ...],
         args: tuple[str, ...],
         invocation_dir: str,
+        collect_all: bool = False,
     ) -> None:
         self.log = log
         self.conn, theirs = ctx.Pipe(duplex=True)  # a Unix socket pair
-        boot = ServerBoot(os.getpid(), str(log), tuple(preload), tuple(args), invocation_dir)
+        boot = ServerBoot(
+            os.getpid(), str(log), tuple(preload), tuple(args), invocation_dir, collect_all
+        )
         self.proc = ctx.Process(target=serve, args=(boot, theirs), daemon=False)
         self.proc.start()
         unlist(self.proc)
@@ -194,6 +198,8 @@ def serve(boot: ServerBoot, conn: Connection) -> None:
         return
     conn.send(("ready", None))
     server = _Server(boot, sock, conn)
+    if boot.collect_all:  # what pytest collects is what the template collects: start now
+        server.template = _TemplateHandle.start(server, None)
     try:
         server.loop()
     finally:
@@ -278,7 +284,8 @@ class _Server:
                 _close_all(fds)
 
     def collect(self, directories: list[str], modules: list[str]) -> None:
-        """Import the test directories' conftests; start a template that collects ``modules``."""
+        """Import the test directories' conftests; start a template that collects ``modules``
+        (unless one started with the server, collecting the session's arguments)."""
         _load_conftests(directories)
         gc.freeze()
         if modules and self.template is None:
@@ -331,8 +338,11 @@ class _TemplateHandle:
         self.stopped = False
 
     @classmethod
-    def start(cls, server: _Server, modules: list[str]) -> _TemplateHandle | None:
-        """Fork the template: pytest's child where ``fork_sibling`` works, like its tests."""
+    def start(cls, server: _Server, modules: list[str] | None) -> _TemplateHandle | None:
+        """Fork the template, collecting ``modules`` (None: the session's arguments).
+
+        It is pytest's child where ``fork_sibling`` works, like the tests' processes.
+        """
         ours, theirs = socket.socketpair()
         parent = server.boot.parent_pid
         try:
@@ -415,7 +425,7 @@ def _template_wait() -> float:
         return 0.0
 
 
-def _run_template(boot: ServerBoot, sock: socket.socket, modules: list[str]) -> None:
+def _run_template(boot: ServerBoot, sock: socket.socket, modules: list[str] | None) -> None:
     """The template process: configure, collect, then fork tests from inside the session."""
     from . import child
 

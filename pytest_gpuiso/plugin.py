@@ -471,7 +471,11 @@ def _supervisor(config: pytest.Config, state: State) -> Supervisor:
             start=s.start,
             preload=s.preload,
             exec_env=preload_env() if s.leak_level("shm") != "off" else {},
-            server_args=(tuple(config.invocation_params.args), str(config.invocation_params.dir)),
+            server_args=(
+                tuple(config.invocation_params.args),
+                str(config.invocation_params.dir),
+                s.precollect and s.mode == "all",  # its template collects what pytest does
+            ),
         )
         if s.start == "forkserver" and not reaper:
             state.supervisor.method = "spawn"

@@ -208,14 +208,15 @@ class Supervisor:
         start: str = "spawn",
         preload: tuple[str, ...] = (),
         exec_env: dict[str, str] | None = None,
-        server_args: tuple[tuple[str, ...], str] | None = None,
+        server_args: tuple[tuple[str, ...], str, bool] | None = None,
     ) -> None:
         self.workdir = workdir
         self.capture_output = capture_output
         self.method = start
         self.preload = tuple(preload)
         self.exec_env = dict(exec_env or {})  # must be there at exec (LD_PRELOAD of a probe)
-        self.server_args = server_args  # (pytest args, invocation dir) for the fork server
+        # (pytest args, invocation dir, collect them all at once) for the fork server
+        self.server_args = server_args
         self.server: ForkServer | None = None
         self.notices: list[str] = []  # start-method problems, for the plugin to show once
         self.stale: str | None = None  # why a prewarmed child had to be replaced, once seen
@@ -232,12 +233,14 @@ class Supervisor:
             except (AttributeError, OSError) as exc:
                 self._fall_back(f"the fork server needs pidfd_open (Linux 5.3+): {exc}")
                 return
-            args, directory = self.server_args
+            args, directory, collect_all = self.server_args
             log = self._private_file(f"forkserver-{next(_RUNS)}.log")
             _ensure_resource_tracker()
             try:
                 with _exec_environment(self.exec_env):
-                    self.server = ForkServer(self._ctx, log, self.preload, args, directory)
+                    self.server = ForkServer(
+                        self._ctx, log, self.preload, args, directory, collect_all
+                    )
             except Exception as exc:
                 self._fall_back(f"the fork server could not be started: {exc}")
 

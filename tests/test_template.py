@@ -414,3 +414,18 @@ def test_fork_sibling_makes_a_child_of_the_callers_parent() -> None:
     out = subprocess.run([sys.executable, "-c", SIBLING], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["True", "0"], out.stdout
+
+
+def test_marked_tests_are_pre_collected_from_their_modules_only(env: Env) -> None:
+    """Without --gpu-isolate only the marked tests are isolated: the template collects the
+    modules that hold them (once pytest has collected), and both marked tests of
+    test_mixed.py are forked from it; the unmarked ones run in pytest."""
+    env.iso.copy("test_mixed.py", IDS)
+    result = env.iso.run(REPORT, "test_mixed.py", IDS)
+    result.assert_outcomes(passed=13)
+    starts_ = starts(env.iso)
+    assert starts_ == {
+        "test_mixed.py::test_isolated_middle": (True, None),
+        "test_mixed.py::TestClass::test_isolated_in_class": (True, None),
+    }
+    result.stdout.fnmatch_lines(["gpu-isolate: started 2 forkserver; 1 prewarmed; 2 pre-collected"])
