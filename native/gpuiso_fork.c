@@ -51,7 +51,7 @@ static PyObject *fork_sibling(PyObject *self, PyObject *unused)
 {
     (void)self;
     (void)unused;
-#if defined(SYS_clone3) && defined(CLONE_PARENT)
+#if defined(SYS_clone3) && defined(CLONE_ARGS_SIZE_VER0) /* kernel headers 5.3+ */
     int *tid_address = NULL;
     if (prctl(PR_GET_TID_ADDRESS, &tid_address, 0, 0, 0) != 0)
         return PyErr_SetFromErrno(PyExc_OSError);

@@ -7,20 +7,30 @@ modules, parses the session's configuration the way a child does (which imports
 every plugin and the initial conftests) and loads the conftests of the test
 directories it is told about. It never configures pytest and never runs a test.
 
+Pre-collection: the server also forks a *template* (``_TemplateHandle``), which
+configures pytest, starts the session and collects the isolated tests' modules
+once, then serves fork requests from inside its ``pytest_collection``; a test's
+process forked there only runs its item. The template serves only if configuring
+and collecting left nothing outside its memory that its forks would share
+(``_left_outside``); otherwise it gives up and says why, and the server forks the
+tests from its parsed configuration, each of which configures and collects itself.
+
 The clean-CUDA guarantee is checked before every fork (``cuda_state``): a server
 that has loaded the CUDA driver, or has more than one thread (a thread holding a
 lock at fork time deadlocks the child), refuses, and the caller falls back to
 ``spawn``. Each child checks again when it starts.
 
 A test's process must be pytest's own child (its exit status, its pdeathsig, the
-process sweep), so the server forks twice: the intermediate process forks the
-test's process and exits at once, and the orphan is re-parented to pytest, a
-child subreaper. The test's process waits until that has happened before it
-sets its parent-death signal.
+process sweep). ``fork_sibling`` (native/gpuiso_fork.c, ``clone(CLONE_PARENT)``)
+makes it so in one fork, the server and the template being pytest's children
+themselves. Where that is unavailable the server forks twice: the intermediate
+process forks the test's process and exits at once, and the orphan is re-parented
+to pytest, a child subreaper; the test's process waits until that has happened
+before it sets its parent-death signal.
 
 Protocol over one socket pair: a request is one byte carrying the file
 descriptors (``socket.send_fds``) followed by a pickled message; the answers
-are pickled messages.
+are pickled messages. The server talks to its template the same way.
 """
 
 from __future__ import annotations
@@ -292,7 +302,8 @@ class _Server:
             self.template = _TemplateHandle.start(self, modules)
 
     def fork(self, fds: list[int], cboot: Any, job: Any) -> tuple[str, Any]:
-        """("forked", (pid, "template" or "server")), or ("refused", why)."""
+        """("forked", (pid, source, note, template pid)) as ``ForkServer.answer`` describes,
+        or ("refused", why)."""
         if len(fds) != 2:
             return "refused", f"the fork server got {len(fds)} descriptors for a fork, expected 2"
         template = self.template
