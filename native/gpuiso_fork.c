@@ -22,11 +22,15 @@
  *   - the robust-mutex list, which the kernel does not carry into a child, is
  *     emptied and registered again.
  * pthread_atfork() handlers are not run. The caller forks only when it has a
- * single thread (checked before every fork), where those handlers have no lock to
- * release and no thread pool to forget. Any failure raises OSError; the caller
- * then falls back to the two forks.
+ * single thread (checked before every fork), so no handler has a lock to release;
+ * the one `import torch` registers (the autograd engine's, which asks a child to
+ * rebuild the engine) has nothing to rebuild while autograd never ran, and with a
+ * CUDA build running it loads libcuda, which makes the caller refuse to fork. Any
+ * failure raises OSError; the caller then falls back to the two forks.
  */
+#ifndef _GNU_SOURCE
 #define _GNU_SOURCE
+#endif
 #include <Python.h>
 #include <errno.h>
 #include <linux/sched.h>

@@ -34,6 +34,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -460,12 +461,18 @@ class TemplatePlugin(ChildPlugin):
         self.modules = modules
         self.serve = serve
         self.items: dict[str, Any] = {}
+        self.seeded: list[Any] = [None, None]  # generator states the collection set
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_collection(self, session: Any) -> bool:
         from .forkserver import Become
 
+        before = _random_states()
         session.perform_collect(self.modules)  # None: the session's arguments, as pytest
+        # A module that seeded a global generator at import: each test's process starts
+        # from that state, as if it had imported the module itself (a fork reseeds them).
+        after = _random_states()
+        self.seeded = [new if new != old else None for old, new in zip(before, after, strict=True)]
         self.items = {item.nodeid: item for item in session.items}
         capman = self.config.pluginmanager.get_plugin("capturemanager")
         if capman is not None:  # each test's process captures into its own files
@@ -494,9 +501,8 @@ class TemplatePlugin(ChildPlugin):
         _name_capture_files(boot.capture_prefix)
         _restart_capture(config)
         _override_options(config.option, job.basetemp)
-        from _pytest import tmpdir
-
-        tmpdir.pytest_configure(config)  # a TempPathFactory for this test's basetemp
+        _retarget_tmp_path_factory(config, job.basetemp)
+        _restore_random_states(self.seeded)
         _repoint_faulthandler(config)
 
     @pytest.hookimpl(trylast=True)
@@ -537,6 +543,54 @@ def run_template(
             with contextlib.suppress(Exception):
                 stream.flush()
     os._exit(status)
+
+
+def _random_states() -> list[Any]:
+    """The states of Python's and numpy's global random generators (None: no numpy)."""
+    import random
+
+    numpy = sys.modules.get("numpy")
+    try:
+        state = numpy.random.get_state() if numpy is not None else None
+    except Exception:
+        state = None
+    return [random.getstate(), _comparable(state)]
+
+
+def _comparable(state: Any) -> Any:
+    """numpy's state tuple holds an array; a tuple of plain values compares with ==."""
+    if state is None:
+        return None
+    return tuple(x.tolist() if hasattr(x, "tolist") else x for x in state)
+
+
+def _restore_random_states(seeded: list[Any]) -> None:
+    import random
+
+    python, numpy_state = seeded
+    if python is not None:
+        random.setstate(python)
+    numpy = sys.modules.get("numpy")
+    if numpy_state is not None and numpy is not None:
+        with contextlib.suppress(Exception):
+            kind, keys, *rest = numpy_state
+            numpy.random.set_state((kind, numpy.asarray(keys, dtype=numpy.uint32), *rest))
+
+
+def _retarget_tmp_path_factory(config: Any, basetemp: str) -> None:
+    """Point the session's TempPathFactory (made in the template) at this test's basetemp.
+
+    The same object, changed in place: legacypath's ``tmpdir_factory`` and any plugin
+    that kept a reference see it too. A new factory where its insides are not as known.
+    """
+    factory = getattr(config, "_tmp_path_factory", None)
+    if factory is not None and hasattr(factory, "_given_basetemp"):
+        factory._given_basetemp = Path(os.path.abspath(basetemp))
+        factory._basetemp = None
+        return
+    from _pytest import tmpdir
+
+    tmpdir.pytest_configure(config)
 
 
 def _repoint_faulthandler(config: Any) -> None:

@@ -103,6 +103,7 @@ class ForkServer:
         theirs.close()
         self.sock = socket.socket(fileno=os.dup(self.conn.fileno()))
         self.ready = False
+        self.template_pid: int | None = None  # the server's template, when it is our child
 
     @property
     def pid(self) -> int:
@@ -132,9 +133,10 @@ class ForkServer:
 
     def answer(self, timeout: float) -> tuple[str, Any]:
         """The next answer to a fork request: ("refused"/"failed", why) or ("forked", (pid,
-        source, note, template)): forked from the collected ``"template"`` or the parsed
-        ``"server"``; ``note``: why the template could not serve, once it has given up;
-        ``template``: the template's pid (our child, like the tests', where it could be)."""
+        source, note)): forked from the collected ``"template"`` or the parsed ``"server"``;
+        ``note``: why the template could not serve, once it has given up. Each answer
+        also names the template, which ``template_pid`` keeps (pytest's child, like the
+        tests', where it can be: spared by the sweep and reaped by ``close``)."""
         return self._answer(timeout, "fork")
 
     def collect(self, directories: list[str], modules: list[str]) -> None:
@@ -151,7 +153,10 @@ class ForkServer:
         try:
             if not self.conn.poll(timeout):
                 return "failed", f"the fork server did not answer ({what}) within {timeout:g} s"
-            return self.conn.recv()
+            kind, payload, *template = self.conn.recv()
+            if template and template[0] is not None:
+                self.template_pid = template[0]
+            return kind, payload
         except (EOFError, OSError):
             code = self.proc.exitcode
             how = f" (exit code {code})" if code is not None else ""
@@ -173,8 +178,16 @@ class ForkServer:
             with contextlib.suppress(OSError):
                 self.proc.kill()
             wait([self.pidfd], 5.0)
-        self.proc.join(0)
+        # Exited: join() is a waitpid that returns at once (join(0) would wait on the
+        # sentinel pipe, which the template inherited and may still hold).
+        if wait([self.pidfd], 0):
+            self.proc.join()
+        else:
+            self.proc.join(0)
         os.close(self.pidfd)
+        if self.template_pid is not None:  # the server killed it on its way out
+            _reap(self.template_pid)
+            self.template_pid = None
         with contextlib.suppress(OSError):
             self.log.unlink()
 
@@ -215,6 +228,20 @@ def serve(boot: ServerBoot, conn: Connection) -> None:
     finally:
         server.stop_template()
     os._exit(0)
+
+
+def _reap(pid: int) -> None:
+    """Reap our child ``pid`` (the template), killed or on its way out."""
+    with contextlib.suppress(OSError):
+        fd = os.pidfd_open(pid)
+        try:
+            if not wait([fd], 5.0):
+                os.kill(pid, signal.SIGKILL)
+                wait([fd], 5.0)
+        finally:
+            os.close(fd)
+    with contextlib.suppress(ChildProcessError, OSError):
+        os.waitpid(pid, os.WNOHANG)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -281,6 +308,7 @@ class _Server:
         self.sock = sock
         self.conn = conn
         self.template: _TemplateHandle | None = None
+        self.template_note: str | None = None  # why there is no template, if it was refused
 
     def loop(self) -> None:
         while (request := _receive(self.sock, self.conn)) is not None:
@@ -289,7 +317,9 @@ class _Server:
                 if kind == "collect":
                     self.collect(*payload)
                 elif kind == "fork":
-                    self.conn.send(self.fork(fds, *payload))
+                    # Every answer names the template, pytest's child to spare and reap.
+                    template = self.template.reaper_pid if self.template is not None else None
+                    self.conn.send((*self.fork(fds, *payload), template))
             finally:
                 _close_all(fds)
 
@@ -302,24 +332,22 @@ class _Server:
             self.template = _TemplateHandle.start(self, modules)
 
     def fork(self, fds: list[int], cboot: Any, job: Any) -> tuple[str, Any]:
-        """("forked", (pid, source, note, template pid)) as ``ForkServer.answer`` describes,
-        or ("refused", why)."""
+        """("forked", (pid, source, note)) as ``ForkServer.answer`` describes, or
+        ("refused", why)."""
         if len(fds) != 2:
             return "refused", f"the fork server got {len(fds)} descriptors for a fork, expected 2"
         template = self.template
         if template is not None and template.serves(job):
             kind, payload = template.fork(fds, cboot, job)
             if kind == "forked":
-                return kind, (payload, "template", None, template.reaper_pid)
+                return kind, (payload, "template", None)
         ours = [self.sock, self.conn]
         if template is not None:
             ours += [template.sock, template.conn]
         kind, payload = _fork(self.boot, ours, _run_job(cboot, job, fds))
         if kind != "forked":
             return kind, payload
-        if template is None:
-            return kind, (payload, "server", None, None)
-        return kind, (payload, "server", template.unusable, template.reaper_pid)
+        return kind, (payload, "server", template.unusable if template else self.template_note)
 
     def stop_template(self) -> None:
         if self.template is not None:
@@ -354,6 +382,10 @@ class _TemplateHandle:
 
         It is pytest's child where ``fork_sibling`` works, like the tests' processes.
         """
+        problem = unsafe_to_fork()
+        if problem is not None:  # a fork now could deadlock, or carry CUDA into the template
+            server.template_note = f"the fork server did not fork a template: {problem}"
+            return None
         ours, theirs = socket.socketpair()
         parent = server.boot.parent_pid
         try:
@@ -445,7 +477,7 @@ def _run_template(boot: ServerBoot, sock: socket.socket, modules: list[str] | No
     # Its own temporary directory: the session's --basetemp is pytest's to wipe, not ours.
     workdir = os.path.dirname(boot.log)
     config.option.basetemp = tempfile.mkdtemp(prefix="template-", dir=workdir)
-    before = _descriptors()
+    before = _descriptors(), _shared_mappings()
     shm_log = None
     if LOG_ENV in os.environ or "LD_PRELOAD" in os.environ:  # the /dev/shm shim may be loaded
         shm_log = os.path.join(config.option.basetemp, "shm.log")
@@ -503,22 +535,54 @@ def _descriptors() -> dict[int, str]:
     return found
 
 
-def _left_outside(before: dict[int, str], shm_log: str | None) -> str | None:
+def _write_only(fd: int) -> bool:
+    """Whether ``fd`` was opened for writing only (its offset then only ever grows)."""
+    try:
+        with open(f"/proc/self/fdinfo/{fd}") as info:
+            for line in info:
+                if line.startswith("flags:"):
+                    return int(line.split()[1], 8) & os.O_ACCMODE == os.O_WRONLY
+    except (OSError, ValueError):
+        pass
+    return False
+
+
+def _shared_mappings() -> set[str]:
+    """This process's shared memory mappings (lines of /proc/self/maps with an "s")."""
+    try:
+        with open("/proc/self/maps") as maps:
+            return {line for line in maps.read().splitlines() if line.split()[1][3:4] == "s"}
+    except OSError:
+        return set()
+
+
+def _left_outside(before: tuple[dict[int, str], set[str]], shm_log: str | None) -> str | None:
     """What configuring and collecting made outside this process's memory, or None.
 
-    Forked tests' processes would share it, and each one's ``pytest_unconfigure``
-    would tear down what the next one still needs (a helper process, a connection).
-    Regular files are fine (a log file: each test's process appends to it).
+    Forked tests' processes would share it: one test would see what another wrote into
+    a shared mapping (``mmap``, a multiprocessing lock) or read from a file (the
+    offset is shared), and each one's ``pytest_unconfigure`` would tear down what the
+    next one still needs (a helper process, a connection). A regular file opened for
+    writing only is fine (a log file: each test's process appends to it).
     """
+    fds, mappings = before
     kids = _children()
     if kids:
         return f"it started process {kids[0]}" + (f" and {len(kids) - 1} more" if kids[1:] else "")
     for fd, target in _descriptors().items():
-        if before.get(fd) == target:
+        if fds.get(fd) == target:
             continue
         regular = target.startswith("/") and not target.startswith(("/dev/", "/proc/"))
+        if regular and not _write_only(fd):
+            return f"it opened {target} for reading (descriptor {fd})"
         if not (regular or target in ("/dev/null", "/dev/urandom")):
             return f"it opened {target} (descriptor {fd})"
+    for mapping in sorted(_shared_mappings() - mappings):
+        fields = mapping.split(maxsplit=5)
+        what = fields[5] if len(fields) > 5 else ""
+        if not what or what.startswith("/dev/zero"):
+            what = "anonymous memory"
+        return f"it made a shared mapping of {what} ({fields[0]})"
     created = _shm_created(shm_log)
     if created:
         return f"it created /dev/shm/{created[0]}"
@@ -543,12 +607,22 @@ def _remove_shm(shm_log: str | None) -> None:
 
 
 def _children() -> list[int]:
+    """Our live descendants; exited ones (a background job that finished) are reaped."""
+    with contextlib.suppress(ChildProcessError, OSError):
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
     try:
         import psutil
 
-        return [p.pid for p in psutil.Process().children(recursive=True)]
+        kids = psutil.Process().children(recursive=True)
     except Exception:
         return []
+    live = []
+    for p in kids:
+        with contextlib.suppress(psutil.Error):
+            if p.status() != psutil.STATUS_ZOMBIE:
+                live.append(p.pid)
+    return live
 
 
 def _kill_children() -> None:

@@ -221,7 +221,6 @@ class Supervisor:
         self.notices: list[str] = []  # start-method problems, for the plugin to show once
         self.stale: str | None = None  # why a prewarmed child had to be replaced, once seen
         self.live: dict[int, Started] = {}  # started children not yet reaped, by id()
-        self.helpers: set[int] = set()  # the fork server's template (our child where it can be)
         self._awaiting: collections.deque[Started] = collections.deque()  # fork answers due
         self._ctx = multiprocessing.get_context("spawn")
 
@@ -266,11 +265,9 @@ class Supervisor:
             else:
                 kind, payload = server.answer(_SERVER_WAIT)
             if kind == "forked":
-                pid, source, first.uncollected, template = payload
+                pid, source, first.uncollected = payload
                 first.attach(Forked(pid))
                 first.collected = source == "template"
-                if template is not None:
-                    self.helpers.add(template)
             else:
                 first.failed = payload
                 self._fall_back(payload)
@@ -292,11 +289,8 @@ class Supervisor:
         for started in list(self.live.values()):
             self.discard(started)
         if self.server is not None:
-            self.server.close()  # it kills its template on its way out
+            self.server.close()  # it kills its template on its way out, and reaps both
             self.server = None
-        for pid in self.helpers:
-            _reap_helper(pid)
-        self.helpers.clear()
 
     def spare(self, *, settle: bool = False) -> frozenset[int]:
         """Our processes that are not a test's leftovers: the server and waiting children.
@@ -304,9 +298,11 @@ class Supervisor:
         ``settle``: wait for pending fork answers first, so that every child counts.
         """
         self._settle(everything=settle)
-        pids = {s.pid for s in self.live.values() if s.proc is not None} | self.helpers
+        pids = {s.pid for s in self.live.values() if s.proc is not None}
         if self.server is not None:
             pids.add(self.server.pid)
+            if self.server.template_pid is not None:
+                pids.add(self.server.template_pid)
         return frozenset(pids)
 
     def start(self, job: Any, env: dict[str, str] | None = None, *, warm: bool = False) -> Started:
@@ -455,6 +451,11 @@ class Supervisor:
         with contextlib.suppress(OSError):  # a child that already died has no use for it
             started.go.send(go_env)
         started.go.close()
+        if after_go is not None:
+            try:
+                after_go()
+            except Exception as exc:  # prewarming the next test must not cost this one
+                self.notices.append(f"prewarming failed: {exc}")
         begun = time.monotonic()
         frames: list[tuple[str, Any]] = []
         timed_out = False
@@ -462,8 +463,6 @@ class Supervisor:
         stack = ""
         interrupted = False
         try:
-            if after_go is not None:
-                after_go()
             deadline = None if timeout is None else begun + timeout
             if not _pump(reader, sentinel, frames, deadline):
                 timed_out, cutoff = True, len(frames)
@@ -581,20 +580,6 @@ def _reap(proc: multiprocessing.process.BaseProcess, sentinel: Any) -> None:
         proc.join()
     else:
         proc.join(0)
-
-
-def _reap_helper(pid: int) -> None:
-    """Reap the fork server's template if it is our child (killed, or going)."""
-    with contextlib.suppress(OSError):
-        fd = os.pidfd_open(pid)
-        try:
-            if not wait([fd], _REAP_WAIT):
-                os.kill(pid, signal.SIGKILL)
-                wait([fd], _REAP_WAIT)
-        finally:
-            os.close(fd)
-    with contextlib.suppress(ChildProcessError, OSError):
-        os.waitpid(pid, os.WNOHANG)
 
 
 def _pidfd(proc: multiprocessing.process.BaseProcess) -> Any:
