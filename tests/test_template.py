@@ -24,8 +24,12 @@ the template's temporary directory) must be empty after every run.
 
 from __future__ import annotations
 
+import json
 import os
+import random
 import re
+import subprocess
+import sys
 import uuid
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -408,9 +412,6 @@ print(pid != b, os.waitstatus_to_exitcode(status))
 def test_fork_sibling_makes_a_child_of_the_callers_parent() -> None:
     """native/gpuiso_fork.c: B (A's child) forks C with fork_sibling(); C's parent is A,
     which reaps it; in C, raise() reaches C itself (glibc's idea of its thread id)."""
-    import subprocess
-    import sys
-
     out = subprocess.run([sys.executable, "-c", SIBLING], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["True", "0"], out.stdout
@@ -429,3 +430,106 @@ def test_marked_tests_are_pre_collected_from_their_modules_only(env: Env) -> Non
         "test_mixed.py::TestClass::test_isolated_in_class": (True, None),
     }
     result.stdout.fnmatch_lines(["gpu-isolate: started 2 forkserver; 1 prewarmed; 2 pre-collected"])
+
+
+# ------------------------------------------------------------------ review fixes
+
+
+@pytest.mark.parametrize("cause", ["mmap", "open"])
+def test_shared_state_made_at_import_gives_up(env: Env, cause: str) -> None:
+    """A MAP_SHARED anonymous mapping, or a regular file opened for reading and kept, made
+    at import: forks would share it (a write, a file offset), so the template gives up and
+    says why; both tests pass, each in its own process, as under spawn."""
+    program = f"test_template_review_{cause}.py"
+    env.iso.copy(program)
+    data = env.iso.path / "template_review_data.json"
+    data.write_text('{"answer": 42}')
+    spawn = env.run(program, start="spawn")
+    result = env.run(program)
+    result.assert_outcomes(passed=2)
+    same_as_spawn(result, spawn)
+    [(collected, why)] = set(starts(env.iso).values())
+    assert not collected and why.startswith(WHY), why
+    wanted = ["shared mapping"] if cause == "mmap" else ["opened", str(data.resolve())]
+    assert all(word in why for word in wanted), why
+    assert len({record["pid"] for record in env.iso.records().values()}) == 2
+
+
+def test_threaded_fork_server_falls_back_to_spawn(env: Env) -> None:
+    """A conftest starts a thread ("heartbeat") at import in isolated processes: the fork
+    server has two threads, so no test is forked (nor from a template it forked while
+    threaded); every test is started with spawn, said once, and has its thread."""
+    program = "test_template_review_thread.py"
+    env.iso.copy(program, "template_review_conftest.py")
+    (env.iso.path / "template_review_conftest.py").rename(env.iso.path / "conftest.py")
+    result = env.run(program)
+    result.assert_outcomes(passed=2, warnings=1)
+    [warning] = [line for line in result.outlines if "GpuIsoStartWarning" in line]
+    assert "2 threads" in warning and "heartbeat" in warning, warning
+    assert {r["start"]["method"] for r in env.iso.records().values()} == {"spawn"}
+
+
+@pytest.mark.parametrize("seed", ["1234", ""], ids=["seeded", "unseeded"])
+def test_random_state_as_under_spawn(env: Env, seed: str) -> None:
+    """random.seed() at import: each forked test's first draw is the seed's, as under spawn.
+    Unseeded: two tests' processes draw different numbers (the template's state is not
+    handed to every fork)."""
+
+    program = "test_template_review_random.py"
+    env.iso.copy(program)
+    env.monkeypatch.setenv("GPUISO_REVIEW_SEED", seed)
+    for start in ("spawn", "forkserver"):
+        env.log.unlink(missing_ok=True)
+        env.run(program, start=start).assert_outcomes(passed=2)
+        draws = [float(value) for _, value in env.lines("random")]
+        if seed:
+            assert draws == [random.Random(int(seed)).random()] * 2, (start, draws)
+        else:
+            assert len(draws) == 2 and draws[0] != draws[1], (start, draws)
+    assert set(starts(env.iso).values()) == {(True, None)}
+
+
+def test_tmpdir_factory_is_under_the_session_basetemp(env: Env) -> None:
+    """tmpdir_factory.mktemp() in a test forked from the template: under --basetemp, like
+    tmp_path_factory's, not in the template's own (removed) directory."""
+    program = "test_template_review_tmpdir.py"
+    env.iso.copy(program)
+    env.run("--basetemp=bt", program).assert_outcomes(passed=1)
+    assert set(starts(env.iso).values()) == {(True, None)}
+    basetemp = env.iso.path / "bt"
+    for kind in ("tmpdir", "tmp_path"):
+        [(_, made)] = env.lines(kind)
+        assert basetemp in Path(made).parents and Path(made).name.startswith("data"), made
+    assert (Path(env.lines("tmpdir")[0][1]) / "mine.txt").is_file()
+
+
+def test_exited_background_job_keeps_the_template(env: Env) -> None:
+    """`sleep 0.05 &` run by a shell at import, gone before collection ends: nothing the
+    forks would share, so every test is forked from the template."""
+    program = "test_template_review_bgjob.py"
+    env.iso.copy(program)
+    env.run(program).assert_outcomes(passed=2)
+    assert set(starts(env.iso).values()) == {(True, None)}
+
+
+def test_repeated_sessions_in_one_process_leave_no_zombies(env: Env) -> None:
+    """Three pytest.main() runs with the fork server in one Python process: each test forked
+    from a template each time, and no zombie child of that process left afterwards."""
+
+    env.iso.copy("template_review_driver.py", "test_template_review_random.py")
+    command = [sys.executable, "template_review_driver.py", "test_template_review_random.py"]
+    out = subprocess.run(command, cwd=env.iso.path, capture_output=True, text=True, timeout=300)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("DRIVER ")]
+    assert len(lines) == 1, out.stdout + out.stderr
+    found = json.loads(lines[0].removeprefix("DRIVER "))
+    assert found["codes"] == [0, 0, 0], out.stdout + out.stderr
+    zombies = [child for child in found["children"] if child["status"] == "zombie"]
+    assert zombies == [], found["children"]
+    for i in range(3):
+        records = env.iso.records(f"report-{i}.json").values()
+        assert {(r["start"]["collected"], r["start"]["uncollected"]) for r in records} == {
+            (True, None)
+        }, i
+    assert len(env.lines("random")) == 6
+    left = sorted(p.name for p in env.private.iterdir()) if env.private.exists() else []
+    assert left == [], left
