@@ -37,6 +37,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from pytest_gpuiso.forkserver import FORK_TWICE_ENV
 from tests.helpers import GpuIso, kill_quietly, make_gpuiso
 from tests.test_semantics import normalized
 from tests.test_start import _fake_library
@@ -104,9 +105,13 @@ class Env:
             path.unlink(missing_ok=True)
 
 
-@pytest.fixture
-def env(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch):
+@pytest.fixture(params=["sibling", "twice"])
+def env(request: pytest.FixtureRequest, pytester: pytest.Pytester, monkeypatch):
+    """Each test twice: tests' processes forked once as pytest's children (fork_sibling),
+    and forked twice and re-parented (the fallback where clone3 is refused)."""
     found = Env(pytester, monkeypatch)
+    if request.param == "twice":
+        monkeypatch.setenv(FORK_TWICE_ENV, "1")
     yield found
     found.cleanup()
 
