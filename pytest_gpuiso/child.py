@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 
@@ -72,28 +72,34 @@ def main(boot: Bootstrap, job: Any, conn: Connection, go: Connection | None = No
     channel = Channel(conn, boot.spill_dir, go, boot.output)
     status = 0
     try:
-        inherited = cuda_state.touched()
-        if inherited is not None:
-            raise RuntimeError(
-                f"the isolated process started with CUDA state it must not have: {inherited}; "
-                "refusing to run the test (it would not get a clean CUDA context)"
-            )
+        _refuse_inherited_cuda()
         channel.send("ready", os.getpid())
         _preload(boot.preload)
         job.run(channel, boot)
     except BaseException:
         status = 1
         with contextlib.suppress(Exception):
-            send_frame(
-                conn,
-                "error",
-                "internal error in the isolated process:\n" + traceback.format_exc(),
-                boot.spill_dir,
-            )
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
+            send_frame(conn, "error", _internal_error(), boot.spill_dir)
+    _flush_and_exit(status)
+
+
+def _refuse_inherited_cuda() -> None:
+    inherited = cuda_state.touched()
+    if inherited is not None:
+        raise RuntimeError(
+            f"the isolated process started with CUDA state it must not have: {inherited}; "
+            "refusing to run the test (it would not get a clean CUDA context)"
+        )
+
+
+def _internal_error() -> str:
+    return "internal error in the isolated process:\n" + traceback.format_exc()
+
+
+def _flush_and_exit(status: int) -> NoReturn:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
     os._exit(status)
 
 
@@ -492,9 +498,7 @@ class TemplatePlugin(ChildPlugin):
         _bootstrap(boot, conn)
         self.job = job
         self.channel = Channel(conn, boot.spill_dir, go, boot.output)
-        inherited = cuda_state.touched()
-        if inherited is not None:
-            raise RuntimeError(f"the isolated process started with CUDA state: {inherited}")
+        _refuse_inherited_cuda()
         self.channel.send("ready", os.getpid())
         config = self.config
         self._record_junit(config)
@@ -524,25 +528,18 @@ def run_template(
     config.pluginmanager.register(plugin, CHILD_PLUGIN)
     _restart_capture(config)
     _override_options(config.option, config.option.basetemp)
-    status = 1
     try:
         status = int(config.hook.pytest_cmdline_main(config=config))
     except BaseException:
         if plugin.channel is None:  # the template itself failed: the server forks instead
             raise
         with contextlib.suppress(Exception):
-            plugin.channel.send(
-                "error", "internal error in the isolated process:\n" + traceback.format_exc()
-            )
-    else:
-        if plugin.channel is not None:
-            plugin.channel.send("done", status)
-            status = 0
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-    os._exit(status)
+            plugin.channel.send("error", _internal_error())
+        _flush_and_exit(1)
+    if plugin.channel is not None:  # a test's process: its session is over
+        plugin.channel.send("done", status)
+        status = 0
+    _flush_and_exit(status)
 
 
 def _random_states() -> list[Any]:

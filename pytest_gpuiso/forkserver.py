@@ -53,9 +53,12 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any, NoReturn
 
+import psutil
+
 from . import cuda_state
 from ._linux import die_with_parent, huge_page_steps, set_child_subreaper
-from .leaks.shm import LOG_ENV
+from .leaks.process import alive
+from .leaks.shm import LOG_ENV, SHM_DIR, read_log
 
 REPARENT_WAIT = 5.0  # seconds the test's process waits to become pytest's child
 # Seconds a fork request waits for the template to finish collecting before the server
@@ -124,10 +127,8 @@ class ForkServer:
         pipes) travel with the request; the caller may close its copies at once.
         """
         self.wait_ready(timeout)
-        request = pickle.dumps(("fork", boot, job))  # before the first byte goes out
         try:
-            socket.send_fds(self.sock, [b"F"], fds)
-            self.conn.send_bytes(request)
+            _send_request(self.sock, self.conn, ("fork", boot, job), fds)
         except OSError as exc:
             raise Unavailable(f"the fork server is gone ({exc}){self._log_tail()}") from None
 
@@ -146,8 +147,7 @@ class ForkServer:
         the modules, so that most tests' processes only have to run their item.
         """
         with contextlib.suppress(OSError):
-            socket.send_fds(self.sock, [b"C"], [])
-            self.conn.send(("collect", directories, modules))
+            _send_request(self.sock, self.conn, ("collect", directories, modules))
 
     def _answer(self, timeout: float, what: str) -> tuple[str, Any]:
         try:
@@ -171,9 +171,7 @@ class ForkServer:
 
     def close(self) -> None:
         """Stop the server (it exits when its socket closes) and remove its log."""
-        for closer in (self.sock.close, self.conn.close):
-            with contextlib.suppress(OSError):
-                closer()
+        _close_quietly(self.sock, self.conn)
         if not wait([self.pidfd], 1.0):
             with contextlib.suppress(OSError):
                 self.proc.kill()
@@ -279,6 +277,19 @@ def _prepare(boot: ServerBoot) -> None:
     gc.freeze()
 
 
+def _send_request(
+    sock: socket.socket, conn: Connection, message: Any, fds: list[int] | None = None
+) -> None:
+    """One request: a byte carrying ``fds``, then the pickled message (``_receive``'s other end).
+
+    The message is pickled before the byte goes out: a pickling error must not leave
+    the other end waiting for a message after the byte.
+    """
+    data = pickle.dumps(message)
+    socket.send_fds(sock, [b"R"], fds or [])
+    conn.send_bytes(data)
+
+
 def _receive(sock: socket.socket, conn: Connection) -> tuple[list[int], Any] | None:
     """One request: the descriptors that came with its first byte, and the message."""
     try:
@@ -292,6 +303,12 @@ def _receive(sock: socket.socket, conn: Connection) -> tuple[list[int], Any] | N
     except (EOFError, OSError):
         _close_all(fds)
         return None
+
+
+def _close_quietly(*ends: socket.socket | Connection) -> None:
+    for end in ends:
+        with contextlib.suppress(OSError):
+            end.close()
 
 
 def _close_all(fds: list[int]) -> None:
@@ -367,13 +384,13 @@ class _TemplateHandle:
     itself, from its parsed-only configuration.
     """
 
-    def __init__(self, pid: int, sock: socket.socket, conn: Connection) -> None:
+    def __init__(self, pid: int, sock: socket.socket, ours: bool) -> None:
         self.pid = pid
         self.sock = sock
-        self.conn = conn
+        self.conn = Connection(os.dup(sock.fileno()))
+        self.ours = ours  # the server's child (else pytest's, reaped there)
         self.items: frozenset[str] | None = None  # node ids it collected, once it says so
         self.unusable: str | None = None
-        self.ours = True  # the server's child (else pytest's)
         self.stopped = False
 
     @classmethod
@@ -407,9 +424,7 @@ class _TemplateHandle:
             finally:
                 os._exit(73)
         theirs.close()
-        template = cls(pid, ours, Connection(os.dup(ours.fileno())))
-        template.ours = parent != server.boot.parent_pid  # else pytest's child, reaped there
-        return template
+        return cls(pid, ours, ours=parent != server.boot.parent_pid)
 
     @property
     def reaper_pid(self) -> int | None:
@@ -436,9 +451,7 @@ class _TemplateHandle:
 
     def fork(self, fds: list[int], cboot: Any, job: Any) -> tuple[str, Any]:
         try:
-            request = pickle.dumps(("fork", cboot, job))
-            socket.send_fds(self.sock, [b"F"], fds)
-            self.conn.send_bytes(request)
+            _send_request(self.sock, self.conn, ("fork", cboot, job), fds)
             answer = self.conn.recv()
         except (EOFError, OSError) as exc:
             answer = ("failed", f"the template process is gone ({exc})")
@@ -452,9 +465,7 @@ class _TemplateHandle:
         if self.stopped:
             return
         self.stopped = True
-        for closer in (self.sock.close, self.conn.close):
-            with contextlib.suppress(OSError):
-                closer()
+        _close_quietly(self.sock, self.conn)
         with contextlib.suppress(ChildProcessError, OSError):
             os.kill(self.pid, signal.SIGKILL)  # pytest's child: a zombie until pytest reaps it
             if self.ours:
@@ -591,19 +602,15 @@ def _left_outside(before: tuple[dict[int, str], set[str]], shm_log: str | None) 
 
 def _shm_created(shm_log: str | None) -> list[str]:
     """The /dev/shm entries the shim logged for this process that are still there."""
-    try:
-        with open(shm_log or "") as log:
-            lines = log.read().splitlines()
-    except OSError:
-        return []
-    names = [line.split(maxsplit=1)[1] for line in lines if len(line.split(maxsplit=1)) == 2]
-    return [name for name in names if "/" not in name and os.path.exists(f"/dev/shm/{name}")]
+    names = read_log(shm_log) if shm_log else {}
+    paths = {name: os.path.join(SHM_DIR, name) for name in names if "/" not in name}
+    return [name for name, path in paths.items() if os.path.exists(path)]
 
 
 def _remove_shm(shm_log: str | None) -> None:
     for name in _shm_created(shm_log):
         with contextlib.suppress(OSError):
-            os.unlink(f"/dev/shm/{name}")
+            os.unlink(os.path.join(SHM_DIR, name))
 
 
 def _children() -> list[int]:
@@ -612,17 +619,10 @@ def _children() -> list[int]:
         while os.waitpid(-1, os.WNOHANG)[0]:
             pass
     try:
-        import psutil
-
         kids = psutil.Process().children(recursive=True)
-    except Exception:
+    except psutil.Error:
         return []
-    live = []
-    for p in kids:
-        with contextlib.suppress(psutil.Error):
-            if p.status() != psutil.STATUS_ZOMBIE:
-                live.append(p.pid)
-    return live
+    return [p.pid for p in kids if alive(p)]
 
 
 def _kill_children() -> None:
