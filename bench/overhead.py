@@ -351,14 +351,15 @@ def main() -> None:
             if cfg.spawn:
                 line += f"{per_test / start_up:>11.2f}x"
         print(line)
-    if naive_n and naive_n < n:
-        naive = configs[[c.kind for c in configs].index("naive")]
+    naive = next((c for c in configs if c.kind == "naive"), None)
+    if naive is None:
+        if naive_n == 0:
+            print("naive: skipped (--naive-tests 0)")
+    elif naive_n < n:
         print(
             f"* naive: measured on {naive_n} of the {n} tests ({min(naive.times) / naive_n:.2f} s "
             f"a test, best round), extrapolated x {n}"
         )
-    elif naive_n == 0:
-        print("naive: skipped (--naive-tests 0)")
     if isolate.failed:
         why = isolate.failed.splitlines()
         print(f"pytest-isolate failed, not timed: {why[0]}\n{why[1]}\n  last line: {why[-1]}")
