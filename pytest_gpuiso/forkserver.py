@@ -61,10 +61,15 @@ from .leaks.process import alive
 from .leaks.shm import LOG_ENV, SHM_DIR, read_log
 
 REPARENT_WAIT = 5.0  # seconds the test's process waits to become pytest's child
-# Seconds a fork request waits for the template to finish collecting before the server
-# forks the test itself (default 0: never wait). The test suite sets it, so that its
-# fork-server runs take one path, not whichever the timing gives.
+# Seconds, from the template's start, that fork requests wait for it to finish
+# collecting; after that the server forks tests itself until the template is ready. A
+# test forked from the template costs ~10 ms, one that configures and collects for
+# itself ~50 ms (both competing with the template's own collection), so waiting for a
+# template that is nearly done is the faster way; the limit bounds a template stuck in
+# a test module's import. The test suite sets a long one, so that its fork-server runs
+# take one path, not whichever the timing gives.
 TEMPLATE_WAIT_ENV = "PYTEST_GPUISO_TEMPLATE_WAIT"
+TEMPLATE_WAIT_DEFAULT = 30.0
 
 
 class Unavailable(RuntimeError):
@@ -392,6 +397,7 @@ class _TemplateHandle:
         self.items: frozenset[str] | None = None  # node ids it collected, once it says so
         self.unusable: str | None = None
         self.stopped = False
+        self.deadline = time.monotonic() + _template_wait()  # fork requests wait until then
 
     @classmethod
     def start(cls, server: _Server, modules: list[str] | None) -> _TemplateHandle | None:
@@ -437,7 +443,7 @@ class _TemplateHandle:
             return False
         if self.items is None:
             try:
-                if not self.conn.poll(_template_wait()):
+                if not self.conn.poll(max(0.0, self.deadline - time.monotonic())):
                     return False  # still collecting: the server forks this one
                 kind, payload = self.conn.recv()
             except (EOFError, OSError):
@@ -474,9 +480,9 @@ class _TemplateHandle:
 
 def _template_wait() -> float:
     try:
-        return max(0.0, float(os.environ.get(TEMPLATE_WAIT_ENV, "0")))
+        return max(0.0, float(os.environ.get(TEMPLATE_WAIT_ENV, TEMPLATE_WAIT_DEFAULT)))
     except ValueError:
-        return 0.0
+        return TEMPLATE_WAIT_DEFAULT
 
 
 def _run_template(boot: ServerBoot, sock: socket.socket, modules: list[str] | None) -> None:

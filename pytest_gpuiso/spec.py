@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -192,6 +193,12 @@ class Settings:
         summary = _text_option(config, "gpu_isolate_summary")[0]
         start_text, start_source = _text_option(config, "gpu_isolate_start")
         start = parse_start(start_text, start_source) if start_text else "spawn"
+        if start == "forkserver":  # read by the fork server; a bad value is caught here
+            from .forkserver import TEMPLATE_WAIT_ENV
+
+            wait = os.environ.get(TEMPLATE_WAIT_ENV, "").strip()
+            if wait:
+                parse_seconds(wait, f"environment variable {TEMPLATE_WAIT_ENV}", allow_zero=True)
         preload = default_preload()
         preload_text, preload_source = _text_option(config, "gpu_isolate_preload")
         if preload_source:

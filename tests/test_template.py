@@ -37,7 +37,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pytest_gpuiso.forkserver import FORK_TWICE_ENV
+from pytest_gpuiso.forkserver import FORK_TWICE_ENV, TEMPLATE_WAIT_ENV
 from tests.helpers import GpuIso, kill_quietly, make_gpuiso
 from tests.test_semantics import normalized
 from tests.test_start import _fake_library
@@ -391,6 +391,44 @@ def test_no_precollect_forks_from_the_parsed_configuration(env: Env) -> None:
     assert [line for line in result.errlines if line] == [
         "ERROR: gpu-isolate: invalid value 'sometimes' for ini gpu_isolate_precollect: "
         "expected true or false"
+    ]
+
+
+SLOW_TEMPLATE = """
+import multiprocessing, time
+
+if multiprocessing.parent_process() is not None:  # the fork server's side: the template
+    time.sleep(2)
+
+
+def test_a():
+    pass
+
+
+def test_b():
+    pass
+"""
+
+
+def test_forks_wait_for_a_template_that_is_still_collecting(env: Env) -> None:
+    """By default a fork request waits for the template (up to $PYTEST_GPUISO_TEMPLATE_WAIT
+    seconds from its start, 30 unless set): with a module that takes 2 s to import in the
+    template only, every test is still forked from it. With 0, the first one is forked by
+    the server instead, while the template collects. A bad value is a one-line usage
+    error naming the variable."""
+    env.iso.pytester.makepyfile(test_template_slow=SLOW_TEMPLATE)
+    env.monkeypatch.delenv(TEMPLATE_WAIT_ENV)
+    env.run("test_template_slow.py").assert_outcomes(passed=2)
+    assert set(starts(env.iso).values()) == {(True, None)}
+    env.monkeypatch.setenv(TEMPLATE_WAIT_ENV, "0")
+    env.run("test_template_slow.py").assert_outcomes(passed=2)
+    assert starts(env.iso)["test_template_slow.py::test_a"] == (False, None)
+    env.monkeypatch.setenv(TEMPLATE_WAIT_ENV, "soon")
+    result = env.run("test_template_slow.py")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert [line for line in result.errlines if line] == [
+        f"ERROR: gpu-isolate: invalid value 'soon' for environment variable "
+        f"{TEMPLATE_WAIT_ENV}: expected a number of seconds >= 0"
     ]
 
 
