@@ -531,7 +531,7 @@ def _run_template(boot: ServerBoot, sock: socket.socket, modules: list[str] | No
                 continue
             cboot, job = payload
             # In the test's process, Become unwinds out of here, into its session.
-            conn.send(_fork(boot, [sock, conn], _become(cboot, job, fds)))
+            conn.send(_fork(boot, [sock, conn], _become(cboot, job, fds), "the template"))
             _close_all(fds)
         os._exit(0)
 
@@ -712,20 +712,25 @@ def unsafe_to_fork(who: str = "the fork server") -> str | None:
     return None
 
 
-def _fork(boot: ServerBoot, close: list[Any], run: Callable[[], NoReturn]) -> tuple[str, Any]:
+def _fork(
+    boot: ServerBoot,
+    close: list[Any],
+    run: Callable[[], NoReturn],
+    who: str = "the fork server",
+) -> tuple[str, Any]:
     """Fork a test's process that ``run``s as pytest's child; ("forked", pid) or why not.
 
     One fork whose child is pytest's (``fork_sibling``, this process being pytest's
     child too), else two: the intermediate forks the test's process and exits, and
     the orphan is re-parented to pytest. ``close``: this process's own connections,
-    which the test's process must not hold.
+    which the test's process must not hold. ``who``: this process, for the messages.
     """
-    problem = unsafe_to_fork()
+    problem = unsafe_to_fork(who)
     if problem is not None:
-        return "refused", f"the fork server refused to fork: {problem}"
+        return "refused", f"{who} refused to fork: {problem}"
     pid = fork_sibling()
     if pid is None:
-        return _fork_twice(boot, close, run)
+        return _fork_twice(boot, close, run, who)
     if pid == 0:
         _run_test_process(boot, close, run)
     return "forked", pid
@@ -754,14 +759,16 @@ def fork_sibling() -> int | None:
     return None
 
 
-def _fork_twice(boot: ServerBoot, close: list[Any], run: Callable[[], NoReturn]) -> tuple[str, Any]:
+def _fork_twice(
+    boot: ServerBoot, close: list[Any], run: Callable[[], NoReturn], who: str
+) -> tuple[str, Any]:
     r, w = os.pipe()
     try:
         pid = os.fork()
     except OSError as exc:
         os.close(r)
         os.close(w)
-        return "refused", f"the fork server could not fork: {exc}"
+        return "refused", f"{who} could not fork: {exc}"
     if pid == 0:  # the intermediate: fork the test's process, then orphan it
         grandchild = -1
         try:
@@ -783,7 +790,7 @@ def _fork_twice(boot: ServerBoot, close: list[Any], run: Callable[[], NoReturn])
     os.close(r)
     os.waitpid(pid, 0)
     if len(data) != 8:
-        return "refused", "the fork server could not fork"
+        return "refused", f"{who} could not fork"
     return "forked", int.from_bytes(data, "little")
 
 

@@ -299,12 +299,18 @@ def test_an_isolated_process_with_cuda_state_refuses_to_run(fake_libcuda: Path, 
 
 def test_unsafe_to_fork_reports_a_running_thread() -> None:
     """forkserver.unsafe_to_fork() names the threads of a process that has more than one
-    (in a subprocess: this process may have threads of its own, e.g. xdist's)."""
+    (in a subprocess: this process may have threads of its own, e.g. xdist's); a fork
+    the template refuses for it names the template, not the server."""
     seen = _probe("threads", None)
     assert seen["alone"] is None, seen
     assert seen["with_thread"] == (
         "the fork server has 2 threads (start-probe-sleeper); a fork could deadlock"
     )
+    assert seen["template_fork"] == [
+        "refused",
+        "the template refused to fork: the template has 2 threads (start-probe-sleeper); "
+        "a fork could deadlock",
+    ]
     assert seen["after"] is None, seen
 
 

@@ -21,6 +21,7 @@ from . import Leak, RunInfo
 
 SETTLE = 0.1  # seconds a new descendant gets to exit by itself before it counts
 REAP_WAIT = 10.0  # upper bound for the kernel to reap a SIGKILLed process
+SWEEP_ROUNDS = 20  # listings of the descendants, until one finds nothing new
 
 
 def alive(p: psutil.Process) -> bool:
@@ -100,10 +101,24 @@ def sweep(
     ``spare``: our own processes (the fork server, prewarmed children), whose
     subtrees are not the test's. Returns the ones that were still running, as
     ``{"pid", "cmdline"}``.
+
+    A leftover may start processes while it is being killed (a pool refilling itself,
+    a daemon in the middle of its double fork): they were not in the first listing, so
+    the descendants are listed again after each round, until one finds nothing new.
     """
-    new_keys = descendant_keys(spare) - before
-    if not new_keys:
-        return []
+    seen = set(before)
+    escaped: list[dict[str, Any]] = []
+    for _ in range(SWEEP_ROUNDS):
+        new_keys = descendant_keys(spare) - seen
+        if not new_keys:
+            break
+        seen |= new_keys
+        escaped += _kill(new_keys, grace)
+    return escaped
+
+
+def _kill(new_keys: set[tuple[int, float]], grace: float) -> list[dict[str, Any]]:
+    """One round of ``sweep``: the processes in ``new_keys`` still running after SETTLE."""
     new = []
     for pid, _ in new_keys:
         with contextlib.suppress(psutil.Error):
