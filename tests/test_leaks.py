@@ -184,6 +184,32 @@ def test_leftover_processes_are_reported_killed_and_clean_children_are_not(
         kill_quietly([p for p in pids if pid_alive(p)])
 
 
+def test_a_leftover_spawning_while_it_is_killed_leaves_nothing(
+    gpuiso, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """A leftover that keeps starting processes: those it starts after the check listed
+    the test's leftovers (during the settle and TERM grace) are found by a second look,
+    reported and killed too; nothing outlives the session."""
+    gpuiso.copy("test_escape_spawner.py")
+    pidfile = tmp_path / "pids"
+    monkeypatch.setenv("GPUISO_PIDFILE", str(pidfile))
+    result = gpuiso.run("--gpu-isolate", REPORT)
+    pids = [int(p) for p in pidfile.read_text().split()] if pidfile.exists() else []
+    try:
+        assert wait_gone(pids, timeout=5) == []
+        [record] = gpuiso.records().values()
+        leaked = {leak["pid"] for leak in record["leaks"]}
+        result.assert_outcomes(passed=1, warnings=len(leaked))  # a warning per leftover
+        assert pids[0] in leaked  # the spawner
+        assert len(leaked) > 1  # and the children it had started (one maybe before its pid
+        # reached the file): nothing else
+        assert {leak["cmdline"] for leak in record["leaks"] if leak["pid"] != pids[0]} == {
+            "sleep 1000"
+        }
+    finally:
+        kill_quietly([p for p in pids if pid_alive(p)])
+
+
 def test_process_policy_fail(gpuiso, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     gpuiso.copy("test_escape.py")
     monkeypatch.setenv("GPUISO_PIDFILE", str(tmp_path / "pids"))

@@ -5,7 +5,8 @@ double-forked daemon or a ``setsid`` child of the test is re-parented to it
 instead of init, and ``psutil`` finds it among our descendants. Whatever is new
 since the snapshot and still running once the test's process is reaped is
 reported with its pid and command line, then killed (TERM, grace, KILL) and
-reaped. Descendants that exit on their own within ``SETTLE`` seconds (a pool
+reaped; then the descendants are listed again, for what the leftovers started
+meanwhile. Descendants that exit on their own within ``SETTLE`` seconds (a pool
 worker that notices its parent is gone) are not reported.
 """
 
