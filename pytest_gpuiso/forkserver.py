@@ -369,7 +369,10 @@ class _Server:
         kind, payload = _fork(self.boot, ours, _run_job(cboot, job, fds))
         if kind != "forked":
             return kind, payload
-        return kind, (payload, "server", template.unusable if template else self.template_note)
+        note = template.unusable if template else self.template_note
+        if template is not None and note is None and template.items is None:
+            note = f"the template was still collecting after {_template_wait():g} s"
+        return kind, (payload, "server", note)
 
     def stop_template(self) -> None:
         if self.template is not None:

@@ -394,10 +394,24 @@ def test_no_precollect_forks_from_the_parsed_configuration(env: Env) -> None:
     ]
 
 
-SLOW_TEMPLATE = """
-import multiprocessing, time
+# True while the fork server's template imports the module (its run_template is on the
+# stack); not in pytest, nor in a test's process forked by the server, which collects itself.
+IN_TEMPLATE = """
+import sys, time
 
-if multiprocessing.parent_process() is not None:  # the fork server's side: the template
+
+def in_template():
+    frame = sys._getframe()
+    while frame is not None and frame.f_code.co_name != "run_template":
+        frame = frame.f_back
+    return frame is not None
+"""
+
+SLOW_TEMPLATE = (
+    IN_TEMPLATE
+    + """
+
+if in_template():
     time.sleep(2)
 
 
@@ -408,6 +422,7 @@ def test_a():
 def test_b():
     pass
 """
+)
 
 
 def test_forks_wait_for_a_template_that_is_still_collecting(env: Env) -> None:
@@ -422,7 +437,10 @@ def test_forks_wait_for_a_template_that_is_still_collecting(env: Env) -> None:
     assert set(starts(env.iso).values()) == {(True, None)}
     env.monkeypatch.setenv(TEMPLATE_WAIT_ENV, "0")
     env.run("test_template_slow.py").assert_outcomes(passed=2)
-    assert starts(env.iso)["test_template_slow.py::test_a"] == (False, None)
+    assert starts(env.iso)["test_template_slow.py::test_a"] == (
+        False,
+        "the template was still collecting after 0 s",
+    )
     env.monkeypatch.setenv(TEMPLATE_WAIT_ENV, "soon")
     result = env.run("test_template_slow.py")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
@@ -430,6 +448,42 @@ def test_forks_wait_for_a_template_that_is_still_collecting(env: Env) -> None:
         f"ERROR: gpu-isolate: invalid value 'soon' for environment variable "
         f"{TEMPLATE_WAIT_ENV}: expected a number of seconds >= 0"
     ]
+
+
+STUCK_TEMPLATE = (
+    IN_TEMPLATE
+    + """
+
+if in_template():
+    time.sleep(1000)
+
+
+def test_a():
+    pass
+
+
+def test_b():
+    pass
+
+
+def test_c():
+    pass
+"""
+)
+
+
+def test_a_template_stuck_collecting_is_waited_for_only_until_its_deadline(env: Env) -> None:
+    """A template that never finishes collecting (a module stuck at import, in the
+    template only): fork requests wait for it until $PYTEST_GPUISO_TEMPLATE_WAIT seconds
+    after its start, then the server forks every test; the records and the summary say
+    why; the stuck template goes with the session."""
+    env.iso.pytester.makepyfile(test_template_stuck=STUCK_TEMPLATE)
+    env.monkeypatch.setenv(TEMPLATE_WAIT_ENV, "1")
+    result = env.run("test_template_stuck.py")
+    result.assert_outcomes(passed=3)
+    why = "the template was still collecting after 1 s"
+    assert set(starts(env.iso).values()) == {(False, why)}
+    result.stdout.fnmatch_lines([f"*; 0 pre-collected ({why})"])
 
 
 SIBLING = """
