@@ -484,6 +484,10 @@ def test_a_template_stuck_collecting_is_waited_for_only_until_its_deadline(env: 
     why = "the template was still collecting after 1 s"
     assert set(starts(env.iso).values()) == {(False, why)}
     result.stdout.fnmatch_lines([f"*; 0 pre-collected ({why})"])
+    here = str(env.iso.path)
+    procs = psutil.process_iter(["cwd"])
+    left = [p.pid for p in procs if p.info["cwd"] == here and p.pid != os.getpid()]
+    assert left == []  # the template, still asleep in the module's import, was killed
 
 
 SIBLING = """
