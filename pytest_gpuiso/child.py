@@ -490,6 +490,7 @@ class TemplatePlugin(ChildPlugin):
         else:
             os._exit(0)
         self._become(boot, job, conn, go)
+        self.channel.wait_go()
         return True
 
     def _become(self, boot: Bootstrap, job: ItemJob, conn: Connection, go: Connection) -> None:
@@ -516,11 +517,6 @@ class TemplatePlugin(ChildPlugin):
     def pytest_runtestloop(self, session: Any) -> bool:
         item = self.items.get(self.job.nodeid)
         session.items[:] = [item] if item is not None else []
-        # The go is awaited here rather than in pytest_collection: what pytest does in
-        # between (plugins' collection and run-loop wrappers) then happens before it,
-        # off the test's time (~1 ms a test). No test code runs there: the template
-        # imported the test's module long before.
-        self.channel.wait_go()
         return super().pytest_runtestloop(session)
 
 

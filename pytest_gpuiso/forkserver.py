@@ -70,6 +70,7 @@ REPARENT_WAIT = 5.0  # seconds the test's process waits to become pytest's child
 # take one path, not whichever the timing gives.
 TEMPLATE_WAIT_ENV = "PYTEST_GPUISO_TEMPLATE_WAIT"
 TEMPLATE_WAIT_DEFAULT = 30.0
+TEMPLATE_WAIT_MAX = 240.0  # below the 300 s pytest waits for a fork's answer
 
 
 class Unavailable(RuntimeError):
@@ -482,10 +483,12 @@ class _TemplateHandle:
 
 
 def _template_wait() -> float:
+    """$PYTEST_GPUISO_TEMPLATE_WAIT (checked by pytest before the server starts)."""
     try:
-        return max(0.0, float(os.environ.get(TEMPLATE_WAIT_ENV, TEMPLATE_WAIT_DEFAULT)))
+        wait = float(os.environ.get(TEMPLATE_WAIT_ENV, TEMPLATE_WAIT_DEFAULT))
     except ValueError:
         return TEMPLATE_WAIT_DEFAULT
+    return min(max(wait, 0.0), TEMPLATE_WAIT_MAX) if wait == wait else TEMPLATE_WAIT_DEFAULT
 
 
 def _run_template(boot: ServerBoot, sock: socket.socket, modules: list[str] | None) -> None:

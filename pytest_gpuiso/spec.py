@@ -194,11 +194,15 @@ class Settings:
         start_text, start_source = _text_option(config, "gpu_isolate_start")
         start = parse_start(start_text, start_source) if start_text else "spawn"
         if start == "forkserver":  # read by the fork server; a bad value is caught here
-            from .forkserver import TEMPLATE_WAIT_ENV
+            from .forkserver import TEMPLATE_WAIT_ENV, TEMPLATE_WAIT_MAX
 
             wait = os.environ.get(TEMPLATE_WAIT_ENV, "").strip()
-            if wait:
-                parse_seconds(wait, f"environment variable {TEMPLATE_WAIT_ENV}", allow_zero=True)
+            what = f"environment variable {TEMPLATE_WAIT_ENV}"
+            if wait and parse_seconds(wait, what, allow_zero=True) > TEMPLATE_WAIT_MAX:
+                raise SpecError(
+                    f"invalid value {wait!r} for {what}: expected a number of seconds "
+                    f"from 0 to {TEMPLATE_WAIT_MAX:g}"
+                )
         preload = default_preload()
         preload_text, preload_source = _text_option(config, "gpu_isolate_preload")
         if preload_source:

@@ -210,6 +210,27 @@ def test_a_leftover_spawning_while_it_is_killed_leaves_nothing(
         kill_quietly([p for p in pids if pid_alive(p)])
 
 
+def test_a_term_ignoring_leftover_that_keeps_forking_leaves_nothing(
+    gpuiso, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """A chain of leftovers that ignore SIGTERM, each forking the next 0.2 s after it
+    started: the links born during the grace are stopped as they are found and killed;
+    none is left after the session."""
+    gpuiso.copy("test_escape_chain.py")
+    pidfile = tmp_path / "pids"
+    monkeypatch.setenv("GPUISO_PIDFILE", str(pidfile))
+    result = gpuiso.run("--gpu-isolate", "--gpu-isolate-grace=0.5", REPORT)
+    pids = [int(p) for p in pidfile.read_text().split()] if pidfile.exists() else []
+    try:
+        assert wait_gone(pids, timeout=5) == []
+        [record] = gpuiso.records().values()
+        leaked = {leak["pid"] for leak in record["leaks"]}
+        result.assert_outcomes(passed=1, warnings=len(leaked))
+        assert set(pids) <= leaked  # every link that got to write its pid was reported
+    finally:
+        kill_quietly([p for p in pids if pid_alive(p)])
+
+
 def test_process_policy_fail(gpuiso, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     gpuiso.copy("test_escape.py")
     monkeypatch.setenv("GPUISO_PIDFILE", str(tmp_path / "pids"))

@@ -38,7 +38,7 @@ import psutil
 import pytest
 
 from pytest_gpuiso.forkserver import FORK_TWICE_ENV, TEMPLATE_WAIT_ENV
-from tests.helpers import GpuIso, kill_quietly, make_gpuiso
+from tests.helpers import GpuIso, kill_quietly, make_gpuiso, wait_gone
 from tests.test_semantics import normalized
 from tests.test_start import _fake_library
 
@@ -429,8 +429,8 @@ def test_forks_wait_for_a_template_that_is_still_collecting(env: Env) -> None:
     """By default a fork request waits for the template (up to $PYTEST_GPUISO_TEMPLATE_WAIT
     seconds from its start, 30 unless set): with a module that takes 2 s to import in the
     template only, every test is still forked from it. With 0, the first one is forked by
-    the server instead, while the template collects. A bad value is a one-line usage
-    error naming the variable."""
+    the server instead, while the template collects. A bad value (not seconds, or more
+    than pytest waits for a fork's answer) is a one-line usage error naming the variable."""
     env.iso.pytester.makepyfile(test_template_slow=SLOW_TEMPLATE)
     env.monkeypatch.delenv(TEMPLATE_WAIT_ENV)
     env.run("test_template_slow.py").assert_outcomes(passed=2)
@@ -441,13 +441,14 @@ def test_forks_wait_for_a_template_that_is_still_collecting(env: Env) -> None:
         False,
         "the template was still collecting after 0 s",
     )
-    env.monkeypatch.setenv(TEMPLATE_WAIT_ENV, "soon")
-    result = env.run("test_template_slow.py")
-    assert result.ret == pytest.ExitCode.USAGE_ERROR
-    assert [line for line in result.errlines if line] == [
-        f"ERROR: gpu-isolate: invalid value 'soon' for environment variable "
-        f"{TEMPLATE_WAIT_ENV}: expected a number of seconds >= 0"
-    ]
+    for value, expected in [("soon", ">= 0"), ("1e10", "from 0 to 240")]:
+        env.monkeypatch.setenv(TEMPLATE_WAIT_ENV, value)
+        result = env.run("test_template_slow.py")
+        assert result.ret == pytest.ExitCode.USAGE_ERROR
+        assert [line for line in result.errlines if line] == [
+            f"ERROR: gpu-isolate: invalid value {value!r} for environment variable "
+            f"{TEMPLATE_WAIT_ENV}: expected a number of seconds {expected}"
+        ]
 
 
 STUCK_TEMPLATE = (
@@ -487,7 +488,50 @@ def test_a_template_stuck_collecting_is_waited_for_only_until_its_deadline(env: 
     here = str(env.iso.path)
     procs = psutil.process_iter(["cwd"])
     left = [p.pid for p in procs if p.info["cwd"] == here and p.pid != os.getpid()]
-    assert left == []  # the template, still asleep in the module's import, was killed
+    # The template, still asleep in the module's import, was killed (it may be exiting).
+    assert wait_gone(left, timeout=10) == []
+
+
+LOOP_WRAPPER = """
+import os
+
+import pytest
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtestloop(session):
+    with open(os.environ["GPUISO_TEMPLATE_LOG"], "a") as log:
+        log.write(f"loop {os.getpid()} {os.environ.get('CUDA_VISIBLE_DEVICES', '-')}\\n")
+    return (yield)
+"""
+
+GPU_TESTS = """
+import os
+
+import pytest
+
+
+@pytest.mark.gpu_isolated
+@pytest.mark.parametrize("i", range(3))
+def test_gpu(i):
+    with open(os.environ["GPUISO_TEMPLATE_LOG"], "a") as log:
+        log.write(f"test {os.getpid()} {os.environ['CUDA_VISIBLE_DEVICES']}\\n")
+"""
+
+
+def test_hook_wrappers_around_the_run_loop_see_the_tests_gpus(env: Env) -> None:
+    """A prewarmed process forked from the template waits for its go (and its GPUs) in
+    pytest_collection, as under spawn: a conftest's pytest_runtestloop wrapper already
+    sees CUDA_VISIBLE_DEVICES of the test's lease, not the prewarm's empty one."""
+    env.iso.pytester.makeconftest(LOOP_WRAPPER)
+    env.iso.pytester.makepyfile(test_template_gpus=GPU_TESTS)
+    result = env.run("--gpu-isolate-devices=0", "test_template_gpus.py")
+    result.assert_outcomes(passed=3)
+    result.stdout.fnmatch_lines(["*started 3 forkserver; 2 prewarmed; 3 pre-collected"])
+    tests = dict(env.lines("test"))
+    assert sorted(tests.values()) == ["0", "0", "0"]
+    loops = dict(env.lines("loop"))
+    assert {pid: loops.get(pid) for pid in tests} == tests
 
 
 SIBLING = """

@@ -5,8 +5,8 @@ double-forked daemon or a ``setsid`` child of the test is re-parented to it
 instead of init, and ``psutil`` finds it among our descendants. Whatever is new
 since the snapshot and still running once the test's process is reaped is
 reported with its pid and command line, then killed (TERM, grace, KILL) and
-reaped; then the descendants are listed again, for what the leftovers started
-meanwhile. Descendants that exit on their own within ``SETTLE`` seconds (a pool
+reaped; what the leftovers started meanwhile is stopped, listed until nothing new
+appears, and killed. Descendants that exit on their own within ``SETTLE`` seconds (a pool
 worker that notices its parent is gone) are not reported.
 """
 
@@ -22,7 +22,7 @@ from . import Leak, RunInfo
 
 SETTLE = 0.1  # seconds a new descendant gets to exit by itself before it counts
 REAP_WAIT = 10.0  # upper bound for the kernel to reap a SIGKILLed process
-SWEEP_ROUNDS = 20  # listings of the descendants, until one finds nothing new
+STOP_ROUNDS = 1000  # listings of what leftovers started while killed (each one stopped)
 
 
 def alive(p: psutil.Process) -> bool:
@@ -104,22 +104,26 @@ def sweep(
     ``{"pid", "cmdline"}``.
 
     A leftover may start processes while it is being killed (a pool refilling itself,
-    a daemon in the middle of its double fork): they were not in the first listing, so
-    the descendants are listed again after each round, until one finds nothing new.
+    a daemon in the middle of its double fork, a process that forks whenever it is
+    signalled): they were not in the listing. Those are stopped as soon as a new
+    listing finds them (SIGSTOP, which nothing can ignore, and a stopped process
+    cannot fork), the descendants listed again until nothing new appears, and then
+    all killed at once, without a grace: they are what the leftovers left.
     """
-    seen = set(before)
-    escaped: list[dict[str, Any]] = []
-    for _ in range(SWEEP_ROUNDS):
-        new_keys = descendant_keys(spare) - seen
-        if not new_keys:
-            break
-        seen |= new_keys
-        escaped += _kill(new_keys, grace)
-    return escaped
+    new_keys = descendant_keys(spare) - before
+    if not new_keys:
+        return []
+    escaped = _terminate(new_keys, grace)
+    late, stopped = _stop_late(before | new_keys, spare)
+    for p in late:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(late, timeout=REAP_WAIT)  # killed, or zombies: reaped
+    return escaped + stopped
 
 
-def _kill(new_keys: set[tuple[int, float]], grace: float) -> list[dict[str, Any]]:
-    """One round of ``sweep``: the processes in ``new_keys`` still running after SETTLE."""
+def _terminate(new_keys: set[tuple[int, float]], grace: float) -> list[dict[str, Any]]:
+    """The processes in ``new_keys`` still running after SETTLE: TERM, grace, KILL."""
     new = []
     for pid, _ in new_keys:
         with contextlib.suppress(psutil.Error):
@@ -129,11 +133,7 @@ def _kill(new_keys: set[tuple[int, float]], grace: float) -> list[dict[str, Any]
     for p in running:
         if not alive(p):
             continue
-        try:
-            cmdline = " ".join(p.cmdline()) or p.name()
-        except psutil.Error:
-            cmdline = "?"
-        escaped.append({"pid": p.pid, "cmdline": cmdline})
+        escaped.append({"pid": p.pid, "cmdline": _cmdline(p)})
         with contextlib.suppress(psutil.Error):
             p.terminate()
     _, stubborn = psutil.wait_procs(new, timeout=grace if escaped else 0)
@@ -142,6 +142,38 @@ def _kill(new_keys: set[tuple[int, float]], grace: float) -> list[dict[str, Any]
             p.kill()
     psutil.wait_procs(stubborn, timeout=REAP_WAIT)  # also reaps zombies re-parented to us
     return escaped
+
+
+def _stop_late(
+    seen: set[tuple[int, float]], spare: frozenset[int]
+) -> tuple[list[psutil.Process], list[dict[str, Any]]]:
+    """Stop every descendant not in ``seen``, listing again until none is new.
+
+    Returns them all (zombies too, to be reaped) and the running ones as leaks."""
+    late: list[psutil.Process] = []
+    stopped: list[dict[str, Any]] = []
+    for _ in range(STOP_ROUNDS):
+        keys = descendant_keys(spare) - seen
+        if not keys:
+            break
+        seen = seen | keys
+        for pid, _ in keys:
+            try:
+                p = psutil.Process(pid)
+                p.suspend()
+            except psutil.Error:
+                continue
+            late.append(p)
+            if alive(p):
+                stopped.append({"pid": p.pid, "cmdline": _cmdline(p)})
+    return late, stopped
+
+
+def _cmdline(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline()) or p.name()
+    except psutil.Error:
+        return "?"
 
 
 class ProcessProbe:
