@@ -40,7 +40,7 @@ from typing import Any, NoReturn
 import pytest
 
 from . import cuda_state
-from ._linux import die_with_parent
+from ._linux import die_with_parent, set_child_subreaper
 from .ipc import send_frame
 
 CHILD_PLUGIN = "gpuiso-child"
@@ -109,6 +109,10 @@ def _bootstrap(boot: Bootstrap, conn: Connection) -> None:
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)
     die_with_parent(boot.parent_pid)
+    # Orphans of the test's descendants (a daemon's double fork) stay in its tree while it
+    # lives: a prewarmed process's daemons are then spared by the sweep of the test running
+    # beside it, and are its own leftovers once it ends (re-parented to pytest).
+    set_child_subreaper(True)
     # Only this process may hold the pipe's write end: a forked grandchild
     # holding it would keep the pipe open after we die.
     fd = conn.fileno()

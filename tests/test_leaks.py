@@ -382,13 +382,18 @@ def test_leak_records_in_json_have_kind_and_detail(gpuiso, shm_name):
     assert set(leak) == {"kind", "detail", "path", "size", "pid", "cleaned"}
 
 
+@pytest.mark.parametrize("daemon", [False, True], ids=["child", "daemon"])
 @pytest.mark.parametrize("prewarm", [0, 1])
-def test_leaks_made_before_the_go_are_the_tests(gpuiso, shm_name, prewarm, monkeypatch):
+def test_leaks_made_before_the_go_are_the_tests(gpuiso, shm_name, prewarm, daemon, monkeypatch):
     """A process and a segment that a test's process made before its turn (a plugin's
     pytest_configure / pytest_sessionstart; earlier still when it was prewarmed) are that
-    test's leaks: reported for it, killed and deleted, nothing left after the session."""
+    test's leaks: reported for it, killed and deleted, nothing left after the session.
+    Also when the process is a daemon, orphaned at once: the test's process is a child
+    subreaper, so the daemon stays in its tree rather than being blamed on the test
+    running beside a prewarmed process."""
     tag = f"gpuiso-pre-go-{uuid.uuid4().hex[:8]}"
     monkeypatch.setenv("GPUISO_PRE_GO_TAG", tag)
+    monkeypatch.setenv("GPUISO_PRE_GO_DAEMON", "1" if daemon else "0")
     gpuiso.copy("test_start_pre_go.py", "start_pre_go_conftest.py")
     (gpuiso.path / "start_pre_go_conftest.py").rename(gpuiso.path / "conftest.py")
     result = gpuiso.run(
@@ -401,7 +406,7 @@ def test_leaks_made_before_the_go_are_the_tests(gpuiso, shm_name, prewarm, monke
         kinds = sorted(leak["kind"] for leak in record["leaks"])
         assert kinds == ["process", "shm"], record["leaks"]
         [proc] = [leak for leak in record["leaks"] if leak["kind"] == "process"]
-        assert tag in proc["cmdline"]
+        assert proc["cmdline"].endswith(f"{tag} {record['pid']}")  # its own process's
         [shm] = [leak for leak in record["leaks"] if leak["kind"] == "shm"]
         assert shm["path"] == f"/dev/shm/{shm_name}-{record['pid']}" and shm["cleaned"]
     assert list(SHM.glob(f"{shm_name}*")) == []

@@ -2,7 +2,9 @@
 
 The pytest process is a child subreaper (``PR_SET_CHILD_SUBREAPER``), so a
 double-forked daemon or a ``setsid`` child of the test is re-parented to it
-instead of init, and ``psutil`` finds it among our descendants. Whatever is new
+instead of init, and ``psutil`` finds it among our descendants. The test's
+process is one too: while it lives, its orphans stay in its tree (a prewarmed
+process's are spared by the sweep of the test before it). Whatever is new
 since the snapshot and still running once the test's process is reaped is
 reported with its pid and command line, then killed (TERM, grace, KILL) and
 reaped; what the leftovers started meanwhile is stopped, listed until nothing new
