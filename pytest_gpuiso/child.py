@@ -109,9 +109,10 @@ def _bootstrap(boot: Bootstrap, conn: Connection) -> None:
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)
     die_with_parent(boot.parent_pid)
-    # Orphans of the test's descendants (a daemon's double fork) stay in its tree while it
-    # lives: a prewarmed process's daemons are then spared by the sweep of the test running
-    # beside it, and are its own leftovers once it ends (re-parented to pytest).
+    # Until its go, orphans of this process's descendants (a daemon a plugin double-forks
+    # at configure) stay in its tree: the sweep of the test running while it is prewarmed
+    # spares them, and they are its own test's leftovers once it ends. Off at the go, so
+    # that the test sees orphans go to pytest as they did (os.wait() reaps only its own).
     set_child_subreaper(True)
     # Only this process may hold the pipe's write end: a forked grandchild
     # holding it would keep the pipe open after we die.
@@ -165,12 +166,14 @@ class Channel:
     def wait_go(self) -> None:
         """Block until the parent says this test's turn has come; apply its environment."""
         if self.go is None:
+            set_child_subreaper(False)
             return
         try:
             env: dict[str, str] = self.go.recv()
         except (EOFError, OSError):
             os._exit(0)  # discarded before its turn (session over, other test order)
         self.go.close()
+        set_child_subreaper(False)
         if any(os.environ.get(name) != env.get(name) for name in CUDA_ENV if name in env):
             reason = cuda_state.touched()
             if reason is not None:  # too late to change the GPUs this process sees

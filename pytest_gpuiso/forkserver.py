@@ -58,7 +58,7 @@ import psutil
 from . import cuda_state
 from ._linux import die_with_parent, huge_page_steps, set_child_subreaper
 from .leaks.process import alive
-from .leaks.shm import LOG_ENV, SHM_DIR, read_log
+from .leaks.shm import LOG_ENV, created_entries, remove_created
 
 REPARENT_WAIT = 5.0  # seconds the test's process waits to become pytest's child
 # Seconds, from the template's start, that fork requests wait for it to finish
@@ -517,7 +517,8 @@ def _run_template(boot: ServerBoot, sock: socket.socket, modules: list[str] | No
         set_child_subreaper(False)  # tests' orphans (with two forks: tests) go to pytest
         if problem is not None:  # what it made goes with it, not to a test's account
             _kill_children()
-            _remove_shm(shm_log)
+            if shm_log is not None:
+                remove_created(shm_log)
             conn.send(("unusable", f"after configuring and collecting: {problem}"))
             os._exit(0)
         gc.freeze()
@@ -606,23 +607,10 @@ def _left_outside(before: tuple[dict[int, str], set[str]], shm_log: str | None) 
         if not what or what.startswith("/dev/zero"):
             what = "anonymous memory"
         return f"it made a shared mapping of {what} ({fields[0]})"
-    created = _shm_created(shm_log)
+    created = created_entries(shm_log) if shm_log else []
     if created:
         return f"it created /dev/shm/{created[0]}"
     return None
-
-
-def _shm_created(shm_log: str | None) -> list[str]:
-    """The /dev/shm entries the shim logged for this process that are still there."""
-    names = read_log(shm_log) if shm_log else {}
-    paths = {name: os.path.join(SHM_DIR, name) for name in names if "/" not in name}
-    return [name for name, path in paths.items() if os.path.exists(path)]
-
-
-def _remove_shm(shm_log: str | None) -> None:
-    for name in _shm_created(shm_log):
-        with contextlib.suppress(OSError):
-            os.unlink(os.path.join(SHM_DIR, name))
 
 
 def _children() -> list[int]:

@@ -42,8 +42,8 @@ from .forkserver import ForkServer, Unavailable, unlist
 from .ipc import recv_frame
 from .leaks import Leak, Probe, RunInfo
 from .leaks.process import REAP_WAIT as _REAP_WAIT
-from .leaks.process import ProcessProbe, alive
-from .leaks.shm import LOG_ENV
+from .leaks.process import ProcessProbe, alive, kill_tree
+from .leaks.shm import LOG_ENV, remove_created
 from .leaks.shm import scan as shm_scan
 
 STACK_SIGNAL = int(signal.SIGRTMIN) + 2  # unlikely to collide with a test's own handlers
@@ -278,10 +278,13 @@ class Supervisor:
             return  # already run or discarded: its pid may belong to someone else by now
         self._settle(started)
         if started.proc is not None:
+            kill_tree(started.proc.pid)  # with the daemons it started (its subreaper's)
             _signal_tree(started.proc, signal.SIGKILL, [])
             _reap(started.proc, started.sentinel)
         started.close()
         shm_log = Path(started.shm_log) if started.shm_log else None
+        if shm_log is not None:  # what it created before its turn goes with it too
+            remove_created(str(shm_log), started.shm_at_start)
         _remove(started.output, started.stack_file, shm_log, *started.capture_files())
 
     def close(self) -> None:

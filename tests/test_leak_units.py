@@ -612,3 +612,33 @@ def test_the_default_cut_is_markdown_rows():
     text = report.markdown(records)
     assert len(table(text, "Leaks")) == report.MARKDOWN_ROWS
     assert "1 more leak is in the JSON report." in text.splitlines()
+
+
+# --------------------------------------------------------------------------- process sweep
+
+
+def test_a_leftover_that_survives_sigkill_is_reported_as_not_killed(monkeypatch) -> None:
+    """A leftover the sweep cannot kill (another user's process, say: here its signals
+    are swallowed) is still reported, and the report does not claim it was killed."""
+    import subprocess
+    import time
+
+    import psutil
+
+    from pytest_gpuiso.leaks import process
+
+    before = process.descendant_keys()
+    sleeper = subprocess.Popen(["sleep", "60"])
+    monkeypatch.setattr(psutil.Process, "terminate", lambda self: None)
+    monkeypatch.setattr(psutil.Process, "kill", lambda self: None)
+    monkeypatch.setattr(process, "REAP_WAIT", 0.2)
+    try:
+        [leak] = process.ProcessProbe().check(before, RunInfo(0, time.time(), time.time(), 0.1))
+        assert leak.fields == {"pid": sleeper.pid, "cmdline": "sleep 60"}
+        assert leak.detail == (
+            f"process {sleeper.pid} still running after the test ended (not killed: it "
+            "survived SIGKILL (another user's process?)): sleep 60"
+        )
+    finally:
+        sleeper.kill()
+        sleeper.wait()

@@ -231,6 +231,57 @@ def test_a_term_ignoring_leftover_that_keeps_forking_leaves_nothing(
         kill_quietly([p for p in pids if pid_alive(p)])
 
 
+@pytest.mark.parametrize("daemon", [False, True], ids=["child", "daemon"])
+def test_what_a_discarded_prewarmed_process_made_goes_with_it(
+    gpuiso, shm_name, daemon, monkeypatch
+):
+    """-x after the first test: the two processes prewarmed for the next tests are
+    discarded. What their plugins made before their turn (a process, a daemon in its own
+    session, a /dev/shm entry) goes with them: nothing is left after the session."""
+    tag = f"gpuiso-discard-{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv("GPUISO_PRE_GO_TAG", tag)
+    monkeypatch.setenv("GPUISO_PRE_GO_DAEMON", "1" if daemon else "0")
+    gpuiso.copy("start_pre_go_conftest.py", "test_discarded_prewarm.py")
+    (gpuiso.path / "start_pre_go_conftest.py").rename(gpuiso.path / "conftest.py")
+    result = gpuiso.run(
+        "--gpu-isolate", "--gpu-isolate-cleanup", "-x", "--gpu-isolate-prewarm=2", REPORT
+    )
+    result.assert_outcomes(failed=1, warnings=2)  # the first test's own two leaks
+    [record] = gpuiso.records().values()
+    assert sorted(leak["kind"] for leak in record["leaks"]) == ["process", "shm"]
+    tagged = [p.pid for p in psutil.process_iter(["cmdline"]) if tag in (p.info["cmdline"] or [])]
+    try:
+        assert wait_gone(tagged, timeout=10) == []
+        assert list(SHM.glob(f"{shm_name}*")) == []
+    finally:
+        kill_quietly(tagged)
+
+
+def test_orphans_of_the_test_body_are_not_its_processs_children(gpuiso):
+    """Each test's process is a child subreaper only until its go: the orphans its test
+    makes go to pytest, so os.wait() in the test returns the test's own child."""
+    gpuiso.copy("test_orphans.py")
+    gpuiso.run("--gpu-isolate", REPORT).assert_outcomes(passed=1)
+
+
+def test_a_short_helper_a_leftover_runs_on_its_way_out_is_not_a_leak(
+    gpuiso, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Processes found after the leftovers were killed get the same settle time as the
+    leftovers: a helper that exits by itself at once is not reported; the leftover is."""
+    gpuiso.copy("test_escape_term_helper.py")
+    pidfile = tmp_path / "pids"
+    monkeypatch.setenv("GPUISO_PIDFILE", str(pidfile))
+    result = gpuiso.run("--gpu-isolate", REPORT)
+    pids = [int(p) for p in pidfile.read_text().split()] if pidfile.exists() else []
+    try:
+        result.assert_outcomes(passed=1, warnings=1)
+        [record] = gpuiso.records().values()
+        assert [leak["pid"] for leak in record["leaks"]] == pids
+    finally:
+        kill_quietly([p for p in pids if pid_alive(p)])
+
+
 def test_process_policy_fail(gpuiso, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     gpuiso.copy("test_escape.py")
     monkeypatch.setenv("GPUISO_PIDFILE", str(tmp_path / "pids"))

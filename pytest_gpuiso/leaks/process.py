@@ -3,13 +3,14 @@
 The pytest process is a child subreaper (``PR_SET_CHILD_SUBREAPER``), so a
 double-forked daemon or a ``setsid`` child of the test is re-parented to it
 instead of init, and ``psutil`` finds it among our descendants. The test's
-process is one too: while it lives, its orphans stay in its tree (a prewarmed
-process's are spared by the sweep of the test before it). Whatever is new
-since the snapshot and still running once the test's process is reaped is
-reported with its pid and command line, then killed (TERM, grace, KILL) and
-reaped; what the leftovers started meanwhile is stopped, listed until nothing new
-appears, and killed. Descendants that exit on their own within ``SETTLE`` seconds (a pool
-worker that notices its parent is gone) are not reported.
+process is one too until its go: a daemon a plugin starts there before the test's
+turn (while the test before it runs) stays in its tree, which that test's sweep
+spares. Whatever is new since the snapshot and still running once the test's
+process is reaped is reported with its pid and command line, then killed (TERM,
+grace, KILL) and reaped; what the leftovers started meanwhile is stopped, listed
+until nothing new appears, and killed (see ``sweep``). Descendants that exit on
+their own within ``SETTLE`` seconds (a pool worker that notices its parent is
+gone) are not reported.
 """
 
 from __future__ import annotations
@@ -103,25 +104,32 @@ def sweep(
 
     ``spare``: our own processes (the fork server, prewarmed children), whose
     subtrees are not the test's. Returns the ones that were still running, as
-    ``{"pid", "cmdline"}``.
+    ``{"pid", "cmdline"}``, with ``"not_killed"`` (why) for one that survived.
 
     A leftover may start processes while it is being killed (a pool refilling itself,
     a daemon in the middle of its double fork, a process that forks whenever it is
-    signalled): they were not in the listing. Those are stopped as soon as a new
-    listing finds them (SIGSTOP, which nothing can ignore, and a stopped process
-    cannot fork), the descendants listed again until nothing new appears, and then
-    all killed at once, without a grace: they are what the leftovers left.
+    signalled): they were not in the listing. The descendants are listed again; the
+    new ones get ``SETTLE`` once to exit by themselves, then each new listing stops
+    them (SIGSTOP, which nothing can ignore, and a stopped process cannot fork) until
+    one finds nothing new; they are then all killed without a grace, and it starts
+    over (killing a stopped process can wake its group with SIGCONT) until a listing
+    after the kills finds nothing new.
     """
     new_keys = descendant_keys(spare) - before
     if not new_keys:
         return []
     escaped = _terminate(new_keys, grace)
-    late, stopped = _stop_late(before | new_keys, spare)
-    for p in late:
-        with contextlib.suppress(psutil.Error):
-            p.kill()
-    psutil.wait_procs(late, timeout=REAP_WAIT)  # killed, or zombies: reaped
-    return escaped + stopped
+    seen = before | new_keys
+    for round_ in range(STOP_ROUNDS):
+        late, found, seen = _stop_late(seen, spare, settle=round_ == 0)
+        if not late:
+            break
+        for p in late:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        _, survivors = psutil.wait_procs(late, timeout=REAP_WAIT)  # zombies reaped too
+        escaped += _mark_survivors(found, survivors)
+    return escaped
 
 
 def _terminate(new_keys: set[tuple[int, float]], grace: float) -> list[dict[str, Any]]:
@@ -142,33 +150,89 @@ def _terminate(new_keys: set[tuple[int, float]], grace: float) -> list[dict[str,
     for p in stubborn:
         with contextlib.suppress(psutil.Error):
             p.kill()
-    psutil.wait_procs(stubborn, timeout=REAP_WAIT)  # also reaps zombies re-parented to us
-    return escaped
+    _, survivors = psutil.wait_procs(stubborn, timeout=REAP_WAIT)  # reaps zombies too
+    return _mark_survivors(escaped, survivors)
 
 
 def _stop_late(
-    seen: set[tuple[int, float]], spare: frozenset[int]
-) -> tuple[list[psutil.Process], list[dict[str, Any]]]:
+    seen: set[tuple[int, float]], spare: frozenset[int], *, settle: bool
+) -> tuple[list[psutil.Process], list[dict[str, Any]], set[tuple[int, float]]]:
     """Stop every descendant not in ``seen``, listing again until none is new.
 
-    Returns them all (zombies too, to be reaped) and the running ones as leaks."""
+    ``settle``: the first new ones get SETTLE to exit by themselves first (a helper a
+    leftover ran on its way out), like the leftovers themselves. Returns them all
+    (exited ones too, to be reaped), the running ones as leaks, and ``seen`` grown.
+    """
     late: list[psutil.Process] = []
-    stopped: list[dict[str, Any]] = []
+    found: list[dict[str, Any]] = []
     for _ in range(STOP_ROUNDS):
         keys = descendant_keys(spare) - seen
         if not keys:
             break
         seen = seen | keys
+        procs = []
         for pid, _ in keys:
-            try:
-                p = psutil.Process(pid)
-                p.suspend()
-            except psutil.Error:
+            with contextlib.suppress(psutil.Error):
+                procs.append(psutil.Process(pid))
+        late += procs
+        if settle:
+            _, procs = psutil.wait_procs([p for p in procs if alive(p)], timeout=SETTLE)
+            settle = False
+        for p in procs:
+            if not alive(p):
                 continue
-            late.append(p)
-            if alive(p):
-                stopped.append({"pid": p.pid, "cmdline": _cmdline(p)})
-    return late, stopped
+            entry = {"pid": p.pid, "cmdline": _cmdline(p)}
+            try:
+                p.suspend()
+            except psutil.NoSuchProcess:
+                continue
+            except psutil.Error:
+                pass  # not ours to signal: reported all the same
+            found.append(entry)
+    return late, found, seen
+
+
+def _mark_survivors(
+    entries: list[dict[str, Any]], survivors: list[psutil.Process]
+) -> list[dict[str, Any]]:
+    """Add ``not_killed`` to the entries of processes still running after SIGKILL."""
+    left = {p.pid for p in survivors if alive(p)}
+    for entry in entries:
+        if entry["pid"] in left:
+            entry["not_killed"] = "it survived SIGKILL (another user's process?)"
+    return entries
+
+
+def kill_tree(pid: int) -> None:
+    """Stop ``pid`` and every descendant (listing until none is new), then kill them all.
+
+    For a process that never ran its test (a prewarmed one that is discarded): what it
+    started, daemons included (it is a child subreaper until its go), goes with it.
+    The caller reaps ``pid`` itself; the others are reaped here.
+    """
+    try:
+        root = psutil.Process(pid)
+        root.suspend()
+    except psutil.Error:
+        return
+    tree: list[psutil.Process] = []
+    seen = {pid}
+    for _ in range(STOP_ROUNDS):
+        try:
+            new = [p for p in root.children(recursive=True) if p.pid not in seen]
+        except psutil.Error:
+            break
+        if not new:
+            break
+        for p in new:
+            seen.add(p.pid)
+            with contextlib.suppress(psutil.Error):
+                p.suspend()
+        tree += new
+    for p in (root, *tree):
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(tree, timeout=REAP_WAIT)
 
 
 def _cmdline(p: psutil.Process) -> str:
@@ -193,7 +257,9 @@ class ProcessProbe:
         return [
             Leak(
                 "process",
-                f"process {e['pid']} still running after the test ended (killed): {e['cmdline']}",
+                f"process {e['pid']} still running after the test ended "
+                f"({'not killed: ' + e['not_killed'] if 'not_killed' in e else 'killed'}): "
+                f"{e['cmdline']}",
                 {"pid": e["pid"], "cmdline": e["cmdline"]},
             )
             for e in sweep(before, run.grace, self.spare)

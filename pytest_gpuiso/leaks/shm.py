@@ -71,6 +71,25 @@ def read_log(path: str) -> dict[str, int]:
     return created
 
 
+def created_entries(log: str, existed: dict[str, int] | None = None) -> list[str]:
+    """The entries the shim logged in ``log`` that are still in /dev/shm, but those in
+    ``existed`` (name -> inode, from ``scan()`` before the process started) unchanged."""
+    existed = existed or {}
+    now = scan()
+    return [
+        name
+        for name in read_log(log)
+        if "/" not in name and name in now and existed.get(name) != now[name]
+    ]
+
+
+def remove_created(log: str, existed: dict[str, int] | None = None) -> None:
+    """Delete what ``created_entries`` lists: for a process whose test never ran."""
+    for name in created_entries(log, existed):
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(SHM_DIR, name))
+
+
 def scan(directory: str = SHM_DIR) -> dict[str, int]:
     """name -> inode of every entry of ``directory`` (empty if it does not exist)."""
     try:
