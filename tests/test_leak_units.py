@@ -642,3 +642,35 @@ def test_a_leftover_that_survives_sigkill_is_reported_as_not_killed(monkeypatch)
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+def test_a_late_process_that_may_not_be_signalled_is_reported_not_waited_for(
+    monkeypatch,
+) -> None:
+    """What a listing finds after the leftovers were killed is stopped; one this process
+    may not signal (another user's) is reported as not killed and left out of the kill
+    and the wait, instead of costing REAP_WAIT every round or being dropped."""
+    import subprocess
+
+    import psutil
+
+    from pytest_gpuiso.leaks import process
+
+    seen = process.descendant_keys()
+    sleeper = subprocess.Popen(["sleep", "60"])
+
+    def refuse(self):
+        raise psutil.AccessDenied(self.pid)
+
+    monkeypatch.setattr(psutil.Process, "suspend", refuse)
+    try:
+        late, found, grown = process._stop_late(seen, frozenset(), settle=False)
+        assert late == []
+        assert found == [
+            {"pid": sleeper.pid, "cmdline": "sleep 60", "not_killed": "not allowed to signal it"}
+        ]
+        assert {pid for pid, _ in grown - seen} == {sleeper.pid}
+        assert sleeper.poll() is None  # neither stopped nor killed
+    finally:
+        sleeper.kill()
+        sleeper.wait()

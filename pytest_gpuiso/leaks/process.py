@@ -26,6 +26,7 @@ from . import Leak, RunInfo
 SETTLE = 0.1  # seconds a new descendant gets to exit by itself before it counts
 REAP_WAIT = 10.0  # upper bound for the kernel to reap a SIGKILLed process
 STOP_ROUNDS = 1000  # listings of what leftovers started while killed (each one stopped)
+KILL_ROUNDS = 10  # stop-and-kill rounds, for what a kill woke (SIGCONT to an orphaned group)
 
 
 def alive(p: psutil.Process) -> bool:
@@ -120,15 +121,16 @@ def sweep(
         return []
     escaped = _terminate(new_keys, grace)
     seen = before | new_keys
-    for round_ in range(STOP_ROUNDS):
+    for round_ in range(KILL_ROUNDS):
         late, found, seen = _stop_late(seen, spare, settle=round_ == 0)
+        escaped += [entry for entry in found if "not_killed" in entry]
         if not late:
             break
         for p in late:
             with contextlib.suppress(psutil.Error):
                 p.kill()
         _, survivors = psutil.wait_procs(late, timeout=REAP_WAIT)  # zombies reaped too
-        escaped += _mark_survivors(found, survivors)
+        escaped += _mark_survivors([e for e in found if "not_killed" not in e], survivors)
     return escaped
 
 
@@ -174,20 +176,24 @@ def _stop_late(
         for pid, _ in keys:
             with contextlib.suppress(psutil.Error):
                 procs.append(psutil.Process(pid))
-        late += procs
-        if settle:
-            _, procs = psutil.wait_procs([p for p in procs if alive(p)], timeout=SETTLE)
+        if settle:  # those that exit meanwhile are reaped here (our children) or below
+            _, procs = psutil.wait_procs(procs, timeout=SETTLE)
             settle = False
         for p in procs:
             if not alive(p):
+                late.append(p)  # a zombie: reaped with the others
                 continue
             entry = {"pid": p.pid, "cmdline": _cmdline(p)}
             try:
                 p.suspend()
             except psutil.NoSuchProcess:
+                late.append(p)
                 continue
-            except psutil.Error:
-                pass  # not ours to signal: reported all the same
+            except psutil.Error:  # not ours to signal: reported, neither killed nor waited for
+                entry["not_killed"] = "not allowed to signal it"
+                found.append(entry)
+                continue
+            late.append(p)
             found.append(entry)
     return late, found, seen
 
