@@ -123,14 +123,13 @@ def sweep(
     seen = before | new_keys
     for round_ in range(KILL_ROUNDS):
         late, found, seen = _stop_late(seen, spare, settle=round_ == 0)
-        escaped += [entry for entry in found if "not_killed" in entry]
-        if not late:
-            break
         for p in late:
             with contextlib.suppress(psutil.Error):
                 p.kill()
         _, survivors = psutil.wait_procs(late, timeout=REAP_WAIT)  # zombies reaped too
-        escaped += _mark_survivors([e for e in found if "not_killed" not in e], survivors)
+        escaped += _mark_survivors(found, survivors)  # the unsignalled are not in ``late``
+        if not late:
+            break
     return escaped
 
 
