@@ -4,6 +4,7 @@ and asserts on outcomes, the JSON report, the terminal and what is left on the m
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import uuid
@@ -28,6 +29,21 @@ def shm_name(monkeypatch: pytest.MonkeyPatch):
     yield name
     for path in SHM.glob(f"*{name}*"):
         path.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def leftovers_run(gpuiso, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, program, *args):
+    """Run ``program`` with every test isolated and $GPUISO_PIDFILE set; yield the result
+    and the pids the program wrote there; kill those still alive afterwards."""
+    gpuiso.copy(program)
+    pidfile = tmp_path / "pids"
+    monkeypatch.setenv("GPUISO_PIDFILE", str(pidfile))
+    result = gpuiso.run("--gpu-isolate", *args)
+    pids = [int(p) for p in pidfile.read_text().split()] if pidfile.exists() else []
+    try:
+        yield result, pids
+    finally:
+        kill_quietly([p for p in pids if pid_alive(p)])
 
 
 def leaks_of(records: dict, test: str) -> list[dict]:
@@ -153,12 +169,10 @@ def test_xdist_attributes_each_segment_to_its_own_test(gpuiso, shm_name):
 def test_leftover_processes_are_reported_killed_and_clean_children_are_not(
     gpuiso, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
-    gpuiso.copy("test_escape.py")
-    pidfile = tmp_path / "pids"
-    monkeypatch.setenv("GPUISO_PIDFILE", str(pidfile))
-    result = gpuiso.run("--gpu-isolate", REPORT, "--junitxml=junit.xml")
-    pids = [int(p) for p in pidfile.read_text().split()] if pidfile.exists() else []
-    try:
+    run = leftovers_run(
+        gpuiso, tmp_path, monkeypatch, "test_escape.py", REPORT, "--junitxml=junit.xml"
+    )
+    with run as (result, pids):
         result.assert_outcomes(passed=3, warnings=2)
         assert len(pids) == 2
         assert wait_gone(pids, timeout=5) == []
@@ -180,8 +194,6 @@ def test_leftover_processes_are_reported_killed_and_clean_children_are_not(
         ]
         assert props == [("gpu_isolate_leak", f"process: {popen['detail']}")]
         assert list(cases["test_clean_subprocess"].iter("property")) == []
-    finally:
-        kill_quietly([p for p in pids if pid_alive(p)])
 
 
 def test_a_leftover_spawning_while_it_is_killed_leaves_nothing(
@@ -190,12 +202,8 @@ def test_a_leftover_spawning_while_it_is_killed_leaves_nothing(
     """A leftover that keeps starting processes: those it starts after the check listed
     the test's leftovers (during the settle and TERM grace) are found by a second look,
     reported and killed too; nothing outlives the session."""
-    gpuiso.copy("test_escape_spawner.py")
-    pidfile = tmp_path / "pids"
-    monkeypatch.setenv("GPUISO_PIDFILE", str(pidfile))
-    result = gpuiso.run("--gpu-isolate", REPORT)
-    pids = [int(p) for p in pidfile.read_text().split()] if pidfile.exists() else []
-    try:
+    run = leftovers_run(gpuiso, tmp_path, monkeypatch, "test_escape_spawner.py", REPORT)
+    with run as (result, pids):
         assert wait_gone(pids, timeout=5) == []
         [record] = gpuiso.records().values()
         leaked = {leak["pid"] for leak in record["leaks"]}
@@ -206,8 +214,6 @@ def test_a_leftover_spawning_while_it_is_killed_leaves_nothing(
         assert {leak["cmdline"] for leak in record["leaks"] if leak["pid"] != pids[0]} == {
             "sleep 1000"
         }
-    finally:
-        kill_quietly([p for p in pids if pid_alive(p)])
 
 
 def test_a_term_ignoring_leftover_that_keeps_forking_leaves_nothing(
@@ -216,19 +222,15 @@ def test_a_term_ignoring_leftover_that_keeps_forking_leaves_nothing(
     """A chain of leftovers that ignore SIGTERM, each forking the next 0.2 s after it
     started: the links born during the grace are stopped as they are found and killed;
     none is left after the session."""
-    gpuiso.copy("test_escape_chain.py")
-    pidfile = tmp_path / "pids"
-    monkeypatch.setenv("GPUISO_PIDFILE", str(pidfile))
-    result = gpuiso.run("--gpu-isolate", "--gpu-isolate-grace=0.5", REPORT)
-    pids = [int(p) for p in pidfile.read_text().split()] if pidfile.exists() else []
-    try:
+    run = leftovers_run(
+        gpuiso, tmp_path, monkeypatch, "test_escape_chain.py", "--gpu-isolate-grace=0.5", REPORT
+    )
+    with run as (result, pids):
         assert wait_gone(pids, timeout=5) == []
         [record] = gpuiso.records().values()
         leaked = {leak["pid"] for leak in record["leaks"]}
         result.assert_outcomes(passed=1, warnings=len(leaked))
         assert set(pids) <= leaked  # every link that got to write its pid was reported
-    finally:
-        kill_quietly([p for p in pids if pid_alive(p)])
 
 
 @pytest.mark.parametrize("daemon", [False, True], ids=["child", "daemon"])
@@ -269,17 +271,11 @@ def test_a_short_helper_a_leftover_runs_on_its_way_out_is_not_a_leak(
 ):
     """Processes found after the leftovers were killed get the same settle time as the
     leftovers: a helper that exits by itself at once is not reported; the leftover is."""
-    gpuiso.copy("test_escape_term_helper.py")
-    pidfile = tmp_path / "pids"
-    monkeypatch.setenv("GPUISO_PIDFILE", str(pidfile))
-    result = gpuiso.run("--gpu-isolate", REPORT)
-    pids = [int(p) for p in pidfile.read_text().split()] if pidfile.exists() else []
-    try:
+    run = leftovers_run(gpuiso, tmp_path, monkeypatch, "test_escape_term_helper.py", REPORT)
+    with run as (result, pids):
         result.assert_outcomes(passed=1, warnings=1)
         [record] = gpuiso.records().values()
         assert [leak["pid"] for leak in record["leaks"]] == pids
-    finally:
-        kill_quietly([p for p in pids if pid_alive(p)])
 
 
 def test_process_policy_fail(gpuiso, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
