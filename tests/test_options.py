@@ -130,14 +130,17 @@ def _timeout_line(result: pytest.RunResult) -> str:
 def test_precedence_ini_then_cli_then_marker(gpuiso):
     """ini < command line < marker: the most specific setting wins."""
     gpuiso.copy("test_sleep_two.py")
-    gpuiso.pytester.makeini("[pytest]\ngpu_isolate_timeout = 0.5\n")
-    # ini alone: 0.5 s is too short for a 2 s test
+    # Timeouts of 1 s or more: on a loaded machine a spawned process may take more than
+    # 0.5 s from its go to the test's call, and a timeout before it fails the setup.
+    gpuiso.pytester.makeini("[pytest]\ngpu_isolate_timeout = 1\n")
+    # ini alone: 1 s is too short for a 2 s test
     result = gpuiso.run("--gpu-isolate", "--gpu-isolate-grace=0")
     result.assert_outcomes(failed=1)
-    assert "timed out after 0.5 s (timeout from ini gpu_isolate_timeout)" in _timeout_line(result)
+    assert "timed out after 1 s (timeout from ini gpu_isolate_timeout)" in _timeout_line(result)
     # command line beats ini
-    result = gpuiso.run("--gpu-isolate", "--gpu-isolate-timeout=0.7", "--gpu-isolate-grace=0")
-    assert "timed out after 0.7 s (timeout from --gpu-isolate-timeout)" in _timeout_line(result)
+    result = gpuiso.run("--gpu-isolate", "--gpu-isolate-timeout=1.2", "--gpu-isolate-grace=0")
+    result.assert_outcomes(failed=1)
+    assert "timed out after 1.2 s (timeout from --gpu-isolate-timeout)" in _timeout_line(result)
     # marker beats both
     gpuiso.pytester.makeconftest(
         "import pytest\n"
@@ -145,7 +148,7 @@ def test_precedence_ini_then_cli_then_marker(gpuiso):
         "    for item in items:\n"
         "        item.add_marker(pytest.mark.gpu_isolated(timeout=30))\n"
     )
-    result = gpuiso.run("--gpu-isolate-timeout=0.7")
+    result = gpuiso.run("--gpu-isolate-timeout=1.2")
     result.assert_outcomes(passed=1)
 
 
