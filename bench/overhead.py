@@ -3,8 +3,9 @@
 Builds a suite of N tiny torch tests in a temporary directory (``import torch``
 at the module's top; each test does one small tensor op and asserts; with
 ``--device cuda`` the tensors live on the GPU and the tests are marked
-``gpu_isolated`` so that they lease one) and times, on the same machine and in
-the same run:
+``gpu_isolated`` so that they lease one; it first checks, in a separate
+interpreter, that torch sees a CUDA device, and stops with one line saying why
+not) and times, on the same machine and in the same run:
 
 * in-process pytest;
 * ``--gpu-isolate`` with spawn, prewarming off (``--gpu-isolate-prewarm=0``);
@@ -198,6 +199,30 @@ def plugins_line() -> str:
     return "pytest plugins installed: " + ", ".join(names)
 
 
+def cuda_missing() -> str:
+    """Why the tests could not allocate on cuda here ("" when they can).
+
+    Asked of a separate interpreter: this one starts every measured run, and keeps
+    no CUDA state of its own.
+    """
+    probe = (
+        "import sys, torch\n"
+        "if not torch.cuda.is_available():\n"
+        "    built = torch.version.cuda or 'no'\n"
+        "    sys.exit(f'torch {torch.__version__} sees no CUDA device (built for CUDA: {built})')\n"
+    )
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", probe], capture_output=True, text=True, timeout=300
+        )
+    except subprocess.TimeoutExpired:
+        return "checking for a CUDA device took over 300 s"
+    if done.returncode == 0:
+        return ""
+    lines = done.stderr.strip().splitlines()
+    return lines[-1] if lines else f"the check exited with status {done.returncode}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="10 tests, 1 round, naive on 2")
@@ -228,6 +253,10 @@ def main() -> None:
     naive_n = max(0, min(opts.naive_tests, n))
     if n < 1 or opts.repeat < 1:
         parser.error("--tests and --repeat must be at least 1")
+    if opts.device == "cuda":
+        missing = cuda_missing()
+        if missing:
+            sys.exit(f"overhead.py: --device cuda: {missing}")
 
     have_isolate = importlib.util.find_spec("pytest_isolate") is not None
     have_timeout = importlib.util.find_spec("pytest_timeout") is not None

@@ -1,0 +1,74 @@
+"""bench/overhead.py runs to its end and prints its table and targets (no timing asserted).
+
+The benchmark's suite imports torch, so these tests need it installed; CI, which does
+not install torch, skips them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import ROOT
+
+BENCH = ROOT / "bench" / "overhead.py"
+needs_torch = pytest.mark.skipif(
+    importlib.util.find_spec("torch") is None, reason="the benchmark's suite imports torch"
+)
+
+
+def bench(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(BENCH), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+
+
+def row(out: str, label: str) -> list[str]:
+    """The numbers of the table row that starts with ``label``."""
+    for line in out.splitlines():
+        if line.startswith(label):
+            return line[len(label) :].split()
+    raise AssertionError(f"no row {label!r} in:\n{out}")
+
+
+@needs_torch
+def test_overhead_prints_ratios_and_targets():
+    done = bench("--tests", "3", "--repeat", "1", "--naive-tests", "1", "--only", "forkserver")
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    assert "3 tiny torch tests on cpu, best of 1 round" in out
+    inproc = row(out, "in-process")
+    assert inproc[2] == "1.00x", inproc
+    fork = row(out, "forkserver, prewarm 1")
+    wall, worst, ratio = float(fork[0]), float(fork[1]), fork[2]
+    assert 0 < wall <= worst
+    # the ratio is the row's wall over in-process's (both printed rounded to 10 ms)
+    assert abs(float(ratio.rstrip("x")) - wall / float(inproc[0])) < 0.015, (fork, inproc)
+    assert re.search(r"^forkserver, no pre-collect\s+[\d.]+\s+[\d.]+\s+[\d.]+x", out, re.M), out
+    assert "spawn" not in out.split("configuration", 1)[1].split("targets:")[0]  # --only kept out
+    assert re.search(r"forkserver wall <= 1.3x in-process: [\d.]+x, (met|NOT met)", out), out
+
+
+@needs_torch
+def test_overhead_on_cuda_measures_or_says_why_not_in_one_line():
+    """Without a CUDA device (a CPU build of torch, or no GPU) it stops at once, in one line."""
+    done = bench("--device", "cuda", "--quick")
+    if done.returncode == 0:  # a GPU machine: the table, for tests that allocate on cuda
+        assert "10 tiny torch tests on cuda" in done.stdout, done.stdout
+        assert "forkserver wall <= 1.3x in-process" in done.stdout, done.stdout
+        return
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert done.stdout == ""
+    [line] = done.stderr.strip().splitlines()
+    assert re.fullmatch(
+        r"overhead\.py: --device cuda: torch \S+ sees no CUDA device \(built for CUDA: \S+\)",
+        line,
+    ), line
