@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# Everything docs/gpu-validation.md asks of a GPU machine, in one command that fits the
+# device tool's 10-minute limit; run it from the repository root:
+#
+#   bash bench/gpu_validation.sh [STEP ...]       (default: every step, in this order)
+#
+# Steps:
+#   facts       GPUs, driver, Python, torch, pytest (and the git commit)
+#   build       pip install -e . into $PYTHON's environment (no dependencies fetched)
+#   torch       `import torch` must leave the process forkable: no libcuda / NVML mapped,
+#               one thread (else the fork server refuses and the session falls back to spawn)
+#   tests       tests/gpu under both start methods, alone on the GPU
+#   cuda-bench  bench/overhead.py --device cuda (tests that allocate on cuda)
+#   cpu-bench   bench/overhead.py --only forkserver (the 1.3x target, on this machine's cores)
+#
+# Each step's output goes to $OUT/<step>.log (OUT defaults to ./gpu-validation-out) and a
+# line "step exit-status seconds" to $OUT/summary.txt, which is printed at the end. A step
+# that fails does not stop the next; the script exits 1 if any failed. $PYTHON (default
+# python3) runs everything; $STEP_TIMEOUT (default 300 s) bounds each step.
+set -u
+cd "$(dirname "$0")/.."
+export PYTHON=${PYTHON:-python3}
+OUT=${OUT:-gpu-validation-out}
+STEP_TIMEOUT=${STEP_TIMEOUT:-300}
+ALL=(facts build torch tests cuda-bench cpu-bench)
+mkdir -p "$OUT"
+: >"$OUT/summary.txt"
+
+step_facts() {
+    date -u +"%Y-%m-%d %H:%M UTC"
+    git rev-parse --short HEAD 2>/dev/null || echo "not a git checkout"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
+        echo "nvidia-smi: not available"
+    nproc
+    "$PYTHON" -c 'import platform, sys
+print("Python", platform.python_version())
+for name in ("torch", "pytest", "psutil", "pynvml", "xdist"):
+    try:
+        mod = __import__(name)
+        print(name, getattr(mod, "__version__", "?"), getattr(getattr(mod, "version", None), "cuda", ""))
+    except ImportError as exc:
+        print(name, "missing:", exc)'
+}
+
+step_build() {
+    "$PYTHON" -m pip install --no-build-isolation --no-deps -e .
+}
+
+step_torch() {
+    "$PYTHON" - <<'EOF'
+import sys
+
+import torch
+
+from pytest_gpuiso.forkserver import unsafe_to_fork
+
+print("torch", torch.__version__, "built for CUDA", torch.version.cuda)
+problem = unsafe_to_fork("a process that imported torch")
+print("forkable after import torch:", problem or "yes")
+sys.exit(1 if problem else 0)
+EOF
+}
+
+step_tests() {
+    "$PYTHON" -m pytest tests/gpu -v -rs -p no:cacheprovider
+}
+
+step_cuda-bench() {
+    "$PYTHON" bench/overhead.py --device cuda --repeat 2 --naive-tests 2
+}
+
+step_cpu-bench() {
+    "$PYTHON" bench/overhead.py --only forkserver --repeat 5
+}
+
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=("${ALL[@]}")
+for name in "${steps[@]}"; do
+    if ! declare -F "step_$name" >/dev/null; then
+        echo "gpu_validation.sh: unknown step '$name' (steps: ${ALL[*]})" >&2
+        exit 2
+    fi
+done
+failed=0
+for name in "${steps[@]}"; do
+    echo "== $name" >&2
+    start=$SECONDS
+    # The step runs in a subshell, so that the timeout bounds it whole.
+    timeout --kill-after=10 "$STEP_TIMEOUT" bash -c "$(declare -f "step_$name"); step_$name" \
+        >"$OUT/$name.log" 2>&1
+    status=$?
+    [ $status -eq 0 ] || failed=1
+    echo "$name $status $((SECONDS - start))s" >>"$OUT/summary.txt"
+    tail -n 15 "$OUT/$name.log" >&2
+done
+echo "== summary (step exit-status seconds; 124: timed out)"
+cat "$OUT/summary.txt"
+exit $failed
