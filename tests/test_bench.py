@@ -7,6 +7,7 @@ not install torch, skips them.
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -72,3 +73,49 @@ def test_overhead_on_cuda_measures_or_says_why_not_in_one_line():
         r"overhead\.py: --device cuda: torch \S+ sees no CUDA device \(built for CUDA: \S+\)",
         line,
     ), line
+
+
+def validation(tmp_path, *steps: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "STEP_TIMEOUT": "120"}
+    return subprocess.run(
+        ["bash", str(ROOT / "bench" / "gpu_validation.sh"), *steps],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+
+
+def test_gpu_validation_unknown_step_is_one_line(tmp_path):
+    done = validation(tmp_path, "facts", "tets")
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        "gpu_validation.sh: unknown step 'tets' "
+        "(steps: facts build torch tests cuda-bench cpu-bench)"
+    ]
+    assert not (tmp_path / "facts.log").exists()  # nothing ran
+
+
+def test_gpu_validation_logs_each_step_and_its_status(tmp_path):
+    """A failing step is logged and summarised; the next still runs; the exit is 1."""
+    # (not the tests step: on a GPU machine it would run tests/gpu beside this suite)
+    done = validation(tmp_path, "facts")
+    summary = (tmp_path / "summary.txt").read_text().splitlines()
+    assert [line.split()[:2] for line in summary] == [["facts", "0"]], summary
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"Python {sys.version.split()[0]}" in (tmp_path / "facts.log").read_text()
+    # a step that fails: here the torch check, through a $PYTHON that fails on stdin scripts
+    env_python = tmp_path / "python-failing-on-stdin"
+    env_python.write_text(f'#!/bin/sh\n[ "$1" = - ] && exit 3\nexec {sys.executable} "$@"\n')
+    env_python.chmod(0o755)
+    env = {**os.environ, "OUT": str(tmp_path / "b"), "PYTHON": str(env_python)}
+    done = subprocess.run(
+        ["bash", str(ROOT / "bench" / "gpu_validation.sh"), "torch", "facts"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    summary = (tmp_path / "b" / "summary.txt").read_text().splitlines()
+    assert [line.split()[:2] for line in summary] == [["torch", "3"], ["facts", "0"]], summary
