@@ -536,8 +536,8 @@ def _tell_start_problems(item: pytest.Item, state: State, supervisor: Supervisor
         messages.append(
             f"prewarming turned off: a process started ahead of its test initialised CUDA "
             f"before it was given its GPUs ({supervisor.stale}); a plugin or conftest uses "
-            "CUDA at import (for torch.cuda.is_available(), PYTORCH_NVML_BASED_CUDA_CHECK=1 "
-            "avoids that)"
+            "CUDA or NVML at import (torch.cuda.is_available() and device_count() do): "
+            "call them in fixtures or tests instead"
         )
     lineno = (item.location[1] or 0) + 1
     for text in messages:

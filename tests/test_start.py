@@ -423,8 +423,11 @@ def test_prewarmed_process_that_touched_cuda_is_replaced(
         [warning] = _start_warnings(result)
         assert (
             "prewarming turned off: a process started ahead of its test initialised CUDA "
-            f"before it was given its GPUs (the CUDA driver library is loaded ({lib}))"
+            f"before it was given its GPUs (the CUDA driver library is loaded ({lib})); "
+            "a plugin or conftest uses CUDA or NVML at import (torch.cuda.is_available() and "
+            "device_count() do): call them in fixtures or tests instead"
         ) in warning
+        assert "PYTORCH_NVML_BASED_CUDA_CHECK" not in warning  # it loads NVML: stale too
         assert starts == {nodeid: {"method": "spawn", "prewarmed": False} for nodeid in runs}
         result.stdout.fnmatch_lines(["gpu-isolate: started 3 spawn; 0 prewarmed*"])
         # The replaced process: started ahead (no GPU yet), never ran a test.
