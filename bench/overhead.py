@@ -5,7 +5,9 @@ at the module's top; each test does one small tensor op and asserts; with
 ``--device cuda`` the tensors live on the GPU and the tests are marked
 ``gpu_isolated`` so that they lease one; it first checks, in a separate
 interpreter, that torch sees a CUDA device, and stops with one line saying why
-not) and times, on the same machine and in the same run:
+not; with ``--sleep S`` each test also sleeps S seconds, as a test waiting on
+its GPU would, which shows what prewarming hides) and times, on the same
+machine and in the same run:
 
 * in-process pytest;
 * ``--gpu-isolate`` with spawn, prewarming off (``--gpu-isolate-prewarm=0``);
@@ -37,7 +39,8 @@ the bare start-up; then whether the targets are met: forkserver wall <= 1.3x
 in-process, and spawn overhead per test <= 1.2x the bare start-up.
 
     python bench/overhead.py [--quick] [--tests 40] [--repeat 3] [--naive-tests 5]
-                             [--device cpu|cuda] [--no-hypothesis]
+                             [--device cpu|cuda] [--sleep S] [--no-hypothesis]
+                             [--only WORDS]
 """
 
 from __future__ import annotations
@@ -74,11 +77,12 @@ class Config:
     error: str = ""  # the gist of that, for its row
 
 
-def write_suite(cwd: Path, n: int, device: str) -> None:
+def write_suite(cwd: Path, n: int, device: str, sleep: float = 0.0) -> None:
     (cwd / "pytest.ini").write_text("[pytest]\n")  # no stray ini from a parent directory
     mark = "@pytest.mark.gpu_isolated\n" if device == "cuda" else ""
+    wait = f"    time.sleep({sleep!r})\n" if sleep else ""
     head = (
-        "import os\n\nimport pytest\nimport torch\n\n"
+        "import os\nimport time\n\nimport pytest\nimport torch\n\n"
         f"DEVICE = {device!r}\nPIDS = {str(cwd / PIDS)!r}\n\n\n"
         "def record():\n"
         "    with open(PIDS, 'a') as log:\n"
@@ -87,6 +91,7 @@ def write_suite(cwd: Path, n: int, device: str) -> None:
     tests = "".join(
         f"\n\n{mark}def test_{i}():\n"
         "    record()\n"
+        f"{wait}"
         f"    x = torch.arange(4, device=DEVICE) * {i}\n"
         f"    assert x.sum().item() == {6 * i}\n"
         for i in range(n)
@@ -233,6 +238,14 @@ def main() -> None:
     )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument(
+        "--sleep",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="each test also sleeps S seconds (a stand-in for GPU work, which leaves the "
+        "CPU to prewarming); default 0",
+    )
+    parser.add_argument(
         "--no-hypothesis", action="store_true", help="add -p no:hypothesispytest to every run"
     )
     parser.add_argument("--timeout", type=float, default=900, help="limit per command, s")
@@ -253,6 +266,8 @@ def main() -> None:
     naive_n = max(0, min(opts.naive_tests, n))
     if n < 1 or opts.repeat < 1:
         parser.error("--tests and --repeat must be at least 1")
+    if not 0 <= opts.sleep <= 60:
+        parser.error(f"--sleep must be from 0 to 60 seconds, not {opts.sleep:g}")
     if opts.device == "cuda":
         missing = cuda_missing()
         if missing:
@@ -330,14 +345,16 @@ def main() -> None:
     print(machine_line())
     print(plugins_line())
     print(
-        f"{n} tiny torch tests on {opts.device}, best of {opts.repeat} round"
+        f"{n} tiny torch tests on {opts.device}"
+        + (f", each sleeping {opts.sleep:g} s" if opts.sleep else "")
+        + f", best of {opts.repeat} round"
         f"{'s' if opts.repeat != 1 else ''}; every pytest run: "
         f"python -m pytest {shlex.join(common)} ...",
         flush=True,
     )
     with tempfile.TemporaryDirectory(prefix="gpuiso-overhead-") as tmp:
         cwd = Path(tmp)
-        write_suite(cwd, n, opts.device)
+        write_suite(cwd, n, opts.device, opts.sleep)
         # Untimed warm-up: the page cache, and a first check that the suite passes.
         measure(bare, common, names, cwd, env, opts)
         measure(configs[0], common, names, cwd, env, opts)
@@ -394,6 +411,9 @@ def main() -> None:
         print(f"pytest-isolate failed, not timed: {why[0]}\n{why[1]}\n  last line: {why[-1]}")
 
     print()
+    if opts.sleep:
+        print("targets: not judged with --sleep (they are set for the tiny tests alone)")
+        return
     print("targets:")
     fork = next((c for c in configs if c.label.startswith("forkserver")), None)
     if fork is not None:

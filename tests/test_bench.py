@@ -59,6 +59,18 @@ def test_overhead_prints_ratios_and_targets():
 
 
 @needs_torch
+def test_overhead_with_sleeping_tests_judges_no_target():
+    done = bench("--tests", "2", "--repeat", "1", "--only", "forkserver", "--sleep", "0.2")
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    assert "2 tiny torch tests on cpu, each sleeping 0.2 s, best of 1 round" in out
+    assert float(row(out, "in-process")[0]) > 0.4  # two tests that sleep 0.2 s each
+    assert float(row(out, "forkserver, prewarm 1")[0]) > 0.4
+    assert "targets: not judged with --sleep" in out  # they are set for tiny tests alone
+    assert "forkserver wall <=" not in out
+
+
+@needs_torch
 def test_overhead_on_cuda_measures_or_says_why_not_in_one_line():
     """Without a CUDA device (a CPU build of torch, or no GPU) it stops at once, in one line."""
     done = bench("--device", "cuda", "--quick")
@@ -73,6 +85,15 @@ def test_overhead_on_cuda_measures_or_says_why_not_in_one_line():
         r"overhead\.py: --device cuda: torch \S+ sees no CUDA device \(built for CUDA: \S+\)",
         line,
     ), line
+
+
+@pytest.mark.parametrize("value", ["-1", "61", "nan"])
+def test_overhead_bad_sleep_is_a_usage_error(value):
+    done = bench("--sleep", value)
+    assert done.returncode == 2
+    assert done.stderr.splitlines()[-1].endswith(
+        f"error: --sleep must be from 0 to 60 seconds, not {float(value):g}"
+    ), done.stderr
 
 
 def validation(tmp_path, *steps: str) -> subprocess.CompletedProcess:
