@@ -390,17 +390,20 @@ class ChildPlugin:
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_collection(self, session: Any) -> bool:
-        # What exists now (the interpreter, the preload modules, pytest's configuration,
-        # plugins, conftests) is left out of garbage collection, as the fork server does:
-        # pytest's end-of-session gc.collect() calls (its unraisable-exception check) would
-        # otherwise scan all of torch's objects in every test's process, ~130 ms a test.
-        # The test module and the test, collected and run after this, are collected as ever.
+        # What exists before the test runs (the interpreter, the preload modules, pytest's
+        # configuration, plugins, conftests, the collected module) is left out of garbage
+        # collection, as in the fork server's template: pytest's end-of-session gc.collect()
+        # calls (its unraisable-exception check) would otherwise scan all of torch's objects
+        # in every test's process, ~130 ms a test. Frozen now, and again once collected (a
+        # process started cold imports torch with the test module). The test's objects are
+        # collected as ever.
         gc.freeze()
         self.channel.wait_go()  # a prewarmed child stops here until its test's turn
         try:
             session.perform_collect([self.job.collect_arg])
         except pytest.UsageError:  # "found no collectors": the collect errors say why
             session.items = []
+        gc.freeze()
         return True
 
     @pytest.hookimpl(trylast=True)  # after -k / -m deselection

@@ -535,13 +535,16 @@ def test_nested_warning_category_keeps_its_name(gpuiso: GpuIso) -> None:
         iso.stdout.fnmatch_lines(["*sem_warning_class.py:12: NestedWarning: MARKER-NESTED"])
 
 
-def test_garbage_collection_in_the_test_process(
-    gpuiso: GpuIso, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Objects made before the go are frozen out of the collector (pytest's end-of-session
-    gc.collect() then skips them: ~130 ms a test with torch); the test's are collected."""
+@pytest.mark.parametrize(
+    "extra",
+    [(), ("--gpu-isolate-prewarm=0",), ("--gpu-isolate-no-precollect",)],
+    ids=["default", "cold", "no-precollect"],
+)
+def test_garbage_collection_in_the_test_process(gpuiso: GpuIso, extra: tuple[str, ...]) -> None:
+    """What exists before the test runs is frozen out of the collector (pytest's
+    end-of-session gc.collect() then skips it: ~130 ms a test with torch), on every start
+    path (a cold process imports the module after its go); the test's objects are
+    collected."""
     gpuiso.copy("test_gc_state.py")
-    tracked = "1" if gpuiso.start == "spawn" else "0"  # the template imported it, then froze
-    monkeypatch.setenv("GPUISO_MODULE_TRACKED", tracked)
-    result = gpuiso.run("--gpu-isolate")
+    result = gpuiso.run("--gpu-isolate", *extra)
     result.assert_outcomes(passed=3)
