@@ -16,12 +16,15 @@
 # Each step's output goes to $OUT/<step>.log (OUT defaults to ./gpu-validation-out) and a
 # line "step exit-status seconds" to $OUT/summary.txt, which is printed at the end. A step
 # that fails does not stop the next; the script exits 1 if any failed. $PYTHON (default
-# python3) runs everything; $STEP_TIMEOUT (default 300 s) bounds each step.
+# python3) runs everything. Each step has its own bound (facts 60 s, build 300, torch 120,
+# tests 420, cuda-bench 540, cpu-bench 300); $STEP_TIMEOUT, if set, replaces them all.
+# Under the device tool's 600 s a command, one call each: `facts build torch tests`,
+# `cuda-bench`, `cpu-bench`.
 set -u
 cd "$(dirname "$0")/.."
 export PYTHON=${PYTHON:-python3}
 OUT=${OUT:-gpu-validation-out}
-STEP_TIMEOUT=${STEP_TIMEOUT:-300}
+declare -A BOUND=([facts]=60 [build]=300 [torch]=120 [tests]=420 [cuda-bench]=540 [cpu-bench]=300)
 ALL=(facts build torch tests cuda-bench cpu-bench)
 mkdir -p "$OUT"
 : >"$OUT/summary.txt"
@@ -66,7 +69,7 @@ step_tests() {
 }
 
 step_cuda-bench() {
-    "$PYTHON" bench/overhead.py --device cuda --repeat 2 --naive-tests 2
+    "$PYTHON" bench/overhead.py --device cuda --repeat 1 --naive-tests 2
 }
 
 step_cpu-bench() {
@@ -86,7 +89,8 @@ for name in "${steps[@]}"; do
     echo "== $name" >&2
     start=$SECONDS
     # The step runs in a subshell, so that the timeout bounds it whole.
-    timeout --kill-after=10 "$STEP_TIMEOUT" bash -c "$(declare -f "step_$name"); step_$name" \
+    timeout --kill-after=10 "${STEP_TIMEOUT:-${BOUND[$name]}}" \
+        bash -c "$(declare -f "step_$name"); step_$name" \
         >"$OUT/$name.log" 2>&1
     status=$?
     [ $status -eq 0 ] || failed=1

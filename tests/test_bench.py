@@ -71,13 +71,15 @@ def test_overhead_with_sleeping_tests_judges_no_target():
 
 
 @needs_torch
-def test_overhead_on_cuda_measures_or_says_why_not_in_one_line():
+def test_overhead_on_cuda_without_a_device_says_why_in_one_line():
     """Without a CUDA device (a CPU build of torch, or no GPU) it stops at once, in one line."""
+    probe = subprocess.run(
+        [sys.executable, "-c", "import torch, sys; sys.exit(torch.cuda.is_available())"],
+        timeout=300,
+    )
+    if probe.returncode != 0:  # a GPU machine: the benchmark would run (minutes)
+        pytest.skip("a CUDA device is visible here")
     done = bench("--device", "cuda", "--quick")
-    if done.returncode == 0:  # a GPU machine: the table, for tests that allocate on cuda
-        assert "10 tiny torch tests on cuda" in done.stdout, done.stdout
-        assert "forkserver wall <= 1.3x in-process" in done.stdout, done.stdout
-        return
     assert done.returncode == 1, done.stdout + done.stderr
     assert done.stdout == ""
     [line] = done.stderr.strip().splitlines()
@@ -140,3 +142,22 @@ def test_gpu_validation_logs_each_step_and_its_status(tmp_path):
     assert done.returncode == 1, done.stdout + done.stderr
     summary = (tmp_path / "b" / "summary.txt").read_text().splitlines()
     assert [line.split()[:2] for line in summary] == [["torch", "3"], ["facts", "0"]], summary
+
+
+def test_gpu_validation_step_over_its_bound_is_ended(tmp_path):
+    slow_python = tmp_path / "slow-python"
+    slow_python.write_text("#!/bin/sh\nsleep 30\n")
+    slow_python.chmod(0o755)
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": str(slow_python), "STEP_TIMEOUT": "1"}
+    done = subprocess.run(
+        ["bash", str(ROOT / "bench" / "gpu_validation.sh"), "torch"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    [line] = (tmp_path / "summary.txt").read_text().splitlines()
+    name, status, seconds = line.split()
+    assert (name, status) == ("torch", "124")  # timeout's status
+    assert int(seconds.rstrip("s")) < 15
