@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -32,6 +33,22 @@ def bench(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+def bench_table(*args: str) -> str:
+    """The output of a benchmark run that must succeed."""
+    done = bench(*args)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def overhead_module():
+    """bench/overhead.py as a module (it is a script, not in a package)."""
+    spec = importlib.util.spec_from_file_location("gpuiso_bench_overhead", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
 def row(out: str, label: str) -> list[str]:
     """The numbers of the table row that starts with ``label``."""
     for line in out.splitlines():
@@ -42,9 +59,7 @@ def row(out: str, label: str) -> list[str]:
 
 @needs_torch
 def test_overhead_prints_ratios_and_targets():
-    done = bench("--tests", "3", "--repeat", "1", "--naive-tests", "1", "--only", "forkserver")
-    assert done.returncode == 0, done.stdout + done.stderr
-    out = done.stdout
+    out = bench_table("--tests", "3", "--repeat", "1", "--naive-tests", "1", "--only", "forkserver")
     assert "3 tiny torch tests on cpu, best of 1 round" in out
     inproc = row(out, "in-process")
     assert inproc[2] == "1.00x", inproc
@@ -60,9 +75,7 @@ def test_overhead_prints_ratios_and_targets():
 
 @needs_torch
 def test_overhead_with_sleeping_tests_judges_no_target():
-    done = bench("--tests", "2", "--repeat", "1", "--only", "forkserver", "--sleep", "0.2")
-    assert done.returncode == 0, done.stdout + done.stderr
-    out = done.stdout
+    out = bench_table("--tests", "2", "--repeat", "1", "--only", "forkserver", "--sleep", "0.2")
     assert "2 tiny torch tests on cpu, each sleeping 0.2 s, best of 1 round" in out
     assert float(row(out, "in-process")[0]) > 0.4  # two tests that sleep 0.2 s each
     assert float(row(out, "forkserver, prewarm 1")[0]) > 0.4
@@ -73,11 +86,7 @@ def test_overhead_with_sleeping_tests_judges_no_target():
 @needs_torch
 def test_overhead_on_cuda_without_a_device_says_why_in_one_line():
     """Without a CUDA device (a CPU build of torch, or no GPU) it stops at once, in one line."""
-    probe = subprocess.run(
-        [sys.executable, "-c", "import torch, sys; sys.exit(torch.cuda.is_available())"],
-        timeout=300,
-    )
-    if probe.returncode != 0:  # a GPU machine: the benchmark would run (minutes)
+    if not overhead_module().cuda_missing():  # a GPU machine: the bench would run (minutes)
         pytest.skip("a CUDA device is visible here")
     done = bench("--device", "cuda", "--quick")
     assert done.returncode == 1, done.stdout + done.stderr
@@ -98,8 +107,14 @@ def test_overhead_bad_sleep_is_a_usage_error(value):
     ), done.stderr
 
 
-def validation(tmp_path, *steps: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, "STEP_TIMEOUT": "120"}
+def validation(
+    out: Path, *steps: str, python: str = sys.executable, step_timeout: str | None = "120"
+) -> subprocess.CompletedProcess:
+    """Run bench/gpu_validation.sh; ``step_timeout`` None: each step's own bound."""
+    env = {**os.environ, "OUT": str(out), "PYTHON": python}
+    env.pop("STEP_TIMEOUT", None)
+    if step_timeout is not None:
+        env["STEP_TIMEOUT"] = step_timeout
     return subprocess.run(
         ["bash", str(ROOT / "bench" / "gpu_validation.sh"), *steps],
         capture_output=True,
@@ -131,14 +146,7 @@ def test_gpu_validation_logs_each_step_and_its_status(tmp_path):
     env_python = tmp_path / "python-failing-on-stdin"
     env_python.write_text(f'#!/bin/sh\n[ "$1" = - ] && exit 3\nexec {sys.executable} "$@"\n')
     env_python.chmod(0o755)
-    env = {**os.environ, "OUT": str(tmp_path / "b"), "PYTHON": str(env_python)}
-    done = subprocess.run(
-        ["bash", str(ROOT / "bench" / "gpu_validation.sh"), "torch", "facts"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
+    done = validation(tmp_path / "b", "torch", "facts", python=str(env_python), step_timeout=None)
     assert done.returncode == 1, done.stdout + done.stderr
     summary = (tmp_path / "b" / "summary.txt").read_text().splitlines()
     assert [line.split()[:2] for line in summary] == [["torch", "3"], ["facts", "0"]], summary
@@ -148,14 +156,7 @@ def test_gpu_validation_step_over_its_bound_is_ended(tmp_path):
     slow_python = tmp_path / "slow-python"
     slow_python.write_text("#!/bin/sh\nsleep 30\n")
     slow_python.chmod(0o755)
-    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": str(slow_python), "STEP_TIMEOUT": "1"}
-    done = subprocess.run(
-        ["bash", str(ROOT / "bench" / "gpu_validation.sh"), "torch"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=env,
-    )
+    done = validation(tmp_path, "torch", python=str(slow_python), step_timeout="1")
     assert done.returncode == 1, done.stdout + done.stderr
     [line] = (tmp_path / "summary.txt").read_text().splitlines()
     name, status, seconds = line.split()

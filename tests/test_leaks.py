@@ -233,6 +233,18 @@ def test_a_term_ignoring_leftover_that_keeps_forking_leaves_nothing(
         assert set(pids) <= leaked  # every link that got to write its pid was reported
 
 
+def _with_pre_go_conftest(gpuiso, monkeypatch, program: str, daemon: bool, name: str) -> str:
+    """Copy ``program`` with start_pre_go_conftest.py as its conftest: every test's process
+    makes a process (a setsid daemon if ``daemon``) and a /dev/shm entry before its go,
+    named with the returned tag (gpuiso-<name>-<random>)."""
+    tag = f"gpuiso-{name}-{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv("GPUISO_PRE_GO_TAG", tag)
+    monkeypatch.setenv("GPUISO_PRE_GO_DAEMON", "1" if daemon else "0")
+    gpuiso.copy(program, "start_pre_go_conftest.py")
+    (gpuiso.path / "start_pre_go_conftest.py").rename(gpuiso.path / "conftest.py")
+    return tag
+
+
 @pytest.mark.parametrize("daemon", [False, True], ids=["child", "daemon"])
 def test_what_a_discarded_prewarmed_process_made_goes_with_it(
     gpuiso, shm_name, daemon, monkeypatch
@@ -240,11 +252,7 @@ def test_what_a_discarded_prewarmed_process_made_goes_with_it(
     """-x after the first test: the two processes prewarmed for the next tests are
     discarded. What their plugins made before their turn (a process, a daemon in its own
     session, a /dev/shm entry) goes with them: nothing is left after the session."""
-    tag = f"gpuiso-discard-{uuid.uuid4().hex[:8]}"
-    monkeypatch.setenv("GPUISO_PRE_GO_TAG", tag)
-    monkeypatch.setenv("GPUISO_PRE_GO_DAEMON", "1" if daemon else "0")
-    gpuiso.copy("start_pre_go_conftest.py", "test_discarded_prewarm.py")
-    (gpuiso.path / "start_pre_go_conftest.py").rename(gpuiso.path / "conftest.py")
+    tag = _with_pre_go_conftest(gpuiso, monkeypatch, "test_discarded_prewarm.py", daemon, "discard")
     result = gpuiso.run(
         "--gpu-isolate", "--gpu-isolate-cleanup", "-x", "--gpu-isolate-prewarm=2", REPORT
     )
@@ -438,11 +446,7 @@ def test_leaks_made_before_the_go_are_the_tests(gpuiso, shm_name, prewarm, daemo
     Also when the process is a daemon, orphaned at once: the test's process is a child
     subreaper, so the daemon stays in its tree rather than being blamed on the test
     running beside a prewarmed process."""
-    tag = f"gpuiso-pre-go-{uuid.uuid4().hex[:8]}"
-    monkeypatch.setenv("GPUISO_PRE_GO_TAG", tag)
-    monkeypatch.setenv("GPUISO_PRE_GO_DAEMON", "1" if daemon else "0")
-    gpuiso.copy("test_start_pre_go.py", "start_pre_go_conftest.py")
-    (gpuiso.path / "start_pre_go_conftest.py").rename(gpuiso.path / "conftest.py")
+    tag = _with_pre_go_conftest(gpuiso, monkeypatch, "test_start_pre_go.py", daemon, "pre-go")
     result = gpuiso.run(
         "--gpu-isolate", REPORT, "--gpu-isolate-cleanup", f"--gpu-isolate-prewarm={prewarm}"
     )
