@@ -5,4 +5,4 @@ from __future__ import annotations
 from .call import IsolatedTimeout, IsolationError, RemoteError, run_isolated
 
 __all__ = ["IsolatedTimeout", "IsolationError", "RemoteError", "run_isolated", "__version__"]
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one place the version is written (pyproject reads it)
