@@ -35,12 +35,11 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any, NoReturn
 
 import pytest
 
-from . import cuda_state
+from . import _compat, cuda_state
 from ._linux import die_with_parent, set_child_subreaper
 from .ipc import send_frame
 
@@ -260,14 +259,12 @@ class ItemJob:
     torch_check: bool = False  # compare torch's CUDA allocator before and after the test
 
     def run(self, channel: Channel, boot: Bootstrap) -> None:
-        from _pytest.config import _prepareconfig
-
         _name_capture_files(boot.capture_prefix)
         os.chdir(self.invocation_dir)
         plugin = ChildPlugin(self, channel)
         config = _take_prepared(self.args, self.invocation_dir)
         if config is None:
-            config = _prepareconfig(list(self.args), plugins=[plugin])
+            config = _compat.prepare_config(list(self.args), plugins=[plugin])
         else:
             config.pluginmanager.register(plugin)
             _restart_capture(config)
@@ -310,17 +307,13 @@ def _name_capture_files(prefix: str) -> None:
     vanish with the process, and with them whatever the test printed just before.
     Named files (0600, removed by the parent after the test) survive the crash.
     """
-    import _pytest.capture as capture
-
-    if not hasattr(capture, "TemporaryFile"):
-        return
     counter = itertools.count(1)
 
     def named_temporary_file(buffering: int = -1, **_: Any) -> Any:
         fd = os.open(f"{prefix}{next(counter)}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         return open(fd, "w+b", buffering=buffering)  # noqa: SIM115 - pytest owns and closes it
 
-    capture.TemporaryFile = named_temporary_file
+    _compat.set_capture_tempfile(named_temporary_file)
 
 
 # Options that must not take effect in the child: the parent debugs, distributes,
@@ -382,10 +375,8 @@ class ChildPlugin:
 
     def _record_junit(self, config: Any) -> None:
         if self.job.junit_family is not None:
-            from _pytest.junitxml import xml_key
-
             recorder = JunitRecorder(self.job.junit_family, self.channel)
-            config.stash[xml_key] = recorder
+            config.stash[_compat.xml_key] = recorder
             config.pluginmanager.register(recorder, "gpuiso-junit-recorder")
 
     @pytest.hookimpl(tryfirst=True)
@@ -522,7 +513,8 @@ class TemplatePlugin(ChildPlugin):
         _name_capture_files(boot.capture_prefix)
         _restart_capture(config)
         _override_options(config.option, job.basetemp)
-        _retarget_tmp_path_factory(config, job.basetemp)
+        # The session's factory was made in the template: this test's basetemp instead.
+        _compat.retarget_basetemp(config, job.basetemp)
         _restore_random_states(self.seeded)
         _repoint_faulthandler(config)
 
@@ -591,22 +583,6 @@ def _restore_random_states(seeded: list[Any]) -> None:
             numpy.random.set_state((kind, numpy.asarray(keys, dtype=numpy.uint32), *rest))
 
 
-def _retarget_tmp_path_factory(config: Any, basetemp: str) -> None:
-    """Point the session's TempPathFactory (made in the template) at this test's basetemp.
-
-    The same object, changed in place: legacypath's ``tmpdir_factory`` and any plugin
-    that kept a reference see it too. A new factory where its insides are not as known.
-    """
-    factory = getattr(config, "_tmp_path_factory", None)
-    if factory is not None and hasattr(factory, "_given_basetemp"):
-        factory._given_basetemp = Path(os.path.abspath(basetemp))
-        factory._basetemp = None
-        return
-    from _pytest import tmpdir
-
-    tmpdir.pytest_configure(config)
-
-
 def _repoint_faulthandler(config: Any) -> None:
     """Crash dumps go to this process's stderr, as pytest's faulthandler plugin set it up.
 
@@ -616,15 +592,13 @@ def _repoint_faulthandler(config: Any) -> None:
     fd 2 during the test does not redirect.
     """
     with contextlib.suppress(Exception):
-        from _pytest.faulthandler import fault_handler_stderr_fd_key
-
-        fd = config.stash.get(fault_handler_stderr_fd_key, None)
+        fd = config.stash.get(_compat.fault_handler_stderr_fd_key, None)
         if fd is not None:
             os.dup2(2, fd)
             faulthandler.enable(file=fd, all_threads=True)
 
 
-class QuietReporter(pytest.TerminalReporter):
+class QuietReporter(_compat.TerminalReporter):
     """The child's terminal reporter: writes to /dev/null and asks for no summary.
 
     Nobody reads the child's terminal, and ``pytest_terminal_summary`` hooks can be
@@ -675,9 +649,7 @@ class JunitRecorder:
 
     def add_global_property(self, name: str, value: object) -> None:
         __tracebackhide__ = True
-        from _pytest.junitxml import _check_record_param_type
-
-        _check_record_param_type("name", name)
+        _compat.check_record_param_type("name", name)
         self.channel.send("junit", ("property", None, name, str(value)))
 
     class _Node:

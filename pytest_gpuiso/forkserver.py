@@ -266,9 +266,10 @@ def _prepare(boot: ServerBoot) -> None:
         except BaseException as exc:
             raise Unavailable(f"--gpu-isolate-preload: importing {name} failed: {exc!r}") from None
     import pytest  # noqa: F401 - the point is to have it imported
-    from _pytest.config import _prepareconfig
 
-    config = _prepareconfig(list(boot.args))
+    from ._compat import prepare_config
+
+    config = prepare_config(list(boot.args))
     if config.pluginmanager.has_plugin("_cov"):
         raise Unavailable(
             "pytest-cov is active: its coverage would be measured in the fork server, "
@@ -665,14 +666,11 @@ def _load_conftests(directories: list[str]) -> None:
     config = _state.get("config")
     if config is None:
         return
+    from ._compat import load_conftests
+
     for directory in directories:
         try:
-            config.pluginmanager._loadconftestmodules(
-                Path(directory),
-                config.getoption("importmode"),
-                rootpath=config.rootpath,
-                consider_namespace_packages=config.getini("consider_namespace_packages"),
-            )
+            load_conftests(config, Path(directory))
         except KeyboardInterrupt:
             raise
         except BaseException:  # noqa: BLE001 - even pytest.skip() at import: the test meets it

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from . import report, workdir
+from . import _compat, report, workdir
 from ._linux import set_child_subreaper
 from .call import call_isolated
 from .child import CHILD_PLUGIN, ItemJob
@@ -628,9 +628,7 @@ def _item_job(item: pytest.Item, settings: Settings) -> ItemJob:
 
 def _junit_xml(config: pytest.Config) -> Any:
     """pytest's LogXML object when this process writes junitxml (not in xdist workers)."""
-    from _pytest.junitxml import xml_key
-
-    return config.stash.get(xml_key, None)
+    return config.stash.get(_compat.xml_key, None)
 
 
 def _replay_junit(config: pytest.Config, records: list[tuple[str, str | None, str, str]]) -> None:
@@ -707,7 +705,7 @@ def _teardown_parent_stack(item: pytest.Item, nextitem: pytest.Item | None, repo
     In-process, this teardown would belong to the test run just before
     ``nextitem``, so an error in it fails this test's teardown.
     """
-    setupstate = getattr(item.session, "_setupstate", None)
+    setupstate = _compat.setup_state(item.session)
     if setupstate is None or not setupstate.stack:
         return
     call = pytest.CallInfo.from_call(lambda: setupstate.teardown_exact(nextitem), when="teardown")

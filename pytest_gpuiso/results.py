@@ -143,7 +143,7 @@ def _apply_xfail(item: pytest.Item, rep: pytest.TestReport) -> None:
     if item.config.option.runxfail:
         return
     try:
-        from _pytest.skipping import evaluate_xfail_marks
+        from ._compat import evaluate_xfail_marks
 
         xfailed = evaluate_xfail_marks(item)
     except Exception:

@@ -1,0 +1,71 @@
+"""Every private pytest API pytest-gpuiso uses, in one place: the upgrade surface.
+
+Checked on pytest 8.0.0, 8.0.2, 8.3.5, 8.4.2, 9.0.3 and 9.2.0 (the tox envs ``lowest`` and
+``py3*``; CI runs the lowest and the newest). Where an attribute may be missing, the caller
+is told (``None`` / ``False``) and takes a public path instead.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import _pytest.capture as _capture
+from _pytest import tmpdir as _tmpdir
+from _pytest.config import _prepareconfig as prepare_config  # noqa: F401 - re-exported
+from _pytest.faulthandler import fault_handler_stderr_fd_key  # noqa: F401 - re-exported
+from _pytest.junitxml import _check_record_param_type as check_record_param_type  # noqa: F401
+from _pytest.junitxml import xml_key  # noqa: F401 - re-exported
+from _pytest.skipping import evaluate_xfail_marks  # noqa: F401 - re-exported
+
+# pytest.TerminalReporter is public only from pytest 8.4 on.
+from _pytest.terminal import TerminalReporter  # noqa: F401 - re-exported
+
+
+def set_capture_tempfile(factory: Callable[..., Any]) -> bool:
+    """Make pytest's fd capture open its files with ``factory``; False where it cannot."""
+    if not hasattr(_capture, "TemporaryFile"):
+        return False
+    _capture.TemporaryFile = factory
+    return True
+
+
+def retarget_basetemp(config: Any, basetemp: str) -> None:
+    """Point the session's TempPathFactory at ``basetemp``, in place where its insides are known.
+
+    In place, legacypath's ``tmpdir_factory`` and any plugin that kept a reference see it
+    too; elsewhere pytest's tmpdir plugin makes a new factory.
+    """
+    factory = getattr(config, "_tmp_path_factory", None)
+    if factory is not None and hasattr(factory, "_given_basetemp"):
+        factory._given_basetemp = Path(os.path.abspath(basetemp))
+        factory._basetemp = None
+        return
+    _tmpdir.pytest_configure(config)
+
+
+def load_conftests(config: Any, directory: Path) -> None:
+    """Import the conftests pytest would load when collecting ``directory``.
+
+    ``consider_namespace_packages`` (ini key and argument) exists from pytest 8.1 on.
+    """
+    manager = config.pluginmanager
+    importmode = config.getoption("importmode")
+    try:
+        namespaces = config.getini("consider_namespace_packages")
+    except ValueError:  # pytest 8.0
+        manager._loadconftestmodules(directory, importmode, rootpath=config.rootpath)
+        return
+    manager._loadconftestmodules(
+        directory,
+        importmode,
+        rootpath=config.rootpath,
+        consider_namespace_packages=namespaces,
+    )
+
+
+def setup_state(session: Any) -> Any:
+    """The session's SetupState (the stack of set-up nodes), or None."""
+    return getattr(session, "_setupstate", None)
