@@ -1,5 +1,5 @@
-"""``python -m pytest_gpuiso status | reset [--force] | merge REPORT... [--markdown] [--json]``:
-inspect or clear the GPU lease table, or merge the JSON reports of CI shards."""
+"""python -m pytest_gpuiso status | reset [--force] | merge REPORT... | --version: inspect or
+clear the GPU lease table, or merge the JSON reports of CI shards."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import os
 import sys
 from pathlib import Path
 
-from .leases import open_region, region_path, status_table
+from . import __version__
+from .leases import REGION_ENV, open_region, region_path, status_table
 
 MERGE_HELP = """\
 merge the JSON reports (--gpu-isolate-report) of CI shards into one JSON report and/or
@@ -53,12 +54,31 @@ def _merge(opts: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pytest_gpuiso", description=__doc__)
-    parser.add_argument("--region", help="lease table file (default: %(default)s)", default=None)
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("status", help="print the lease table: device, slot, holder pid, test, since")
-    reset = sub.add_parser("reset", help="clear a lease table that nobody holds")
+DESCRIPTION = """\
+Inspect or clear the GPU lease table that pytest-gpuiso's workers share, or merge the
+JSON reports of CI shards. Options may come before or after the command."""
+
+REGION_HELP = (
+    f"lease table file (default: ${REGION_ENV} when set, else /dev/shm/pytest-gpuiso-leases-UID)"
+)
+
+
+def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The command line parser, and its ``merge`` sub-parser (for its usage errors)."""
+    # --region is accepted before the command and after it: the sub-parsers' copy
+    # defaults to SUPPRESS so that it does not overwrite a value given before.
+    region = argparse.ArgumentParser(add_help=False)
+    region.add_argument("--region", metavar="PATH", default=argparse.SUPPRESS, help=REGION_HELP)
+    parser = argparse.ArgumentParser(prog="python -m pytest_gpuiso", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"pytest-gpuiso {__version__}")
+    parser.add_argument("--region", metavar="PATH", default=None, help=REGION_HELP)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub.add_parser(
+        "status",
+        parents=[region],
+        help="print the lease table: device, slot, holder pid, test, since",
+    )
+    reset = sub.add_parser("reset", parents=[region], help="clear a lease table that nobody holds")
     reset.add_argument(
         "--force",
         action="store_true",
@@ -73,6 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     merge.add_argument("reports", nargs="+", metavar="REPORT", help="JSON report of one shard")
     merge.add_argument("--markdown", type=Path, metavar="PATH", help="write the Markdown summary")
     merge.add_argument("--json", type=Path, metavar="PATH", help="write the merged JSON report")
+    return parser, merge
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser, merge = _parser()
     opts = parser.parse_args(argv)
     if opts.command == "merge":
         if opts.markdown is None and opts.json is None:
