@@ -1,0 +1,34 @@
+"""The demo suite the README's first command runs shows every failure mode it promises."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from tests.helpers import ROOT
+
+
+def test_the_demo_reports_each_failure_mode(pytester: pytest.Pytester):
+    shutil.copy(ROOT / "fixtures" / "demo" / "test_demo.py", pytester.path)
+    result = pytester.runpytest_subprocess("--gpu-isolate", "-p", "no:cacheprovider", timeout=300)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    outcomes = result.parseoutcomes()
+    # test_uses_the_gpu_when_there_is_one skips without torch or a CUDA device
+    ran_gpu = outcomes.get("skipped", 0) == 0
+    assert outcomes["failed"] == 4
+    assert outcomes["passed"] == 5 + ran_gpu
+    assert outcomes["xfailed"] == 1
+    result.stdout.fnmatch_lines(
+        [
+            "*test_hangs_and_times_out*",
+            "Timeout: the isolated test timed out after 3 s (timeout from marker) during call*",
+            "*Crashed: the isolated test process crashed with SIGSEGV*",
+            "*exited with code 0 during call before reporting a complete result*",
+            "gpu-isolate: 11 isolated, 1 timed out, 2 crashed, 1 escaped processes killed",
+            "  TIMEOUT test_demo.py::test_hangs_and_times_out (after 3 s)",
+            "  CRASHED test_demo.py::test_segfaults (SIGSEGV)",
+            "gpu-isolate: 2 leaks in 2 tests (1 shm, 1 process, 0 gpu_memory)",
+        ],
+        consecutive=False,
+    )

@@ -1,0 +1,178 @@
+"""What users install: the wheel's and the sdist's contents, the build's errors, the CLI.
+
+CI also runs this whole suite against the installed wheel (``.ci/run``); there
+``GPUISO_TEST_EXPECT_INSTALLED=1`` makes ``test_the_installed_package_is_what_runs`` prove
+it, since a checkout's ``pytest_gpuiso/`` on ``sys.path`` would otherwise go unnoticed.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tarfile
+import zipfile
+from pathlib import Path
+
+import pytest
+
+import pytest_gpuiso
+from tests.helpers import ROOT
+
+PACKAGE_DIR = Path(pytest_gpuiso.__file__).resolve().parent
+BUILD_FILES = ("setup.py", "pyproject.toml", "MANIFEST.in", "README.md", "LICENSE")
+
+
+def _needs_build_tools() -> None:
+    for dist, what in (("setuptools", "77"), ("build", "1")):
+        try:
+            version = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pytest.skip(f"{dist} is not installed (pip install -e '.[test]')")
+        if int(version.split(".")[0]) < int(what):
+            pytest.skip(f"{dist} {version} is older than {what}")
+
+
+def _source_copy(dest: Path) -> Path:
+    """The files a build reads, copied out of the tree (a build writes build/ and egg-info)."""
+    for name in BUILD_FILES:
+        shutil.copy(ROOT / name, dest / name)
+    for tree in ("native", "pytest_gpuiso", "tests", "fixtures", "bench", "docs", ".ci"):
+        if (ROOT / tree).is_dir():
+            shutil.copytree(
+                ROOT / tree, dest / tree, ignore=shutil.ignore_patterns("__pycache__", "*.so")
+            )
+    for name in ("conftest.py", "tox.ini"):
+        shutil.copy(ROOT / name, dest / name)
+    return dest
+
+
+def _build(src: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(src / "dist"), *args],
+        cwd=src,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+
+
+def _subpackages(top: Path) -> set[str]:
+    return {str(p.parent.relative_to(top.parent)) for p in top.rglob("__init__.py")}
+
+
+@pytest.fixture(scope="module")
+def dists(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    """(source copy, sdist, wheel) built the way ``python -m build`` builds them."""
+    _needs_build_tools()
+    src = _source_copy(tmp_path_factory.mktemp("src"))
+    built = _build(src)
+    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    (sdist,) = (src / "dist").glob("*.tar.gz")
+    (wheel,) = (src / "dist").glob("*.whl")
+    return src, sdist, wheel
+
+
+def test_the_wheel_holds_every_subpackage_and_extension(dists):
+    src, _, wheel = dists
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for package in _subpackages(src / "pytest_gpuiso"):
+        assert f"{package}/__init__.py" in names, package
+    for ext in ("_lease", "_fork", "_shmtrace"):
+        assert any(n.startswith(f"pytest_gpuiso/{ext}.") and n.endswith(".so") for n in names), ext
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)
+    entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+    assert "gpuiso = pytest_gpuiso.plugin" in zipfile.ZipFile(wheel).read(entry_points).decode()
+
+
+def test_the_sdist_carries_what_its_tests_need(dists):
+    src, sdist, _ = dists
+    with tarfile.open(sdist) as tar:
+        top, *_ = tar.getnames()
+        names = {n.partition("/")[2] for n in tar.getnames()}
+    expected = {"conftest.py", "tox.ini", "README.md", "LICENSE", "setup.py", "pyproject.toml"}
+    expected |= {f"{p}/__init__.py" for p in _subpackages(src / "pytest_gpuiso")}
+    for tree in ("tests", "fixtures", "native", "bench"):
+        expected |= {
+            str(p.relative_to(src))
+            for p in (src / tree).rglob("*")
+            if p.is_file() and "__pycache__" not in p.parts
+        }
+    assert expected - names == set()
+    assert not [n for n in names if n.endswith((".pyc", ".so"))]
+
+
+def test_a_missing_compiler_is_one_line_naming_what_to_install(tmp_path: Path):
+    _needs_build_tools()
+    src = _source_copy(tmp_path)
+    env = dict(os.environ, CC=str(tmp_path / "no-such-gcc"))
+    built = _build(src, "--wheel", env=env)
+    assert built.returncode != 0
+    out = built.stdout + built.stderr
+    lines = [line for line in out.splitlines() if "pytest-gpuiso cannot be built" in line]
+    assert len(lines) == 1, out[-3000:]
+    assert f"no C compiler found (CC='{tmp_path / 'no-such-gcc'}')" in lines[0]
+    assert "install gcc and the Python headers" in lines[0] and "python3-dev" in lines[0]
+    assert "Traceback" not in out
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pytest_gpuiso", *args], capture_output=True, text=True, timeout=60
+    )
+
+
+def test_version():
+    result = _cli("--version")
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"pytest-gpuiso {pytest_gpuiso.__version__}"
+    assert importlib.metadata.version("pytest-gpuiso") == pytest_gpuiso.__version__
+
+
+@pytest.mark.parametrize("command", [[], ["status"], ["reset"], ["merge"]])
+def test_help_is_plain_text(command: list[str]):
+    result = _cli(*command, "--help")
+    assert result.returncode == 0
+    assert "usage: python -m pytest_gpuiso" in result.stdout
+    for markup in ("``", ":class:", ":func:", ".. ", "**"):
+        assert markup not in result.stdout, markup
+
+
+@pytest.mark.parametrize("order", ["before", "after"])
+def test_options_before_or_after_the_command(tmp_path: Path, order: str):
+    region = ["--region", str(tmp_path / "table")]
+    args = [*region, "status"] if order == "before" else ["status", *region]
+    result = _cli(*args)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"lease table {tmp_path / 'table'}\n")
+
+
+def test_the_installed_package_is_what_runs(pytester: pytest.Pytester):
+    """The isolated test's process imports the same pytest_gpuiso as pytest does.
+
+    Under ``GPUISO_TEST_EXPECT_INSTALLED=1`` (CI's wheel run) that copy must also be an
+    installed one, not the sources of the directory the tests run from.
+    """
+    if os.environ.get("GPUISO_TEST_EXPECT_INSTALLED") == "1":
+        installed = {Path(sysconfig.get_paths()[k]).resolve() for k in ("purelib", "platlib")}
+        assert PACKAGE_DIR.parent in installed, (PACKAGE_DIR, installed)
+        assert not PACKAGE_DIR.is_relative_to(ROOT.resolve()), PACKAGE_DIR
+    pytester.makepyfile(
+        f"""
+        import pytest, pytest_gpuiso, pytest_gpuiso._lease
+        from pathlib import Path
+
+        EXPECTED = Path({str(PACKAGE_DIR)!r})
+
+        @pytest.mark.gpu_isolated
+        def test_where():
+            assert Path(pytest_gpuiso.__file__).resolve().parent == EXPECTED
+            assert Path(pytest_gpuiso._lease.__file__).resolve().parent == EXPECTED
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--gpu-isolate-preload=none")
+    result.assert_outcomes(passed=1)
