@@ -47,6 +47,7 @@ import tempfile
 import threading
 import time
 import traceback
+import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
@@ -105,7 +106,8 @@ class ForkServer:
             os.getpid(), str(log), tuple(preload), tuple(args), invocation_dir, collect_all
         )
         self.proc = ctx.Process(target=serve, args=(boot, theirs), daemon=False)
-        self.proc.start()
+        with main_not_rerun():
+            self.proc.start()
         unlist(self.proc)
         # Its exit, seen even while forked tests hold its sentinel pipe (they inherit it).
         self.pidfd = os.pidfd_open(self.proc.pid)
@@ -686,6 +688,26 @@ def unlist(proc: Any) -> None:
     """
     with contextlib.suppress(AttributeError, KeyError):
         multiprocessing.process._children.discard(proc)  # type: ignore[attr-defined]
+
+
+@contextlib.contextmanager
+def main_not_rerun() -> Iterator[None]:
+    """While starting a spawned process: it must not re-run this process's ``__main__``.
+
+    multiprocessing re-runs the parent's main script in every spawned child (as
+    ``__mp_main__``) so that functions defined there unpickle. pytest's processes need
+    nothing from it, and re-running it is harmful: a ``run_tests.py`` calling
+    ``pytest.main()`` without a ``__name__`` guard would start pytest again in every
+    test's process, and a script read from stdin (``python -``) cannot be re-run at all.
+    The preparation data is taken inside ``start()``, so a bare ``__main__`` is in
+    place only for that call.
+    """
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
 
 
 def unsafe_to_fork(who: str = "the fork server") -> str | None:

@@ -38,7 +38,7 @@ from typing import Any
 import psutil
 
 from . import child
-from .forkserver import ForkServer, Unavailable, unlist
+from .forkserver import ForkServer, Unavailable, main_not_rerun, unlist
 from .ipc import recv_frame
 from .leaks import Leak, Probe, RunInfo
 from .leaks.process import REAP_WAIT as _REAP_WAIT
@@ -368,7 +368,11 @@ class Supervisor:
                 proc = self._ctx.Process(
                     target=child.main, args=(boot, job, writer, go_reader), daemon=False
                 )
-                with _exec_environment(self.exec_env):
+                # A test needs nothing of pytest's __main__; run_isolated's function may
+                # live there (a script's), so only a call re-runs it, as multiprocessing does.
+                keep_main = isinstance(job, child.CallJob)
+                main = contextlib.nullcontext() if keep_main else main_not_rerun()
+                with _exec_environment(self.exec_env), main:
                     proc.start()
                 unlist(proc)
                 started.attach(proc)

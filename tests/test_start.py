@@ -529,3 +529,28 @@ def test_bad_start_settings_are_usage_errors(pytester: pytest.Pytester, args, in
     errors = [line for line in result.errlines if line.startswith("ERROR")]
     assert errors == [f"ERROR: gpu-isolate: {culprit}"], result.errlines
     assert "Traceback" not in result.stderr.str() + result.stdout.str()
+
+
+@pytest.mark.parametrize("how", ["script", "stdin"])
+def test_a_script_calling_pytest_main_is_not_rerun(gpuiso: GpuIso, how: str):
+    """A ``run_tests.py`` without a ``__name__`` guard, or one read from stdin, runs once.
+
+    multiprocessing's spawn re-runs the parent's main script in its children; a test's
+    process (and the fork server) must not: it would start pytest again, or fail to find
+    ``<stdin>``.
+    """
+    gpuiso.copy("test_where.py")
+    options = ", ".join(repr(o) for o in ("-p", "no:cacheprovider", *gpuiso.start_options))
+    script = (
+        "import sys, pytest\n"
+        "print('MAIN SCRIPT RUN')\n"
+        f"sys.exit(pytest.main([{options}, 'test_where.py']))\n"
+    )
+    (gpuiso.path / "run_tests.py").write_text(script)
+    if how == "script":
+        result = gpuiso.pytester.run(sys.executable, "run_tests.py", timeout=120)
+    else:
+        result = gpuiso.pytester.run(sys.executable, "-", stdin=script.encode(), timeout=120)
+    assert result.ret == 0, result.stdout.str() + result.stderr.str()
+    assert result.stdout.str().count("MAIN SCRIPT RUN") == 1
+    result.assert_outcomes(passed=2)  # one test in pytest's process, one isolated
