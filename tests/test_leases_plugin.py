@@ -149,6 +149,7 @@ def test_bad_lease_options_are_usage_errors(gpuiso: GpuIso, region, args, culpri
 def _cli(*args: str, region: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "pytest_gpuiso", "--region", str(region), *args],
+        cwd=region.parent,  # "-m" puts the cwd first on sys.path: never the checkout
         capture_output=True,
         text=True,
         timeout=60,

@@ -120,22 +120,28 @@ def test_a_missing_compiler_is_one_line_naming_what_to_install(tmp_path: Path):
     assert "Traceback" not in out
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
+def _cli(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    """``python -m pytest_gpuiso``, run in ``cwd``: "-m" puts the cwd first on sys.path, and
+    a checkout's ``pytest_gpuiso/`` there would shadow the installed package."""
     return subprocess.run(
-        [sys.executable, "-m", "pytest_gpuiso", *args], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "pytest_gpuiso", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
 
 
-def test_version():
-    result = _cli("--version")
+def test_version(tmp_path: Path):
+    result = _cli(tmp_path, "--version")
     assert result.returncode == 0
     assert result.stdout.strip() == f"pytest-gpuiso {pytest_gpuiso.__version__}"
     assert importlib.metadata.version("pytest-gpuiso") == pytest_gpuiso.__version__
 
 
 @pytest.mark.parametrize("command", [[], ["status"], ["reset"], ["merge"]])
-def test_help_is_plain_text(command: list[str]):
-    result = _cli(*command, "--help")
+def test_help_is_plain_text(tmp_path: Path, command: list[str]):
+    result = _cli(tmp_path, *command, "--help")
     assert result.returncode == 0
     assert "usage: python -m pytest_gpuiso" in result.stdout
     for markup in ("``", ":class:", ":func:", ".. ", "**"):
@@ -146,7 +152,7 @@ def test_help_is_plain_text(command: list[str]):
 def test_options_before_or_after_the_command(tmp_path: Path, order: str):
     region = ["--region", str(tmp_path / "table")]
     args = [*region, "status"] if order == "before" else ["status", *region]
-    result = _cli(*args)
+    result = _cli(tmp_path, *args)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(f"lease table {tmp_path / 'table'}\n")
 
@@ -160,7 +166,7 @@ def test_the_installed_package_is_what_runs(pytester: pytest.Pytester):
     if os.environ.get("GPUISO_TEST_EXPECT_INSTALLED") == "1":
         installed = {Path(sysconfig.get_paths()[k]).resolve() for k in ("purelib", "platlib")}
         assert PACKAGE_DIR.parent in installed, (PACKAGE_DIR, installed)
-        assert not PACKAGE_DIR.is_relative_to(ROOT.resolve()), PACKAGE_DIR
+        assert (ROOT / "pytest_gpuiso").resolve() != PACKAGE_DIR, PACKAGE_DIR
     pytester.makepyfile(
         f"""
         import pytest, pytest_gpuiso, pytest_gpuiso._lease

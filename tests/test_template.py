@@ -554,10 +554,13 @@ print(pid != b, os.waitstatus_to_exitcode(status))
 """
 
 
-def test_fork_sibling_makes_a_child_of_the_callers_parent() -> None:
+def test_fork_sibling_makes_a_child_of_the_callers_parent(tmp_path: Path) -> None:
     """native/gpuiso_fork.c: B (A's child) forks C with fork_sibling(); C's parent is A,
     which reaps it; in C, raise() reaches C itself (glibc's idea of its thread id)."""
-    out = subprocess.run([sys.executable, "-c", SIBLING], capture_output=True, text=True)
+    # cwd: "-c" puts it first on sys.path, where a checkout's sources would shadow the install
+    out = subprocess.run(
+        [sys.executable, "-c", SIBLING], capture_output=True, text=True, cwd=tmp_path
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["True", "0"], out.stdout
 
