@@ -23,7 +23,15 @@ import pytest_gpuiso
 from tests.helpers import ROOT
 
 PACKAGE_DIR = Path(pytest_gpuiso.__file__).resolve().parent
-BUILD_FILES = ("setup.py", "pyproject.toml", "MANIFEST.in", "README.md", "LICENSE")
+BUILD_FILES = (
+    "setup.py",
+    "pyproject.toml",
+    "MANIFEST.in",
+    "README.md",
+    "LICENSE",
+    "conftest.py",
+    "tox.ini",
+)
 
 
 def _needs_build_tools() -> None:
@@ -45,8 +53,6 @@ def _source_copy(dest: Path) -> Path:
             shutil.copytree(
                 ROOT / tree, dest / tree, ignore=shutil.ignore_patterns("__pycache__", "*.so")
             )
-    for name in ("conftest.py", "tox.ini"):
-        shutil.copy(ROOT / name, dest / name)
     return dest
 
 
