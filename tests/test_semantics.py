@@ -41,7 +41,8 @@ OUTCOMES_SUMMARY = [
     "ERROR test_outcomes.py::test_setup_error - RuntimeError: fixture setup exploded",
     "ERROR test_outcomes.py::test_teardown_error - RuntimeError: fixture teardown *",
     "FAILED test_outcomes.py::test_assertion_detail - assert [[]1, 2, 3] == [[]1, 2, 4]",
-    "FAILED test_outcomes.py::test_xfail_strict_passes - [[]XPASS(strict)] strict an*",
+    # pytest 8.0 gives no reason on this line; summary_lines() compares it with in-process.
+    "FAILED test_outcomes.py::test_xfail_strict_passes*",
     "FAILED test_outcomes.py::test_sys_exit - SystemExit: 3",
 ]
 
@@ -179,7 +180,16 @@ def test_outcomes_parity_with_in_process(gpuiso: GpuIso) -> None:
     xml_in, xml_iso = gpuiso.path / "in.xml", gpuiso.path / "iso.xml"
     assert junit_cases(xml_iso) == junit_cases(xml_in)
     assert suite_counts(xml_iso) == suite_counts(xml_in)
-    assert suite_counts(xml_iso) == {"tests": "11", "failures": "3", "errors": "2", "skipped": "4"}
+    # "tests" is 12 on pytest 8.0 (it counted the teardown error twice), 11 since; the
+    # in-process count above is the reference either way.
+    counts = suite_counts(xml_iso)
+    assert counts["tests"] in ("11", "12")
+    assert counts | {"tests": "11"} == {
+        "tests": "11",
+        "failures": "3",
+        "errors": "2",
+        "skipped": "4",
+    }
     cases = junit_cases(xml_iso)
     kinds = {name: [tag for tag, _, _ in case["children"]] for name, case in cases.items()}
     assert kinds == {
