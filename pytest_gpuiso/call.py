@@ -16,7 +16,7 @@ from typing import Any
 from . import workdir
 from .child import CallJob
 from .leases import LEASED_ENV, Leases, discover, visible_env
-from .spec import DEFAULT_GRACE, parse_count, parse_seconds
+from .settings import DEFAULT_GRACE, parse_count, parse_seconds
 from .supervisor import Outcome, Supervisor
 
 

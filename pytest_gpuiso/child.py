@@ -9,10 +9,10 @@ Two kinds of job run here:
 * ``CallJob``: call a picklable function (``run_isolated``) and ship its value
   or its exception.
 
-Frames sent to the parent: ``ready`` (bootstrap done), ``stale`` (see below),
-``report``, ``warning``, ``error``, ``result``, ``exception`` and finally ``done``.
-The child leaves with ``os._exit`` once ``done`` is sent, so a non-daemon thread
-left running by a test cannot keep it alive.
+It talks to the parent in frames (``frames``): ``READY`` once bootstrapped,
+then what the job produced, and ``DONE`` last. The child leaves with ``os._exit``
+once ``DONE`` is sent, so a non-daemon thread left running by a test cannot keep
+it alive.
 
 A child may be started before its test's turn (prewarming, ``supervisor``): it
 bootstraps, imports, parses the configuration and configures pytest, then waits
@@ -39,9 +39,9 @@ from typing import Any, NoReturn
 
 import pytest
 
-from . import _compat, cuda_state
+from . import _compat, cuda_state, frames
 from ._linux import die_with_parent, set_child_subreaper
-from .ipc import send_frame
+from .frames import send_frame
 
 CHILD_PLUGIN = "gpuiso-child"
 
@@ -73,13 +73,13 @@ def main(boot: Bootstrap, job: Any, conn: Connection, go: Connection | None = No
     status = 0
     try:
         _refuse_inherited_cuda()
-        channel.send("ready", os.getpid())
+        channel.send(frames.READY, os.getpid())
         _preload(boot.preload)
         job.run(channel, boot)
     except BaseException:
         status = 1
         with contextlib.suppress(Exception):
-            send_frame(conn, "error", _internal_error(), boot.spill_dir)
+            send_frame(conn, frames.ERROR, _internal_error(), boot.spill_dir)
     _flush_and_exit(status)
 
 
@@ -177,7 +177,7 @@ class Channel:
         if any(os.environ.get(name) != env.get(name) for name in CUDA_ENV if name in env):
             reason = cuda_state.touched()
             if reason is not None:  # too late to change the GPUs this process sees
-                self.send("stale", reason)
+                self.send(frames.STALE, reason)
                 os._exit(0)
         os.environ.update(env)
         if self.output is not None:  # start-up noise (imports) is not the test's output
@@ -202,13 +202,13 @@ class CallJob:
         try:
             value = self.func(*self.args, **self.kwargs)
         except BaseException as exc:
-            channel.send("exception", describe_exception(exc))
+            channel.send(frames.EXCEPTION, describe_exception(exc))
         else:
             try:
-                channel.send("result", value)
+                channel.send(frames.RESULT, value)
             except Exception as exc:
                 channel.send(
-                    "exception",
+                    frames.EXCEPTION,
                     {
                         "type": "PicklingError",
                         "message": f"the return value of {_name(self.func)} "
@@ -217,7 +217,7 @@ class CallJob:
                         "pickled": None,
                     },
                 )
-        channel.send("done", 0)
+        channel.send(frames.DONE, 0)
 
 
 def describe_exception(exc: BaseException) -> dict[str, Any]:
@@ -270,7 +270,7 @@ class ItemJob:
             _restart_capture(config)
         _override_options(config.option, self.basetemp)
         status = config.hook.pytest_cmdline_main(config=config)
-        channel.send("done", int(status))
+        channel.send(frames.DONE, int(status))
 
 
 def _take_prepared(args: tuple[str, ...], invocation_dir: str) -> Any:
@@ -410,7 +410,7 @@ class ChildPlugin:
         if not session.items:
             detail = "\n".join(self.collect_errors) or "the test was not collected"
             self.channel.send(
-                "error",
+                frames.ERROR,
                 f"the isolated process could not collect {self.job.nodeid!r}:\n{detail}",
             )
             return True
@@ -425,7 +425,7 @@ class ChildPlugin:
         except (pytest.exit.Exception, KeyboardInterrupt) as exc:
             # pytest.exit() or Ctrl-C raised by the test ends the parent's session too.
             self.channel.send(
-                "exit",
+                frames.EXIT,
                 {
                     "interrupt": isinstance(exc, KeyboardInterrupt),
                     "message": str(getattr(exc, "msg", exc)),
@@ -435,17 +435,17 @@ class ChildPlugin:
             raise
         if self.job.torch_check:
             for device, grown in torch_growth(before).items():
-                self.channel.send("torch_leak", {"device": device, "bytes": grown})
+                self.channel.send(frames.TORCH_LEAK, {"device": device, "bytes": grown})
 
     def pytest_runtest_logreport(self, report: Any) -> None:
         data = self.config.hook.pytest_report_to_serializable(config=self.config, report=report)
-        self.channel.send("report", data)
+        self.channel.send(frames.REPORT, data)
 
     def pytest_warning_recorded(
         self, warning_message: Any, when: str, nodeid: str, location: Any
     ) -> None:
         if when == "runtest":
-            self.channel.send("warning", serialize_warning(warning_message, nodeid))
+            self.channel.send(frames.WARNING, frames.encode_warning(warning_message, nodeid))
 
     @pytest.hookimpl(optionalhook=True, tryfirst=True)
     def pytest_timeout_set_timer(self, item: Any, settings: Any) -> bool:
@@ -456,7 +456,9 @@ class ChildPlugin:
         return True
 
     def pytest_internalerror(self, excrepr: Any, excinfo: Any) -> None:
-        self.channel.send("error", f"internal pytest error in the isolated process:\n{excrepr}")
+        self.channel.send(
+            frames.ERROR, f"internal pytest error in the isolated process:\n{excrepr}"
+        )
 
 
 class TemplatePlugin(ChildPlugin):
@@ -507,7 +509,7 @@ class TemplatePlugin(ChildPlugin):
         self.job = job
         self.channel = Channel(conn, boot.spill_dir, go, boot.output)
         _refuse_inherited_cuda()
-        self.channel.send("ready", os.getpid())
+        self.channel.send(frames.READY, os.getpid())
         config = self.config
         self._record_junit(config)
         _name_capture_files(boot.capture_prefix)
@@ -543,10 +545,10 @@ def run_template(
         if plugin.channel is None:  # the template itself failed: the server forks instead
             raise
         with contextlib.suppress(Exception):
-            plugin.channel.send("error", _internal_error())
+            plugin.channel.send(frames.ERROR, _internal_error())
         _flush_and_exit(1)
     if plugin.channel is not None:  # a test's process: its session is over
-        plugin.channel.send("done", status)
+        plugin.channel.send(frames.DONE, status)
         status = 0
     _flush_and_exit(status)
 
@@ -650,7 +652,7 @@ class JunitRecorder:
     def add_global_property(self, name: str, value: object) -> None:
         __tracebackhide__ = True
         _compat.check_record_param_type("name", name)
-        self.channel.send("junit", ("property", None, name, str(value)))
+        self.channel.send(frames.JUNIT, ("property", None, name, str(value)))
 
     class _Node:
         def __init__(self, recorder: JunitRecorder, nodeid: str) -> None:
@@ -658,16 +660,6 @@ class JunitRecorder:
             self.nodeid = nodeid
 
         def add_attribute(self, name: str, value: object) -> None:
-            self.recorder.channel.send("junit", ("attribute", self.nodeid, str(name), str(value)))
-
-
-def serialize_warning(message: Any, nodeid: str) -> dict[str, Any]:
-    category = message.category
-    return {
-        "message": str(message.message),
-        "category_module": category.__module__,
-        "category_name": category.__qualname__,
-        "filename": message.filename,
-        "lineno": message.lineno,
-        "nodeid": nodeid,
-    }
+            self.recorder.channel.send(
+                frames.JUNIT, ("attribute", self.nodeid, str(name), str(value))
+            )

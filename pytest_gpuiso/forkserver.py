@@ -50,28 +50,17 @@ import traceback
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, NoReturn
 
-import psutil
-
 from . import cuda_state
 from ._linux import die_with_parent, huge_page_steps, set_child_subreaper
-from .leaks.process import alive
 from .leaks.shm import LOG_ENV, created_entries, remove_created
+from .proctree import live_descendants, reap, reap_pid
+from .settings import TEMPLATE_WAIT_DEFAULT
 
 REPARENT_WAIT = 5.0  # seconds the test's process waits to become pytest's child
-# Seconds, from the template's start, that fork requests wait for it to finish
-# collecting; after that the server forks tests itself until the template is ready. A
-# test forked from the template costs ~10 ms, one that configures and collects for
-# itself ~50 ms (both competing with the template's own collection), so waiting for a
-# template that is nearly done is the faster way; the limit bounds a template stuck in
-# a test module's import. The test suite sets a long one, so that its fork-server runs
-# take one path, not whichever the timing gives.
-TEMPLATE_WAIT_ENV = "PYTEST_GPUISO_TEMPLATE_WAIT"
-TEMPLATE_WAIT_DEFAULT = 30.0
-TEMPLATE_WAIT_MAX = 240.0  # below the 300 s pytest waits for a fork's answer
 
 
 class Unavailable(RuntimeError):
@@ -86,6 +75,7 @@ class ServerBoot:
     args: tuple[str, ...]
     invocation_dir: str
     collect_all: bool = False  # every test is isolated: the template collects the args at once
+    template_wait: float = TEMPLATE_WAIT_DEFAULT  # seconds a fork request waits for it
 
 
 class ForkServer:
@@ -99,11 +89,18 @@ class ForkServer:
         args: tuple[str, ...],
         invocation_dir: str,
         collect_all: bool = False,
+        template_wait: float = TEMPLATE_WAIT_DEFAULT,
     ) -> None:
         self.log = log
         self.conn, theirs = ctx.Pipe(duplex=True)  # a Unix socket pair
         boot = ServerBoot(
-            os.getpid(), str(log), tuple(preload), tuple(args), invocation_dir, collect_all
+            os.getpid(),
+            str(log),
+            tuple(preload),
+            tuple(args),
+            invocation_dir,
+            collect_all,
+            template_wait,
         )
         self.proc = ctx.Process(target=serve, args=(boot, theirs), daemon=False)
         with main_not_rerun():
@@ -180,19 +177,13 @@ class ForkServer:
     def close(self) -> None:
         """Stop the server (it exits when its socket closes) and remove its log."""
         _close_quietly(self.sock, self.conn)
-        if not wait([self.pidfd], 1.0):
+        if not reap(self.proc, self.pidfd, 1.0):
             with contextlib.suppress(OSError):
                 self.proc.kill()
-            wait([self.pidfd], 5.0)
-        # Exited: join() is a waitpid that returns at once (join(0) would wait on the
-        # sentinel pipe, which the template inherited and may still hold).
-        if wait([self.pidfd], 0):
-            self.proc.join()
-        else:
-            self.proc.join(0)
+            reap(self.proc, self.pidfd, 5.0)
         os.close(self.pidfd)
         if self.template_pid is not None:  # the server killed it on its way out
-            _reap(self.template_pid)
+            reap_pid(self.template_pid)
             self.template_pid = None
         with contextlib.suppress(OSError):
             self.log.unlink()
@@ -234,20 +225,6 @@ def serve(boot: ServerBoot, conn: Connection) -> None:
     finally:
         server.stop_template()
     os._exit(0)
-
-
-def _reap(pid: int) -> None:
-    """Reap our child ``pid`` (the template), killed or on its way out."""
-    with contextlib.suppress(OSError):
-        fd = os.pidfd_open(pid)
-        try:
-            if not wait([fd], 5.0):
-                os.kill(pid, signal.SIGKILL)
-                wait([fd], 5.0)
-        finally:
-            os.close(fd)
-    with contextlib.suppress(ChildProcessError, OSError):
-        os.waitpid(pid, os.WNOHANG)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -375,7 +352,7 @@ class _Server:
             return kind, payload
         note = template.unusable if template else self.template_note
         if template is not None and note is None and template.items is None:
-            note = f"the template was still collecting after {_template_wait():g} s"
+            note = f"the template was still collecting after {self.boot.template_wait:g} s"
         return kind, (payload, "server", note)
 
     def stop_template(self) -> None:
@@ -396,7 +373,7 @@ class _TemplateHandle:
     itself, from its parsed-only configuration.
     """
 
-    def __init__(self, pid: int, sock: socket.socket, ours: bool) -> None:
+    def __init__(self, pid: int, sock: socket.socket, ours: bool, patience: float) -> None:
         self.pid = pid
         self.sock = sock
         self.conn = Connection(os.dup(sock.fileno()))
@@ -404,7 +381,7 @@ class _TemplateHandle:
         self.items: frozenset[str] | None = None  # node ids it collected, once it says so
         self.unusable: str | None = None
         self.stopped = False
-        self.deadline = time.monotonic() + _template_wait()  # fork requests wait until then
+        self.deadline = time.monotonic() + patience  # fork requests wait until then
 
     @classmethod
     def start(cls, server: _Server, modules: list[str] | None) -> _TemplateHandle | None:
@@ -437,7 +414,7 @@ class _TemplateHandle:
             finally:
                 os._exit(73)
         theirs.close()
-        return cls(pid, ours, ours=parent != server.boot.parent_pid)
+        return cls(pid, ours, parent != server.boot.parent_pid, server.boot.template_wait)
 
     @property
     def reaper_pid(self) -> int | None:
@@ -483,15 +460,6 @@ class _TemplateHandle:
             os.kill(self.pid, signal.SIGKILL)  # pytest's child: a zombie until pytest reaps it
             if self.ours:
                 os.waitpid(self.pid, 0)
-
-
-def _template_wait() -> float:
-    """$PYTEST_GPUISO_TEMPLATE_WAIT (checked by pytest before the server starts)."""
-    try:
-        wait = float(os.environ.get(TEMPLATE_WAIT_ENV, TEMPLATE_WAIT_DEFAULT))
-    except ValueError:
-        return TEMPLATE_WAIT_DEFAULT
-    return min(max(wait, 0.0), TEMPLATE_WAIT_MAX) if wait == wait else TEMPLATE_WAIT_DEFAULT
 
 
 def _run_template(boot: ServerBoot, sock: socket.socket, modules: list[str] | None) -> None:
@@ -593,7 +561,7 @@ def _left_outside(before: tuple[dict[int, str], set[str]], shm_log: str | None) 
     writing only is fine (a log file: each test's process appends to it).
     """
     fds, mappings = before
-    kids = _children()
+    kids = live_descendants()
     if kids:
         return f"it started process {kids[0]}" + (f" and {len(kids) - 1} more" if kids[1:] else "")
     for fd, target in _descriptors().items():
@@ -616,21 +584,9 @@ def _left_outside(before: tuple[dict[int, str], set[str]], shm_log: str | None) 
     return None
 
 
-def _children() -> list[int]:
-    """Our live descendants; exited ones (a background job that finished) are reaped."""
-    with contextlib.suppress(ChildProcessError, OSError):
-        while os.waitpid(-1, os.WNOHANG)[0]:
-            pass
-    try:
-        kids = psutil.Process().children(recursive=True)
-    except psutil.Error:
-        return []
-    return [p.pid for p in kids if alive(p)]
-
-
 def _kill_children() -> None:
     """The template gives up: what it started goes with it, not to a test's account."""
-    for pid in _children():
+    for pid in live_descendants():
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)
 

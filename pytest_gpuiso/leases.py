@@ -13,17 +13,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from .spec import SpecError
+from .settings import CUDA_ID
 
 REGION_ENV = "PYTEST_GPUISO_LEASE_REGION"  # another table path (tests, or sharing across users)
 LEASED_ENV = "PYTEST_GPUISO_LEASED"  # set in an isolated child: the GPUs its test holds
-_CUDA_ID = re.compile(r"^(\d+|(GPU|MIG)-[0-9A-Za-z./-]+)$")
 
 
 def region_path() -> str:
@@ -38,25 +36,6 @@ def open_region(path: str | None = None) -> Any:
     from ._lease import Region
 
     return Region(path or region_path())
-
-
-def parse_devices(value: str, what: str) -> list[str] | None:
-    """``auto`` -> None (discover), ``none`` -> [], ``0,1`` or GPU UUIDs -> the list."""
-    text = value.strip()
-    if text.lower() == "auto":
-        return None
-    if text.lower() == "none":
-        return []
-    names = [part.strip() for part in text.split(",")]
-    for name in names:
-        if not _CUDA_ID.match(name):
-            raise SpecError(
-                f"invalid value {value!r} for {what}: expected auto, none or a comma-separated "
-                f"list of GPU indices or UUIDs (bad entry {name!r})"
-            )
-    if len(set(names)) != len(names):
-        raise SpecError(f"invalid value {value!r} for {what}: a device is listed twice")
-    return names
 
 
 @dataclass(frozen=True)
@@ -74,7 +53,7 @@ def discover(setting: list[str] | None, what: str) -> Devices:
         names = []
         for part in visible.split(","):  # CUDA stops at the first invalid entry
             part = part.strip()
-            if not _CUDA_ID.match(part):
+            if not CUDA_ID.match(part):
                 break
             names.append(part)
         return Devices(tuple(names), "CUDA_VISIBLE_DEVICES")

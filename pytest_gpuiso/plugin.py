@@ -15,13 +15,12 @@ import tempfile
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from importlib import import_module
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from . import _compat, report, workdir
+from . import _compat, frames, report, workdir
 from ._linux import set_child_subreaper
 from .call import call_isolated
 from .child import CHILD_PLUGIN, ItemJob
@@ -29,9 +28,11 @@ from .leaks import Leak, Probe, Verdict, judge
 from .leaks.gpu_memory import GpuMemoryProbe, NvmlReader
 from .leaks.shm import ShmProbe, preload_env
 from .leases import Devices, Lease, Leases, LeaseTimeout, discover
+from .outcome import Outcome
 from .prewarm import HIDDEN_GPUS, Prewarmer
-from .results import RECORD_ATTR, item_reports, setup_error_reports, skip_reports
-from .spec import (
+from .record import attach_record, build_record, record_of
+from .results import apply_xfail, item_reports, setup_error_reports, skip_reports
+from .settings import (
     DEFAULT_TIMEOUT,
     MARKER,
     IsolationSpec,
@@ -74,6 +75,20 @@ class State:
 
 
 STATE = pytest.StashKey[State]()
+
+
+@dataclass
+class Ran:
+    """What became of one isolated test: its reports and what its record is made of."""
+
+    reports: list[pytest.TestReport]
+    spec: IsolationSpec | None = None
+    outcome: Outcome | None = None  # None: no process ran
+    lease: Lease | None = None
+    verdict: Verdict | None = None
+
+    def record(self, nodeid: str) -> dict[str, Any]:
+        return build_record(nodeid, self.reports, self.outcome, self.spec, self.lease, self.verdict)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -365,15 +380,17 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     try:
         spec = spec_for_item(item, state.settings)
     except SpecError as exc:
-        reports = setup_error_reports(item, str(exc))
+        ran = Ran(setup_error_reports(item, str(exc)))
     else:
-        reports = _run_isolated_item(item, spec, state, started, prewarm)
+        ran = _run_isolated_item(item, spec, state, started, prewarm)
         started = None
     finally:
         if started is not None:
             _supervisor(item.config, state).discard(started)
     prewarm()
+    reports = ran.reports
     _teardown_parent_stack(item, nextitem, reports)
+    attach_record(reports, ran.record(item.nodeid))  # once every report is final
     for rep in reports:
         ihook.pytest_runtest_logreport(report=rep)
     ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
@@ -402,7 +419,7 @@ def _run_isolated_item(
     state: State,
     started: Started | None,
     after_go: Callable[[], None] | None = None,
-) -> list:
+) -> Ran:
     """Lease the test's GPUs (in this process), run it in a child, release after reaping.
 
     ``started``: the test's prewarmed process, if any; discarded when the test does not run.
@@ -415,12 +432,12 @@ def _run_isolated_item(
     try:
         too_few = _too_few_gpus(n, state)
         if too_few is not None:
-            return skip_reports(item, too_few)
+            return Ran(skip_reports(item, too_few))
         if n > 0 and state.leases is not None:
             try:
                 lease = state.leases.acquire(n, item.nodeid, state.settings.lease_timeout)
             except LeaseTimeout as exc:
-                return setup_error_reports(item, str(exc))
+                return Ran(setup_error_reports(item, str(exc)))
         env = state.leases.child_env(lease) if state.leases is not None else None
         job = started.job if started is not None else _item_job(item, state.settings)
         outcome, started = (
@@ -442,22 +459,24 @@ def _run_isolated_item(
             state.leases.release(lease)
     state.runs[outcome.method] = state.runs.get(outcome.method, 0) + 1
     _tell_start_problems(item, state, supervisor)
-    leaks = outcome.leaks + [_torch_leak(data) for data in outcome.frames_of("torch_leak")]
+    leaks = outcome.leaks + [_torch_leak(data) for data in outcome.frames_of(frames.TORCH_LEAK)]
     verdict = judge(leaks, dict(state.settings.leaks), spec.allow_leaks)
-    _replay_warnings(item.config, outcome.frames_of("warning"))
+    _replay_warnings(item.config, outcome.frames_of(frames.WARNING))
     _warn_leaks(item, verdict)
-    _replay_junit(item.config, outcome.frames_of("junit"))
+    _replay_junit(item.config, outcome.frames_of(frames.JUNIT))
     if outcome.finished and outcome.output:
         _echo(item.config, outcome.output)
-    reports = item_reports(item, spec, outcome, lease, verdict)
-    stop = outcome.frames_of("exit")
+    ran = Ran(item_reports(item, spec, outcome, verdict), spec, outcome, lease, verdict)
+    reports = ran.reports
+    stop = outcome.frames_of(frames.EXIT)
     if stop:  # pytest.exit() or KeyboardInterrupt in the test: end the session here too
+        attach_record(reports, ran.record(item.nodeid))
         for rep in reports:
             item.ihook.pytest_runtest_logreport(report=rep)
         if stop[0]["interrupt"]:
             raise KeyboardInterrupt(stop[0]["message"])
         pytest.exit(stop[0]["message"], returncode=stop[0]["returncode"])
-    return reports
+    return ran
 
 
 def _supervisor(config: pytest.Config, state: State) -> Supervisor:
@@ -476,6 +495,7 @@ def _supervisor(config: pytest.Config, state: State) -> Supervisor:
                 str(config.invocation_params.dir),
                 s.precollect and s.mode == "all",  # its template collects what pytest does
             ),
+            template_wait=s.template_wait,
         )
         if s.start == "forkserver" and not reaper:
             state.supervisor.method = "spawn"
@@ -667,18 +687,7 @@ def _collect_arg(item: pytest.Item) -> str:
 
 def _replay_warnings(config: pytest.Config, payloads: list[dict[str, Any]]) -> None:
     for data in payloads:
-        try:
-            category: Any = import_module(data["category_module"])
-            for part in data["category_name"].split("."):
-                category = getattr(category, part)
-            if not (isinstance(category, type) and issubclass(category, Warning)):
-                raise TypeError
-        except Exception:
-            category = UserWarning
-        try:
-            message: Any = category(data["message"])
-        except Exception:
-            message = UserWarning(data["message"])
+        message, category = frames.decode_warning(data)
         _record_warning(config, message, category, data["nodeid"], data["filename"], data["lineno"])
 
 
@@ -703,7 +712,8 @@ def _teardown_parent_stack(item: pytest.Item, nextitem: pytest.Item | None, repo
     """Tear down fixtures that earlier in-process tests left up and ``nextitem`` no longer needs.
 
     In-process, this teardown would belong to the test run just before
-    ``nextitem``, so an error in it fails this test's teardown.
+    ``nextitem``, so an error in it fails this test's teardown (an expected failure
+    of an xfail test, as pytest's skipping plugin makes it in-process).
     """
     setupstate = _compat.setup_state(item.session)
     if setupstate is None or not setupstate.stack:
@@ -711,12 +721,9 @@ def _teardown_parent_stack(item: pytest.Item, nextitem: pytest.Item | None, repo
     call = pytest.CallInfo.from_call(lambda: setupstate.teardown_exact(nextitem), when="teardown")
     if call.excinfo is None or not reports or reports[-1].when != "teardown":
         return
-    failed = pytest.TestReport.from_item_and_call(item, call)
+    failed = item.ihook.pytest_runtest_makereport(item=item, call=call)
+    apply_xfail(item, failed, call.excinfo.value)
     failed.sections = list(reports[-1].sections) + list(failed.sections)
-    record = getattr(reports[-1], RECORD_ATTR, None)
-    if record is not None:
-        record["outcome"] = "failed" if record["outcome"] == "failed" else "error"
-        setattr(failed, RECORD_ATTR, record)
     reports[-1] = failed
 
 
@@ -744,8 +751,8 @@ class Recorder:
         self.summaries: list[str] = []  # where the Markdown summary went
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        record = getattr(report, RECORD_ATTR, None)
-        if isinstance(record, dict):
+        record = record_of(report)
+        if record is not None:
             self.state.records.append(record)
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:

@@ -16,9 +16,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from .leaks import KINDS
+from .record import SCHEMA_VERSION
+from .settings import KINDS
 
-SCHEMA_VERSION = 1
 MARKDOWN_ROWS = 200  # leak rows in the Markdown table; GitHub truncates huge summaries
 WORST = 5  # tests listed as worst offenders in the terminal
 

@@ -1,4 +1,4 @@
-"""Turn one isolated run's ``Outcome`` into pytest reports and a JSON record.
+"""Turn one isolated run's ``Outcome`` into pytest reports.
 
 The child's own reports are used as they are. When the child did not deliver a
 complete set (timeout, crash, early exit), the missing phase becomes a failure
@@ -10,45 +10,35 @@ junitxml and xdist see a normal test.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import pytest
 
+from . import frames
+from ._compat import evaluate_xfail_marks
 from .leaks import Verdict
-from .spec import IsolationSpec
-from .supervisor import Outcome
+from .outcome import Outcome
+from .settings import IsolationSpec
 
-RECORD_ATTR = "gpu_isolate"  # attribute of the teardown report; survives xdist serialization
 LEAK_SECTION = "gpu-isolate leaks"
 LEAK_PROPERTY = "gpu_isolate_leak"  # junit <property> name of each leak
 
 
 def item_reports(
-    item: pytest.Item,
-    spec: IsolationSpec,
-    outcome: Outcome,
-    lease: Any = None,
-    verdict: Verdict | None = None,
+    item: pytest.Item, spec: IsolationSpec, outcome: Outcome, verdict: Verdict | None = None
 ) -> list[pytest.TestReport]:
+    """The child's reports, completed where it did not deliver them all, with its leaks."""
     config = item.config
     reports: list[pytest.TestReport] = []
-    for data in outcome.frames_of("report"):
+    for data in outcome.frames_of(frames.REPORT):
         rep = config.hook.pytest_report_from_serializable(config=config, data=data)
         if isinstance(rep, pytest.TestReport):
             reports.append(rep)
-    stopped = bool(outcome.frames_of("exit"))  # pytest.exit(): reported as in-process, no more
+    stopped = bool(outcome.frames_of(frames.EXIT))  # pytest.exit(): reported as in-process, no more
     complete = outcome.finished and any(r.when == "teardown" for r in reports)
     if not complete and not stopped:
         _close_with_failure(item, reports, lambda phase: describe_problem(outcome, spec, phase))
     if reports and verdict is not None and verdict.records:
         _attach_leaks(item, reports, verdict)
-    if reports:
-        record = make_record(item.nodeid, reports, outcome, spec)
-        record["leaks"] = verdict.records if verdict is not None else []
-        if lease is not None:
-            record["gpus"] = list(lease.devices)
-            record["lease_wait"] = round(lease.waited, 6)
-        setattr(reports[-1], RECORD_ATTR, record)
     return reports
 
 
@@ -86,7 +76,6 @@ def setup_error_reports(item: pytest.Item, message: str) -> list[pytest.TestRepo
     """An error in setup, before anything ran (a bad marker argument, a lease timeout)."""
     reports: list[pytest.TestReport] = []
     _close_with_failure(item, reports, lambda phase: f"gpu-isolate: {message}")
-    setattr(reports[-1], RECORD_ATTR, make_record(item.nodeid, reports, None, None))
     return reports
 
 
@@ -96,9 +85,7 @@ def skip_reports(item: pytest.Item, reason: str) -> list[pytest.TestReport]:
     setup = synthetic_report(item, "setup", None)
     setup.outcome = "skipped"
     setup.longrepr = (str(item.path), (lineno or 0) + 1, f"Skipped: {reason}")
-    reports = [setup, synthetic_report(item, "teardown", None)]
-    setattr(reports[-1], RECORD_ATTR, make_record(item.nodeid, reports, None, None))
-    return reports
+    return [setup, synthetic_report(item, "teardown", None)]
 
 
 def _close_with_failure(item: pytest.Item, reports: list, problem) -> None:
@@ -134,21 +121,25 @@ def synthetic_report(item: pytest.Item, when: str, problem: str | None) -> pytes
         user_properties=list(item.user_properties),
     )
     if problem is not None and when == "call":
-        _apply_xfail(item, rep)
+        apply_xfail(item, rep)
     return rep
 
 
-def _apply_xfail(item: pytest.Item, rep: pytest.TestReport) -> None:
-    """A crash or timeout of an xfail test is an expected failure, as an exception would be."""
-    if item.config.option.runxfail:
+def apply_xfail(
+    item: pytest.Item, rep: pytest.TestReport, exc: BaseException | None = None
+) -> None:
+    """Make a failed report of an xfail test an expected failure, as pytest's skipping
+    plugin does in-process (which needs state only a run's setup gives it): a crash or
+    timeout when ``raises`` is not given, an exception ``exc`` that matches it."""
+    if item.config.option.runxfail or not rep.failed or hasattr(rep, "wasxfail"):
         return
     try:
-        from ._compat import evaluate_xfail_marks
-
         xfailed = evaluate_xfail_marks(item)
     except Exception:
         return
-    if xfailed is not None and xfailed.raises is None:
+    if xfailed is None:
+        return
+    if xfailed.raises is None or (exc is not None and isinstance(exc, xfailed.raises)):
         rep.outcome = "skipped"
         rep.wasxfail = xfailed.reason
 
@@ -167,7 +158,7 @@ def describe_problem(outcome: Outcome, spec: IsolationSpec, phase: str) -> str:
             f"Crashed: the isolated test process crashed with {outcome.signal_name} "
             f"(exit code {code}) during {phase}"
         )
-    elif outcome.frames_of("error") and not outcome.frames_of("report"):
+    elif outcome.frames_of(frames.ERROR) and not outcome.frames_of(frames.REPORT):
         head = f"The isolated test process could not run the test (exit code {code})"
     else:
         head = (
@@ -175,9 +166,9 @@ def describe_problem(outcome: Outcome, spec: IsolationSpec, phase: str) -> str:
             "before reporting a complete result"
         )
     parts = [head]
-    parts += outcome.frames_of("error")
+    parts += outcome.frames_of(frames.ERROR)
     if outcome.timed_out:
-        if not outcome.started:
+        if not outcome.bootstrapped:
             missing = "(no stack dump: the process was still starting up)"
         else:
             missing = "(no stack dump: the process did not answer)"
@@ -224,47 +215,3 @@ def trim_stack(dump: str) -> str:
     if hidden:
         out.append(f"  ... {hidden} frames of pytest and pytest-gpuiso internals")
     return "\n".join(out).strip()
-
-
-def final_outcome(reports: list[pytest.TestReport]) -> str:
-    by_phase = {r.when: r for r in reports}
-    call = by_phase.get("call")
-    if call is not None:
-        if hasattr(call, "wasxfail"):
-            return "xfailed" if call.skipped else "xpassed"
-        if call.failed:
-            return "failed"
-        if call.skipped:
-            return "skipped"
-    setup = by_phase.get("setup")
-    if setup is not None and setup.skipped:
-        return "xfailed" if hasattr(setup, "wasxfail") else "skipped"
-    if any(r.failed for r in reports):
-        return "error"
-    return "passed"
-
-
-def make_record(
-    nodeid: str, reports: list, outcome: Outcome | None, spec: IsolationSpec | None
-) -> dict[str, Any]:
-    """One test's entry in the JSON report (schema version 1)."""
-    return {
-        "nodeid": nodeid,
-        "outcome": final_outcome(reports),
-        "duration": round(outcome.duration, 6) if outcome else 0.0,
-        "pid": outcome.pid if outcome else None,
-        "timeout": spec.timeout if spec else None,
-        "exit": {
-            "code": outcome.exitcode if outcome else None,
-            "signal": outcome.signal_name if outcome else None,
-            "timed_out": outcome.timed_out if outcome else False,
-        },
-        "escaped": list(outcome.escaped) if outcome else [],
-        "leaks": [],
-        "start": {
-            "method": outcome.method if outcome else None,
-            "prewarmed": outcome.prewarmed if outcome else False,
-            "collected": outcome.collected if outcome else False,
-            "uncollected": outcome.uncollected if outcome else None,
-        },
-    }

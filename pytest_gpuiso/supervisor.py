@@ -11,9 +11,9 @@ What happens on timeout, in order (all of it is in ``Supervisor.run``):
    process is a child subreaper, so double-forked or ``setsid`` orphans of the
    test are re-parented here, where ``psutil`` finds them (``leaks.process``).
 
-Leak probes (``leaks/``) take their snapshot just before the child starts and
-check once the child and its descendants are gone; the process probe is the
-sweep itself and always runs.
+Leak probes (``leaks/``) take their snapshot just before the child gets its go
+(it may have been started earlier: prewarmed) and check once the child and its
+descendants are gone; the process probe is the sweep itself and always runs.
 
 The parent waits on the pipe and on a pidfd of the child together with
 ``multiprocessing.connection.wait``; it never sleep-polls while the child runs.
@@ -37,18 +37,18 @@ from typing import Any
 
 import psutil
 
-from . import child
+from . import child, frames
 from .forkserver import ForkServer, Unavailable, main_not_rerun, unlist
-from .ipc import recv_frame
 from .leaks import Leak, Probe, RunInfo
-from .leaks.process import REAP_WAIT as _REAP_WAIT
-from .leaks.process import ProcessProbe, alive, kill_tree
+from .leaks.process import ProcessProbe
 from .leaks.shm import LOG_ENV, remove_created
 from .leaks.shm import scan as shm_scan
+from .outcome import OUTPUT_TAIL_LINES, Outcome
+from .proctree import REAP_WAIT, Child, alive, kill_tree, pidfd, reap, signal_group
+from .settings import TEMPLATE_WAIT_DEFAULT
 
 STACK_SIGNAL = int(signal.SIGRTMIN) + 2  # unlikely to collide with a test's own handlers
 OUTPUT_TAIL_BYTES = 8192
-OUTPUT_TAIL_LINES = 60
 OUTPUT_KEEP_BYTES = 1 << 20  # of what the child wrote outside pytest's capture
 _STACK_WAIT = 2.0  # upper bound for faulthandler to write the dump
 _SERVER_WAIT = 300.0  # seconds the first fork may wait for the server to import everything
@@ -59,70 +59,6 @@ _RUNS = itertools.count(1)  # unique file tags within this process, whatever the
 
 class StartError(RuntimeError):
     """The child could not be started (e.g. the job could not be pickled)."""
-
-
-@dataclass
-class Outcome:
-    """What one isolated run produced and how the child ended."""
-
-    frames: list[tuple[str, Any]]
-    pid: int
-    exitcode: int | None
-    timed_out: bool
-    duration: float
-    stack: str = ""
-    output: str = ""  # what the child wrote to fds 1/2 outside pytest's capture
-    leaks: list[Leak] = field(default_factory=list)  # process leaks first, then the probes'
-    cutoff: int | None = None  # on timeout: how many frames had arrived by the deadline
-    captured: list[str] = field(default_factory=list)  # tails of the test's captured output
-    method: str = "spawn"  # how the process was started: spawn or forkserver
-    prewarmed: bool = False  # started ahead of its turn (prewarm)
-    collected: bool = False  # forked from the fork server's collected session
-    uncollected: str | None = None  # why the fork server had no collected session to fork
-
-    @property
-    def escaped(self) -> list[dict[str, Any]]:
-        """Descendants still running after the test's process ended (then killed)."""
-        return [
-            {"pid": leak.fields["pid"], "cmdline": leak.fields["cmdline"]}
-            for leak in self.leaks
-            if leak.kind == "process"
-        ]
-
-    @property
-    def output_tail(self) -> str:
-        return "\n".join(self.output.splitlines()[-OUTPUT_TAIL_LINES:])
-
-    @property
-    def finished(self) -> bool:
-        """The child said it was done, in time, and exited normally."""
-        return not self.timed_out and self.exitcode == 0 and bool(self.frames_of("done"))
-
-    @property
-    def started(self) -> bool:
-        """The child finished its bootstrap (and can answer a stack-dump request)."""
-        return any(kind == "ready" for kind, _ in self.frames)
-
-    @property
-    def frames_in_time(self) -> list[tuple[str, Any]]:
-        """Frames that arrived before the deadline; a timed-out test's later reports don't count."""
-        return self.frames if self.cutoff is None else self.frames[: self.cutoff]
-
-    @property
-    def signal_name(self) -> str | None:
-        if self.exitcode is None or self.exitcode >= 0:
-            return None
-        try:
-            return signal.Signals(-self.exitcode).name
-        except ValueError:
-            return f"signal {-self.exitcode}"
-
-    def frames_of(self, kind: str) -> list[Any]:
-        """Payloads of one kind; after a timeout, only what arrived before the deadline."""
-        return [payload for k, payload in self.frames_in_time if k == kind]
-
-
-START_METHODS = ("spawn", "forkserver")
 
 
 @dataclass(eq=False)
@@ -152,7 +88,8 @@ class Started:
 
     def attach(self, proc: Any) -> None:
         self.proc = proc
-        self.sentinel = _pidfd(proc)
+        fd = pidfd(proc.pid)
+        self.sentinel = proc.sentinel if fd is None else fd
 
     def close(self) -> None:
         """Close our ends of the pipes and the pidfd."""
@@ -169,26 +106,6 @@ class Started:
         return sorted(
             prefix.parent.glob(prefix.name + "*"), key=lambda p: int(p.name.rsplit("-", 1)[1])
         )
-
-
-class Forked:
-    """A process the fork server forked and that is now our child: ``Process``'s subset we use."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.exitcode: int | None = None
-        self.sentinel = None  # the pidfd serves instead
-
-    def join(self, timeout: float | None = None) -> None:
-        if self.exitcode is not None:
-            return
-        try:
-            pid, status = os.waitpid(self.pid, 0 if timeout is None else os.WNOHANG)
-        except ChildProcessError:
-            self.exitcode = 255
-            return
-        if pid:
-            self.exitcode = os.waitstatus_to_exitcode(status)
 
 
 class Supervisor:
@@ -209,6 +126,7 @@ class Supervisor:
         preload: tuple[str, ...] = (),
         exec_env: dict[str, str] | None = None,
         server_args: tuple[tuple[str, ...], str, bool] | None = None,
+        template_wait: float = TEMPLATE_WAIT_DEFAULT,
     ) -> None:
         self.workdir = workdir
         self.capture_output = capture_output
@@ -217,6 +135,7 @@ class Supervisor:
         self.exec_env = dict(exec_env or {})  # must be there at exec (LD_PRELOAD of a probe)
         # (pytest args, invocation dir, collect them all at once) for the fork server
         self.server_args = server_args
+        self.template_wait = template_wait
         self.server: ForkServer | None = None
         self.notices: list[str] = []  # start-method problems, for the plugin to show once
         self.stale: str | None = None  # why a prewarmed child had to be replaced, once seen
@@ -238,7 +157,13 @@ class Supervisor:
             try:
                 with _exec_environment(self.exec_env):
                     self.server = ForkServer(
-                        self._ctx, log, self.preload, args, directory, collect_all
+                        self._ctx,
+                        log,
+                        self.preload,
+                        args,
+                        directory,
+                        collect_all,
+                        self.template_wait,
                     )
             except Exception as exc:
                 self._fall_back(f"the fork server could not be started: {exc}")
@@ -266,7 +191,7 @@ class Supervisor:
                 kind, payload = server.answer(_SERVER_WAIT)
             if kind == "forked":
                 pid, source, first.uncollected = payload
-                first.attach(Forked(pid))
+                first.attach(Child(pid))
                 first.collected = source == "template"
             else:
                 first.failed = payload
@@ -279,8 +204,8 @@ class Supervisor:
         self._settle(started)
         if started.proc is not None:
             kill_tree(started.proc.pid)  # with the daemons it started (its subreaper's)
-            _signal_tree(started.proc, signal.SIGKILL, [])
-            _reap(started.proc, started.sentinel)
+            signal_group(started.proc.pid, signal.SIGKILL)
+            reap(started.proc, started.sentinel)
         started.close()
         shm_log = Path(started.shm_log) if started.shm_log else None
         if shm_log is not None:  # what it created before its turn goes with it too
@@ -422,7 +347,7 @@ class Supervisor:
         outcome = self._run(
             started, timeout=timeout, grace=grace, env=env, probes=probes, after_go=after_go
         )
-        stale = outcome.frames_of("stale")
+        stale = outcome.frames_of(frames.STALE)
         if stale:  # it initialised CUDA before it knew its GPUs: run a fresh one
             self.stale = self.stale or stale[0]
             prewarmed = False
@@ -464,26 +389,26 @@ class Supervisor:
             except Exception as exc:  # prewarming the next test must not cost this one
                 self.notices.append(f"prewarming failed: {exc}")
         begun = time.monotonic()
-        frames: list[tuple[str, Any]] = []
+        received: list[tuple[str, Any]] = []
         timed_out = False
         cutoff = None
         stack = ""
         interrupted = False
         try:
             deadline = None if timeout is None else begun + timeout
-            if not _pump(reader, sentinel, frames, deadline):
-                timed_out, cutoff = True, len(frames)
+            if not _pump(reader, sentinel, received, deadline):
+                timed_out, cutoff = True, len(received)
                 # Before its bootstrap the child has no handler and the signal would kill it.
-                if any(kind == "ready" for kind, _ in frames):
+                if any(kind == frames.READY for kind, _ in received):
                     stack = _dump_stack(proc.pid, started.stack_file)
-                _terminate(proc, reader, sentinel, frames, grace)
+                _escalate(proc, reader, sentinel, received, grace)
         except BaseException:  # KeyboardInterrupt: take the child's tree down before leaving
             interrupted = True
-            _terminate(proc, reader, sentinel, frames, min(grace, 1.0))
+            _escalate(proc, reader, sentinel, received, min(grace, 1.0))
             raise
         finally:
             duration = time.monotonic() - begun
-            _reap(proc, sentinel)
+            reap(proc, sentinel)
             self.live.pop(id(started), None)
             sweep.spare = self.spare(settle=True)  # children forked during the test included
             run = RunInfo(proc.pid, started.created, time.time(), grace, frozenset({proc.pid}))
@@ -501,7 +426,7 @@ class Supervisor:
             captured = [text for text in map(_tail, captures) if text.strip()]
             _remove(started.output, started.stack_file, *captures)
         return Outcome(
-            frames=frames,
+            frames=received,
             pid=proc.pid,
             exitcode=proc.exitcode,
             timed_out=timed_out,
@@ -548,7 +473,7 @@ def _remove(*paths: Path | None) -> None:
                 path.unlink()
 
 
-def _pump(reader: Connection, sentinel: Any, frames: list, deadline: float | None) -> bool:
+def _pump(reader: Connection, sentinel: Any, received: list, deadline: float | None) -> bool:
     """Collect frames until the child exits (True) or the deadline passes (False)."""
     waitables = [reader, sentinel]
     while True:
@@ -556,48 +481,24 @@ def _pump(reader: Connection, sentinel: Any, frames: list, deadline: float | Non
         if remaining is not None and remaining <= 0:
             return False
         ready = wait(waitables, remaining)
-        if reader in ready and not _receive(reader, frames):
+        if reader in ready and not _read_frame(reader, received):
             waitables.remove(reader)
         if sentinel in ready:
-            while reader in waitables and reader.poll(0) and _receive(reader, frames):
+            while reader in waitables and reader.poll(0) and _read_frame(reader, received):
                 pass
             return True
 
 
-def _receive(reader: Connection, frames: list) -> bool:
+def _read_frame(reader: Connection, received: list) -> bool:
     """Read one frame; False once the pipe is closed or unreadable."""
     try:
-        frames.append(recv_frame(reader))
+        received.append(frames.recv_frame(reader))
     except (EOFError, OSError):
         return False
-    except Exception as exc:  # a garbled frame: keep the evidence, stop reading
-        frames.append(("error", f"unreadable message from the test process: {exc!r}"))
+    except Exception as exc:  # a garbled frame, an unknown kind: keep the evidence, stop
+        received.append((frames.ERROR, f"unreadable message from the test process: {exc!r}"))
         return False
     return True
-
-
-def _reap(proc: multiprocessing.process.BaseProcess, sentinel: Any) -> None:
-    """Collect the child's exit status.
-
-    ``Process.join(timeout)`` waits on the sentinel pipe, which a forked grandchild
-    may still hold; once the pidfd says the child exited, a blocking join is just
-    ``waitpid`` on a zombie and returns at once.
-    """
-    if wait([sentinel], _REAP_WAIT):
-        proc.join()
-    else:
-        proc.join(0)
-
-
-def _pidfd(proc: multiprocessing.process.BaseProcess) -> Any:
-    """A descriptor that becomes readable when the child exits.
-
-    ``Process.sentinel`` is a pipe the child holds, which any process it forks
-    also inherits, so it would not fire while a grandchild lives on; a pidfd does.
-    """
-    with contextlib.suppress(AttributeError, OSError):
-        return os.pidfd_open(proc.pid)
-    return proc.sentinel
 
 
 def _dump_stack(pid: int, stack_file: Path) -> str:
@@ -619,35 +520,21 @@ def _dump_stack(pid: int, stack_file: Path) -> str:
     return text.strip()
 
 
-def _signal_tree(proc: Any, sig: int, extra: list[psutil.Process]) -> None:
-    """Signal the child's process group (or the child alone before it made one) and ``extra``."""
-    try:
-        if os.getpgid(proc.pid) == proc.pid:
-            os.killpg(proc.pid, sig)
-        else:
-            os.kill(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-    for p in extra:
-        with contextlib.suppress(psutil.Error):
-            p.send_signal(sig)
-
-
-def _terminate(proc, reader: Connection, sentinel: Any, frames: list, grace: float) -> None:
+def _escalate(proc, reader: Connection, sentinel: Any, received: list, grace: float) -> None:
     """SIGTERM the tree, wait ``grace`` (draining the pipe), then SIGKILL what is left."""
     try:
         tree = psutil.Process(proc.pid).children(recursive=True)
     except psutil.Error:
         tree = []
-    _signal_tree(proc, signal.SIGTERM, tree)
+    signal_group(proc.pid, signal.SIGTERM, tree)
     deadline = time.monotonic() + grace
-    if _pump(reader, sentinel, frames, deadline):
+    if _pump(reader, sentinel, received, deadline):
         rest = max(0.0, deadline - time.monotonic())
         _, running = psutil.wait_procs([p for p in tree if alive(p)], timeout=rest)
         if not running:
             return
-    _signal_tree(proc, signal.SIGKILL, tree)
-    wait([sentinel], _REAP_WAIT)
+    signal_group(proc.pid, signal.SIGKILL, tree)
+    wait([sentinel], REAP_WAIT)
 
 
 def _ensure_resource_tracker() -> None:

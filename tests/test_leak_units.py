@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from pytest_gpuiso import report
-from pytest_gpuiso.leaks import KINDS, LEVELS, Leak, RunInfo, judge, parse_allowed, parse_policy
+from pytest_gpuiso.leaks import Leak, RunInfo, judge
 from pytest_gpuiso.leaks.gpu_memory import (
     BACKOFF,
     MIB,
@@ -18,7 +18,7 @@ from pytest_gpuiso.leaks.gpu_memory import (
     NvmlUnavailable,
     Sample,
 )
-from pytest_gpuiso.spec import SpecError
+from pytest_gpuiso.settings import KINDS, LEVELS, SpecError, parse_allowed, parse_policy
 
 OPTION = "--gpu-isolate-leaks"
 

@@ -437,6 +437,28 @@ def test_marker_only_isolates_marked_tests_and_strict_markers(gpuiso: GpuIso) ->
     ]
 
 
+def test_teardown_errors_in_either_process_are_reported_as_in_process(gpuiso: GpuIso) -> None:
+    """A teardown error after a pass or an xfail, in the test's own process or in pytest's
+    (a class fixture an in-process test set up, torn down after the isolated test): the
+    same outcomes and summary lines as in-process (an xfail test's teardown error is an
+    expected failure there too), and JSON records by the one rule every record follows."""
+    gpuiso.copy("test_teardown_errors.py")
+    inproc = gpuiso.run("-rA", "--no-gpu-isolate", "test_teardown_errors.py")
+    iso = gpuiso.run("-rA", "--gpu-isolate-report=report.json", "test_teardown_errors.py")
+    expected = {"passed": 3, "xfailed": 4, "errors": 1}
+    assert inproc.parseoutcomes() == iso.parseoutcomes() == expected
+    assert summary_lines(iso) == summary_lines(inproc)
+    module = "test_teardown_errors.py"
+    # The error is the isolated test's, as in-process (the lines' wording varies by pytest).
+    errors = [line for line in summary_lines(iso) if line.startswith("ERROR ")]
+    assert errors == [f"ERROR {module}::TestPassThenClassTeardown::test_passes_last_in_class"]
+    assert {nodeid: r["outcome"] for nodeid, r in gpuiso.records().items()} == {
+        f"{module}::test_xfail_own_teardown": "xfailed",
+        f"{module}::TestPassThenClassTeardown::test_passes_last_in_class": "error",
+        f"{module}::TestXfailThenClassTeardown::test_xfail_last_in_class": "xfailed",
+    }
+
+
 def test_no_gpu_isolate_runs_marked_tests_in_process(gpuiso: GpuIso) -> None:
     """--no-gpu-isolate runs the marked tests in-process: exactly the 2 tests of
     test_mixed.py that assert they are isolated fail, and nothing is isolated."""

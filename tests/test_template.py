@@ -37,7 +37,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pytest_gpuiso.forkserver import FORK_TWICE_ENV, TEMPLATE_WAIT_ENV
+from pytest_gpuiso.forkserver import FORK_TWICE_ENV
+from pytest_gpuiso.settings import TEMPLATE_WAIT_ENV
 from tests.helpers import GpuIso, kill_quietly, make_gpuiso, wait_gone
 from tests.test_semantics import normalized
 from tests.test_start import _fake_library

@@ -5,14 +5,15 @@ from __future__ import annotations
 import math
 import multiprocessing
 import os
+import pickle
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pytest_gpuiso import ipc
+from pytest_gpuiso import frames
 from pytest_gpuiso.results import trim_stack
-from pytest_gpuiso.spec import SpecError, parse_count, parse_seconds
+from pytest_gpuiso.settings import SpecError, parse_count, parse_seconds
 
 
 @given(st.floats(min_value=1e-6, max_value=1e9, allow_nan=False))
@@ -46,17 +47,36 @@ def test_counts_must_be_non_negative_integers(value):
         parse_count(value, "gpus")
 
 
-@pytest.mark.parametrize("size", [10, ipc.SPILL_BYTES - 100, ipc.SPILL_BYTES + 1, 5_000_000])
+@pytest.mark.parametrize("size", [10, frames.SPILL_BYTES - 100, frames.SPILL_BYTES + 1, 5_000_000])
 def test_frames_round_trip_and_spill_files_are_removed(tmp_path, size):
     reader, writer = multiprocessing.Pipe(duplex=False)
     payload = b"x" * size
     sender = multiprocessing.get_context("fork").Process(
-        target=ipc.send_frame, args=(writer, "blob", payload, str(tmp_path))
+        target=frames.send_frame, args=(writer, frames.RESULT, payload, str(tmp_path))
     )
     sender.start()
-    kind, received = ipc.recv_frame(reader)
+    writer.close()  # a sender that fails closes the pipe: EOFError here, not a hang
+    kind, received = frames.recv_frame(reader)
     sender.join()
-    assert (kind, received) == ("blob", payload)
+    assert (kind, received) == (frames.RESULT, payload)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("size", [10, 5_000_000])
+def test_a_frame_of_an_unknown_kind_is_an_error_on_either_side(tmp_path, size):
+    """The vocabulary is closed: send_frame refuses an unknown kind, and recv_frame
+    raises for one that arrives anyway (in the pipe or in a spill file)."""
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    with pytest.raises(frames.FrameError, match="unknown frame kind 'blob'"):
+        frames.send_frame(writer, "blob", b"x", str(tmp_path))
+    data = pickle.dumps(("blob", b"x" * size))
+    if size > frames.SPILL_BYTES:
+        spill = tmp_path / "spill-1.pickle"
+        spill.write_bytes(data)
+        data = pickle.dumps((frames._SPILL, str(spill)))
+    writer.send_bytes(data)
+    with pytest.raises(frames.FrameError, match="unknown frame kind 'blob'"):
+        frames.recv_frame(reader)
     assert os.listdir(tmp_path) == []
 
 
@@ -68,10 +88,10 @@ def test_spill_files_are_private(tmp_path, monkeypatch):
         seen.append(os.stat(path).st_mode & 0o777)
         real_unlink(path)
 
-    monkeypatch.setattr(ipc.os, "unlink", spy)
+    monkeypatch.setattr(frames.os, "unlink", spy)
     reader, writer = multiprocessing.Pipe(duplex=False)
-    ipc.send_frame(writer, "blob", b"y" * (ipc.SPILL_BYTES + 1), str(tmp_path))
-    ipc.recv_frame(reader)
+    frames.send_frame(writer, frames.RESULT, b"y" * (frames.SPILL_BYTES + 1), str(tmp_path))
+    frames.recv_frame(reader)
     assert seen == [0o600]
 
 

@@ -26,10 +26,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..settings import DEFAULT_TOLERANCE_MIB
 from . import Leak, RunInfo
 
 MIB = 1 << 20
-DEFAULT_TOLERANCE_MIB = 64.0
 BACKOFF = (0.0, 0.05, 0.1, 0.2, 0.4, 0.8, 1.2)  # seconds between attempts: ~2.75 s at most
 
 

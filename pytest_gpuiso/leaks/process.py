@@ -16,86 +16,15 @@ gone) are not reported.
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Any
 
 import psutil
 
+from ..proctree import REAP_WAIT, STOP_ROUNDS, alive, cmdline, descendant_keys
 from . import Leak, RunInfo
 
 SETTLE = 0.1  # seconds a new descendant gets to exit by itself before it counts
-REAP_WAIT = 10.0  # upper bound for the kernel to reap a SIGKILLed process
-STOP_ROUNDS = 1000  # listings of what leftovers started while killed (each one stopped)
 KILL_ROUNDS = 10  # stop-and-kill rounds, for what a kill woke (SIGCONT to an orphaned group)
-
-
-def alive(p: psutil.Process) -> bool:
-    try:
-        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def _start_time(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    return int(stat[stat.rindex(b")") + 2 :].split()[19])
-
-
-def _children(pid: int) -> list[int] | None:
-    """Direct children from /proc/PID/task/*/children; None where the kernel lacks it."""
-    kids: list[int] = []
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return []
-    for tid in tasks:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
-                kids += map(int, f.read().split())
-        except FileNotFoundError:
-            return None  # no CONFIG_PROC_CHILDREN (or the task just ended: the caller retries)
-        except OSError:
-            continue
-    return kids
-
-
-def descendant_keys(spare: frozenset[int] = frozenset()) -> set[tuple[int, float]]:
-    """(pid, start time) of every descendant of this process, except ``spare`` subtrees.
-
-    Walks ``/proc/PID/task/*/children`` from this process down, so the cost grows
-    with our descendants, not with every process on the machine (a busy CI host
-    has thousands); psutil's full scan is the fallback.
-    """
-    keys: set[tuple[int, float]] = set()
-    todo = [os.getpid()]
-    while todo:
-        kids = _children(todo.pop())
-        if kids is None:
-            return _descendant_keys_psutil(spare)
-        for kid in kids:
-            start = _start_time(kid)
-            if start is not None and kid not in spare:
-                keys.add((kid, float(start)))
-                todo.append(kid)
-    return keys
-
-
-def _descendant_keys_psutil(spare: frozenset[int]) -> set[tuple[int, float]]:
-    skip = set(spare)
-    for pid in spare:
-        with contextlib.suppress(psutil.Error):
-            skip.update(p.pid for p in psutil.Process(pid).children(recursive=True))
-    return {_key(p) for p in psutil.Process().children(recursive=True) if p.pid not in skip}
-
-
-def _key(p: psutil.Process) -> tuple[int, float]:
-    start = _start_time(p.pid)
-    return (p.pid, float(start) if start is not None else 0.0)
 
 
 def sweep(
@@ -119,7 +48,7 @@ def sweep(
     new_keys = descendant_keys(spare) - before
     if not new_keys:
         return []
-    escaped = _terminate(new_keys, grace)
+    escaped = _end_leftovers(new_keys, grace)
     seen = before | new_keys
     for round_ in range(KILL_ROUNDS):
         late, found, seen = _stop_late(seen, spare, settle=round_ == 0)
@@ -133,7 +62,7 @@ def sweep(
     return escaped
 
 
-def _terminate(new_keys: set[tuple[int, float]], grace: float) -> list[dict[str, Any]]:
+def _end_leftovers(new_keys: set[tuple[int, float]], grace: float) -> list[dict[str, Any]]:
     """The processes in ``new_keys`` still running after SETTLE: TERM, grace, KILL."""
     new = []
     for pid, _ in new_keys:
@@ -144,7 +73,7 @@ def _terminate(new_keys: set[tuple[int, float]], grace: float) -> list[dict[str,
     for p in running:
         if not alive(p):
             continue
-        escaped.append({"pid": p.pid, "cmdline": _cmdline(p)})
+        escaped.append({"pid": p.pid, "cmdline": cmdline(p)})
         with contextlib.suppress(psutil.Error):
             p.terminate()
     _, stubborn = psutil.wait_procs(new, timeout=grace if escaped else 0)
@@ -182,7 +111,7 @@ def _stop_late(
             if not alive(p):
                 late.append(p)  # a zombie: reaped with the others
                 continue
-            entry = {"pid": p.pid, "cmdline": _cmdline(p)}
+            entry = {"pid": p.pid, "cmdline": cmdline(p)}
             try:
                 p.suspend()
             except psutil.NoSuchProcess:
@@ -206,45 +135,6 @@ def _mark_survivors(
         if entry["pid"] in left:
             entry["not_killed"] = "it survived SIGKILL (another user's process?)"
     return entries
-
-
-def kill_tree(pid: int) -> None:
-    """Stop ``pid`` and every descendant (listing until none is new), then kill them all.
-
-    For a process that never ran its test (a prewarmed one that is discarded): what it
-    started, daemons included (it is a child subreaper until its go), goes with it.
-    The caller reaps ``pid`` itself; the others are reaped here.
-    """
-    try:
-        root = psutil.Process(pid)
-        root.suspend()
-    except psutil.Error:
-        return
-    tree: list[psutil.Process] = []
-    seen = {pid}
-    for _ in range(STOP_ROUNDS):
-        try:
-            new = [p for p in root.children(recursive=True) if p.pid not in seen]
-        except psutil.Error:
-            break
-        if not new:
-            break
-        for p in new:
-            seen.add(p.pid)
-            with contextlib.suppress(psutil.Error):
-                p.suspend()
-        tree += new
-    for p in (root, *tree):
-        with contextlib.suppress(psutil.Error):
-            p.kill()
-    psutil.wait_procs(tree, timeout=REAP_WAIT)
-
-
-def _cmdline(p: psutil.Process) -> str:
-    try:
-        return " ".join(p.cmdline()) or p.name()
-    except psutil.Error:
-        return "?"
 
 
 class ProcessProbe:

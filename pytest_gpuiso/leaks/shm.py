@@ -32,6 +32,7 @@ import os
 import re
 from pathlib import Path
 
+from ..proctree import alive
 from . import Leak, RunInfo
 
 SHM_DIR = "/dev/shm"
@@ -209,7 +210,7 @@ class ShmProbe:
             if created is not None and pid not in run.tree_pids:
                 del stats[name]  # traced, not made by this test: another test's or session's
                 continue
-            if pid is not None and pid not in run.tree_pids and _alive(pid):
+            if pid is not None and pid not in run.tree_pids and alive(pid):
                 del stats[name]  # a live process outside the test's tree made it
             elif pid is None and not self.alone:
                 del stats[name]  # nothing says whose it is, and other tests ran beside it
@@ -238,13 +239,3 @@ class ShmProbe:
             detail = f"{kind} {path} ({st.st_size} bytes{by}) left in /dev/shm"
             leaks.append(Leak("shm", detail + (" (deleted)" if cleaned else ""), fields))
         return leaks
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

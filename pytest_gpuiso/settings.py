@@ -1,10 +1,15 @@
-"""Turn CLI, ini, marker and pytest-timeout values into frozen settings records.
+"""Every setting of pytest-gpuiso, parsed and validated once: the bottom floor.
 
-Every validation error is raised here and names where the bad value came from
-(``--gpu-isolate-timeout``, ``ini gpu_isolate_timeout``, ``marker argument timeout``).
+CLI, ini, marker, environment and pytest-timeout values become two frozen records:
+``Settings`` (the session's) and ``IsolationSpec`` (one test's). Every parser here
+raises ``SpecError`` with one line naming where the bad value came from
+(``--gpu-isolate-timeout``, ``ini gpu_isolate_timeout``, ``marker argument timeout``);
+callers turn it into a usage error (CLI, ini) or the test's setup error (marker).
 Precedence, lowest to highest: built-in default < ini < command line < marker.
 pytest-timeout's value is used as the isolated test's timeout only when no
 gpu-isolate timeout was given anywhere.
+
+This module imports nothing of pytest-gpuiso's: everything else may import it.
 """
 
 from __future__ import annotations
@@ -18,15 +23,27 @@ from typing import Any
 
 import pytest
 
-from .leaks import KINDS
-from .leaks.gpu_memory import DEFAULT_TOLERANCE_MIB
-
 MARKER = "gpu_isolated"
+MARKER_KWARGS = ("timeout", "grace", "gpus", "allow_leaks")
 DEFAULT_TIMEOUT = 900.0
 DEFAULT_GRACE = 5.0
-MARKER_KWARGS = ("timeout", "grace", "gpus", "allow_leaks")
-START_METHODS = ("spawn", "forkserver")
 DEFAULT_PREWARM = 1
+DEFAULT_SLOTS = 1
+DEFAULT_TOLERANCE_MIB = 64.0  # GPU memory growth the leak check ignores
+START_METHODS = ("spawn", "forkserver")
+KINDS = ("shm", "process", "gpu_memory")  # leak kinds
+LEVELS = ("warn", "fail", "off")  # what a leak of a kind does
+# Seconds, from the fork server's template's start, that fork requests wait for it to
+# finish collecting; after that the server forks tests itself until the template is
+# ready. A test forked from the template costs ~10 ms, one that configures and collects
+# for itself ~50 ms (both competing with the template's own collection), so waiting for
+# a template that is nearly done is the faster way; the limit bounds a template stuck in
+# a test module's import. The test suite sets a long one, so that its fork-server runs
+# take one path, not whichever the timing gives.
+TEMPLATE_WAIT_ENV = "PYTEST_GPUISO_TEMPLATE_WAIT"
+TEMPLATE_WAIT_DEFAULT = 30.0
+TEMPLATE_WAIT_MAX = 240.0  # below the 300 s pytest waits for a fork's answer
+CUDA_ID = re.compile(r"^(\d+|(GPU|MIG)-[0-9A-Za-z./-]+)$")  # a CUDA_VISIBLE_DEVICES entry
 _MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
 
@@ -120,6 +137,80 @@ def default_preload() -> tuple[str, ...]:
     return ("torch",) if importlib.util.find_spec("torch") is not None else ()
 
 
+def parse_devices(value: str, what: str) -> list[str] | None:
+    """``auto`` -> None (discover), ``none`` -> [], ``0,1`` or GPU UUIDs -> the list."""
+    text = value.strip()
+    if text.lower() == "auto":
+        return None
+    if text.lower() == "none":
+        return []
+    names = [part.strip() for part in text.split(",")]
+    for name in names:
+        if not CUDA_ID.match(name):
+            raise SpecError(
+                f"invalid value {value!r} for {what}: expected auto, none or a comma-separated "
+                f"list of GPU indices or UUIDs (bad entry {name!r})"
+            )
+    if len(set(names)) != len(names):
+        raise SpecError(f"invalid value {value!r} for {what}: a device is listed twice")
+    return names
+
+
+def parse_policy(text: str, what: str) -> dict[str, str]:
+    """``warn``, ``fail``, ``off`` or per kind ``shm=fail,process=warn`` (a bare level sets
+    the default of the kinds not named). Raises ``SpecError`` naming the bad part."""
+    default = "warn"
+    named: dict[str, str] = {}
+    parts = [part.strip() for part in text.split(",")]
+    expected = f"expected {'|'.join(LEVELS)} or kind=level with kinds {', '.join(KINDS)}"
+    seen_default = False
+    for part in parts:
+        kind, sep, level = (s.strip() for s in part.partition("="))
+        if not sep:
+            kind, level = "", kind
+        bad = f"invalid value {text!r} for {what}: bad part {part!r}"
+        if level not in LEVELS or (sep and kind not in KINDS):
+            raise SpecError(f"{bad} ({expected})")
+        if kind in named:
+            raise SpecError(f"{bad}: {kind} is given twice")
+        if kind:
+            named[kind] = level
+        elif seen_default:
+            raise SpecError(f"{bad}: a level for every kind is given twice")
+        else:
+            default, seen_default = level, True
+    return {kind: named.get(kind, default) for kind in KINDS}
+
+
+def parse_allowed(value: Any, what: str) -> frozenset[str]:
+    """The marker's ``allow_leaks``: a list of kinds (or one kind as a string, or ``"all"``)."""
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple, set, frozenset)) or not all(
+        isinstance(k, str) for k in items
+    ):
+        raise SpecError(
+            f"invalid value {value!r} for {what}: expected a list of kinds ({', '.join(KINDS)})"
+        )
+    unknown = sorted(set(items) - {*KINDS, "all"})
+    if unknown:
+        raise SpecError(
+            f"invalid value {value!r} for {what}: unknown kind {unknown[0]!r} "
+            f"(expected {', '.join(KINDS)} or all)"
+        )
+    return frozenset(KINDS) if "all" in items else frozenset(items)
+
+
+def parse_template_wait(value: str, what: str) -> float:
+    """Seconds a fork request waits for the template: from 0 to ``TEMPLATE_WAIT_MAX``."""
+    wait = parse_seconds(value, what, allow_zero=True)
+    if wait > TEMPLATE_WAIT_MAX:
+        raise SpecError(
+            f"invalid value {value!r} for {what}: expected a number of seconds "
+            f"from 0 to {TEMPLATE_WAIT_MAX:g}"
+        )
+    return wait
+
+
 def _flag(config: pytest.Config, dest: str) -> bool:
     """A store_true option (None when not given) that falls back to its ini boolean."""
     value = config.getoption(dest)
@@ -139,7 +230,7 @@ class Settings:
     report_path: str | None
     devices: list[str] | None = None  # None: discover (auto)
     devices_source: str = "auto"
-    slots: int = 1
+    slots: int = DEFAULT_SLOTS
     lease_timeout: float | None = None
     leaks: tuple[tuple[str, str], ...] = tuple((kind, "warn") for kind in KINDS)
     shm_ignore: tuple[str, ...] = ()
@@ -151,6 +242,7 @@ class Settings:
     precollect: bool = True  # forkserver: fork tests from a configured, collected template
     preload: tuple[str, ...] = ()  # imported by the fork server and by prewarmed children
     prewarm: int = DEFAULT_PREWARM  # processes of the next tests started ahead of their turn
+    template_wait: float = TEMPLATE_WAIT_DEFAULT  # see TEMPLATE_WAIT_ENV
 
     def leak_level(self, kind: str) -> str:
         return dict(self.leaks)[kind]
@@ -178,37 +270,30 @@ class Settings:
         report = (
             config.getoption("gpu_isolate_report") or config.getini("gpu_isolate_report")
         ).strip()
-        from .leases import parse_devices
-
         devices_text, devices_source = _text_option(config, "gpu_isolate_devices")
         devices = parse_devices(devices_text or "auto", devices_source or "--gpu-isolate-devices")
         slots_text, slots_source = _text_option(config, "gpu_isolate_slots")
-        slots = parse_int(slots_text, slots_source, 1, 16) if slots_text else 1
+        slots = parse_int(slots_text, slots_source, 1, 16) if slots_text else DEFAULT_SLOTS
         lease_timeout, _ = _option_or_ini(config, "gpu_isolate_lease_timeout", allow_zero=False)
-        from .leaks import parse_policy
-
         leaks_text, leaks_source = _text_option(config, "gpu_isolate_leaks")
         policy = parse_policy(leaks_text or "warn", leaks_source or "--gpu-isolate-leaks")
         tolerance, _ = _option_or_ini(config, "gpu_isolate_gpu_tolerance", allow_zero=True)
         summary = _text_option(config, "gpu_isolate_summary")[0]
         start_text, start_source = _text_option(config, "gpu_isolate_start")
         start = parse_start(start_text, start_source) if start_text else "spawn"
-        if start == "forkserver":  # read by the fork server; a bad value is caught here
-            from .forkserver import TEMPLATE_WAIT_ENV, TEMPLATE_WAIT_MAX
-
-            wait = os.environ.get(TEMPLATE_WAIT_ENV, "").strip()
+        template_wait = TEMPLATE_WAIT_DEFAULT
+        wait_text = os.environ.get(TEMPLATE_WAIT_ENV, "").strip()
+        if start == "forkserver" and wait_text:
             what = f"environment variable {TEMPLATE_WAIT_ENV}"
-            if wait and parse_seconds(wait, what, allow_zero=True) > TEMPLATE_WAIT_MAX:
-                raise SpecError(
-                    f"invalid value {wait!r} for {what}: expected a number of seconds "
-                    f"from 0 to {TEMPLATE_WAIT_MAX:g}"
-                )
+            template_wait = parse_template_wait(wait_text, what)
         preload = default_preload()
         preload_text, preload_source = _text_option(config, "gpu_isolate_preload")
         if preload_source:
             preload = parse_preload(preload_text, preload_source)
         prewarm_text, prewarm_source = _text_option(config, "gpu_isolate_prewarm")
-        prewarm = parse_int(prewarm_text, prewarm_source, 0, 16) if prewarm_text else 1
+        prewarm = (
+            parse_int(prewarm_text, prewarm_source, 0, 16) if prewarm_text else DEFAULT_PREWARM
+        )
         precollect = config.getoption("gpu_isolate_precollect")
         if precollect is None:
             text = config.getini("gpu_isolate_precollect")
@@ -216,6 +301,7 @@ class Settings:
         return cls(
             start=start,
             precollect=precollect,
+            template_wait=template_wait,
             preload=preload,
             prewarm=prewarm,
             leaks=tuple(policy.items()),
@@ -313,8 +399,6 @@ def spec_for_item(item: pytest.Item, settings: Settings) -> IsolationSpec:
         gpus = parse_count(kwargs["gpus"], f"{MARKER} marker argument gpus")
     allowed: frozenset[str] = frozenset()
     if "allow_leaks" in kwargs:
-        from .leaks import parse_allowed
-
         allowed = parse_allowed(kwargs["allow_leaks"], f"{MARKER} marker argument allow_leaks")
     return IsolationSpec(
         timeout=timeout, timeout_source=timeout_source, grace=grace, gpus=gpus, allow_leaks=allowed

@@ -1,0 +1,108 @@
+"""The wire from an isolated process to pytest: frame kinds, send and receive, spill files.
+
+A frame is ``(kind, payload)``, pickled; ``kind`` is one of the constants below,
+which are the whole vocabulary: a frame of another kind is an error
+(``FrameError``), never silently dropped. Frames larger than ``SPILL_BYTES`` are
+written to a private (0600) file in the session directory and only the file's
+path crosses the pipe, so the pipe never carries more than a small message and
+the parent, which drains it while waiting on the child, never blocks on a
+multi-megabyte ``recv``. The parent deletes spill files as it reads them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import tempfile
+import warnings
+from importlib import import_module
+from multiprocessing.connection import Connection
+from typing import Any
+
+READY = "ready"  # the bootstrap is done: the process can answer a stack-dump request (pid)
+STALE = "stale"  # a prewarmed process initialised CUDA before its go: start afresh (why)
+REPORT = "report"  # a pytest report, as pytest_report_to_serializable data
+WARNING = "warning"  # a warning of the test (``encode_warning``)
+JUNIT = "junit"  # a record_xml_attribute / record_testsuite_property call, to replay
+TORCH_LEAK = "torch_leak"  # torch's CUDA allocator grew during the test ({device, bytes})
+EXIT = "exit"  # pytest.exit() or Ctrl-C in the test: the session ends ({interrupt, ...})
+ERROR = "error"  # why the process could not run its test (text)
+RESULT = "result"  # run_isolated: the function's value
+EXCEPTION = "exception"  # run_isolated: the exception it raised (``describe_exception``)
+DONE = "done"  # the last frame: the job finished (its exit status)
+KINDS = frozenset(
+    {READY, STALE, REPORT, WARNING, JUNIT, TORCH_LEAK, EXIT, ERROR, RESULT, EXCEPTION, DONE}
+)
+
+SPILL_BYTES = 1 << 20  # 1 MiB
+_SPILL = "__spill__"  # a frame in a file: the payload is its path
+
+
+class FrameError(ValueError):
+    """A frame that is not one of ``KINDS``."""
+
+
+def send_frame(conn: Connection, kind: str, payload: Any, spill_dir: str) -> None:
+    """Send one frame; spill it to a private file when it is large."""
+    if kind not in KINDS:
+        raise FrameError(f"unknown frame kind {kind!r}")
+    data = pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL)
+    if len(data) > SPILL_BYTES:
+        fd, path = tempfile.mkstemp(prefix="spill-", suffix=".pickle", dir=spill_dir)  # 0600
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        data = pickle.dumps((_SPILL, path), protocol=pickle.HIGHEST_PROTOCOL)
+    conn.send_bytes(data)
+
+
+def recv_frame(conn: Connection) -> tuple[str, Any]:
+    """Receive one frame, reading (and deleting) its spill file if it has one.
+
+    Raises ``EOFError`` when the child has closed its end, ``FrameError`` for a
+    frame of an unknown kind.
+    """
+    kind, payload = pickle.loads(conn.recv_bytes())
+    if kind == _SPILL:
+        path = payload
+        try:
+            with open(path, "rb") as f:
+                kind, payload = pickle.loads(f.read())
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+    if kind not in KINDS:
+        raise FrameError(f"unknown frame kind {kind!r}")
+    return kind, payload
+
+
+def encode_warning(message: warnings.WarningMessage, nodeid: str) -> dict[str, Any]:
+    """A warning of the test as plain data (its category by name)."""
+    category = message.category
+    return {
+        "message": str(message.message),
+        "category_module": category.__module__,
+        "category_name": category.__qualname__,
+        "filename": message.filename,
+        "lineno": message.lineno,
+        "nodeid": nodeid,
+    }
+
+
+def decode_warning(data: dict[str, Any]) -> tuple[Warning, type[Warning]]:
+    """The warning and its category again; ``UserWarning`` for a category that cannot be
+    imported here or will not take the message."""
+    category: Any
+    try:
+        category = import_module(data["category_module"])
+        for part in data["category_name"].split("."):
+            category = getattr(category, part)
+        if not (isinstance(category, type) and issubclass(category, Warning)):
+            raise TypeError
+    except Exception:
+        category = UserWarning
+    try:
+        message: Warning = category(data["message"])
+    except Exception:
+        message = UserWarning(data["message"])
+    return message, category

@@ -1,0 +1,75 @@
+"""What one isolated run produced: the frames, how the process ended, what it left."""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import frames
+from .leaks import Leak
+
+OUTPUT_TAIL_LINES = 60  # lines of the process's own output shown with a failure
+
+
+@dataclass
+class Outcome:
+    """What one isolated run produced and how the child ended (data only)."""
+
+    frames: list[tuple[str, Any]]
+    pid: int
+    exitcode: int | None
+    timed_out: bool
+    duration: float
+    stack: str = ""
+    output: str = ""  # what the child wrote to fds 1/2 outside pytest's capture
+    leaks: list[Leak] = field(default_factory=list)  # process leaks first, then the probes'
+    cutoff: int | None = None  # on timeout: how many frames had arrived by the deadline
+    captured: list[str] = field(default_factory=list)  # tails of the test's captured output
+    method: str = "spawn"  # how the process was started: spawn or forkserver
+    prewarmed: bool = False  # started ahead of its turn (prewarm)
+    collected: bool = False  # forked from the fork server's collected session
+    uncollected: str | None = None  # why the fork server had no collected session to fork
+
+    @property
+    def escaped(self) -> list[dict[str, Any]]:
+        """Descendants still running after the test's process ended (then killed)."""
+        return [
+            {"pid": leak.fields["pid"], "cmdline": leak.fields["cmdline"]}
+            for leak in self.leaks
+            if leak.kind == "process"
+        ]
+
+    @property
+    def output_tail(self) -> str:
+        return "\n".join(self.output.splitlines()[-OUTPUT_TAIL_LINES:])
+
+    @property
+    def finished(self) -> bool:
+        """The child said it was done, in time, and exited normally."""
+        return not self.timed_out and self.exitcode == 0 and bool(self.frames_of(frames.DONE))
+
+    @property
+    def bootstrapped(self) -> bool:
+        """The child finished its bootstrap (and could answer a stack-dump request)."""
+        return any(kind == frames.READY for kind, _ in self.frames)
+
+    @property
+    def frames_in_time(self) -> list[tuple[str, Any]]:
+        """Frames that arrived before the deadline; a timed-out test's later reports don't count."""
+        return self.frames if self.cutoff is None else self.frames[: self.cutoff]
+
+    @property
+    def signal_name(self) -> str | None:
+        if self.exitcode is None or self.exitcode >= 0:
+            return None
+        try:
+            return signal.Signals(-self.exitcode).name
+        except ValueError:
+            return f"signal {-self.exitcode}"
+
+    def frames_of(self, kind: str) -> list[Any]:
+        """Payloads of one kind; after a timeout, only what arrived before the deadline."""
+        if kind not in frames.KINDS:
+            raise frames.FrameError(f"unknown frame kind {kind!r}")
+        return [payload for k, payload in self.frames_in_time if k == kind]

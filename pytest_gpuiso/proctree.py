@@ -1,0 +1,218 @@
+"""Process primitives: liveness, start times, descendants, signalling, killing, reaping.
+
+One version of each, used by the supervisor, the leak probes and the fork server.
+A process is identified by its pid *and* its start time (``start_time``), since a
+pid is reused once its process is reaped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from collections.abc import Iterable
+from multiprocessing.connection import wait
+from typing import Any
+
+import psutil
+
+REAP_WAIT = 10.0  # upper bound for the kernel to reap a SIGKILLed process
+STOP_ROUNDS = 1000  # listings of what a tree started while it was being stopped
+
+
+def start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(b")") + 2 :].split()[19])
+
+
+def alive(proc: psutil.Process | int) -> bool:
+    """Running and not a zombie. A ``psutil.Process`` also checks that its pid was not
+    reused by another process since it was made (psutil compares start times)."""
+    try:
+        p = psutil.Process(proc) if isinstance(proc, int) else proc
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def children(pid: int) -> list[int] | None:
+    """Direct children from /proc/PID/task/*/children; None where the kernel lacks it."""
+    kids: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return []
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                kids += map(int, f.read().split())
+        except FileNotFoundError:
+            return None  # no CONFIG_PROC_CHILDREN (or the task just ended: the caller retries)
+        except OSError:
+            continue
+    return kids
+
+
+def descendant_keys(spare: frozenset[int] = frozenset()) -> set[tuple[int, float]]:
+    """(pid, start time) of every descendant of this process, except ``spare`` subtrees.
+
+    Walks ``/proc/PID/task/*/children`` from this process down, so the cost grows
+    with our descendants, not with every process on the machine (a busy CI host
+    has thousands); psutil's full scan is the fallback.
+    """
+    keys: set[tuple[int, float]] = set()
+    todo = [os.getpid()]
+    while todo:
+        kids = children(todo.pop())
+        if kids is None:
+            return _descendant_keys_psutil(spare)
+        for kid in kids:
+            start = start_time(kid)
+            if start is not None and kid not in spare:
+                keys.add((kid, float(start)))
+                todo.append(kid)
+    return keys
+
+
+def _descendant_keys_psutil(spare: frozenset[int]) -> set[tuple[int, float]]:
+    skip = set(spare)
+    for pid in spare:
+        with contextlib.suppress(psutil.Error):
+            skip.update(p.pid for p in psutil.Process(pid).children(recursive=True))
+    return {_key(p) for p in psutil.Process().children(recursive=True) if p.pid not in skip}
+
+
+def _key(p: psutil.Process) -> tuple[int, float]:
+    start = start_time(p.pid)
+    return (p.pid, float(start) if start is not None else 0.0)
+
+
+def live_descendants() -> list[int]:
+    """This process's running descendants; its exited children are reaped first."""
+    with contextlib.suppress(ChildProcessError, OSError):
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+    try:
+        kids = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return []
+    return [p.pid for p in kids if alive(p)]
+
+
+def cmdline(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline()) or p.name()
+    except psutil.Error:
+        return "?"
+
+
+def signal_group(pid: int, sig: int, extra: Iterable[psutil.Process] = ()) -> None:
+    """Signal ``pid``'s process group (``pid`` alone before it made one) and ``extra``."""
+    try:
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, sig)
+        else:
+            os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+    for p in extra:
+        with contextlib.suppress(psutil.Error):
+            p.send_signal(sig)
+
+
+def kill_tree(pid: int) -> None:
+    """Stop ``pid`` and every descendant (listing until none is new), then kill them all.
+
+    For a process that never ran its test (a prewarmed one that is discarded): what it
+    started, daemons included (it is a child subreaper until its go), goes with it.
+    The caller reaps ``pid`` itself; the others are reaped here.
+    """
+    try:
+        root = psutil.Process(pid)
+        root.suspend()
+    except psutil.Error:
+        return
+    tree: list[psutil.Process] = []
+    seen = {pid}
+    for _ in range(STOP_ROUNDS):
+        try:
+            new = [p for p in root.children(recursive=True) if p.pid not in seen]
+        except psutil.Error:
+            break
+        if not new:
+            break
+        for p in new:
+            seen.add(p.pid)
+            with contextlib.suppress(psutil.Error):
+                p.suspend()
+        tree += new
+    for p in (root, *tree):
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(tree, timeout=REAP_WAIT)
+
+
+def pidfd(pid: int) -> int | None:
+    """A descriptor that becomes readable when ``pid`` exits; None before Linux 5.3.
+
+    Unlike ``multiprocessing``'s sentinel pipe, which every process the child forks
+    inherits, it fires when the child itself exits, whatever its descendants do.
+    """
+    with contextlib.suppress(AttributeError, OSError):
+        return os.pidfd_open(pid)
+    return None
+
+
+class Child:
+    """A child process of ours that ``multiprocessing`` did not start (the fork server's
+    forks): the subset of ``multiprocessing.Process`` we use."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.exitcode: int | None = None
+        self.sentinel = None  # a pidfd serves instead
+
+    def join(self, timeout: float | None = None) -> None:
+        if self.exitcode is not None:
+            return
+        try:
+            pid, status = os.waitpid(self.pid, 0 if timeout is None else os.WNOHANG)
+        except ChildProcessError:
+            self.exitcode = 255
+            return
+        if pid:
+            self.exitcode = os.waitstatus_to_exitcode(status)
+
+
+def reap(proc: Any, exited: Any, timeout: float = REAP_WAIT) -> bool:
+    """Collect the exit status of our child ``proc`` (a ``Process`` or a ``Child``) once
+    ``exited`` (its pidfd or sentinel) says it has exited, waiting up to ``timeout``.
+
+    Returns whether it was reaped. ``Process.join(timeout)`` would wait on the sentinel
+    pipe, which a forked grandchild may still hold; once the pidfd says the child
+    exited, a blocking join is just ``waitpid`` on a zombie and returns at once.
+    """
+    if exited is not None and wait([exited], timeout):
+        proc.join()
+        return True
+    proc.join(0)
+    return proc.exitcode is not None
+
+
+def reap_pid(pid: int, timeout: float = 5.0) -> None:
+    """Reap our child ``pid``, SIGKILLing it if it has not exited within ``timeout``."""
+    child = Child(pid)
+    fd = pidfd(pid)
+    try:
+        if not reap(child, fd, timeout):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+            reap(child, fd, timeout)
+    finally:
+        if fd is not None:
+            os.close(fd)

@@ -1,0 +1,92 @@
+"""The JSON record of one isolated test: built once, after every report of the test is final.
+
+Records ride on the test's last report (``RECORD_ATTR``), so under xdist the
+controller receives every worker's records test by test, even from a worker that
+later crashes. ``report`` writes them out (JSON, Markdown, terminal).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from .leaks import Verdict
+from .outcome import Outcome
+from .settings import IsolationSpec
+
+SCHEMA_VERSION = 1
+RECORD_ATTR = "gpu_isolate"  # attribute of the last report; survives xdist serialization
+
+
+def final_outcome(reports: list[pytest.TestReport]) -> str:
+    """The test's one-word outcome, by one rule for every path.
+
+    A failed call is ``failed``; any other failed phase (setup, teardown: the test's
+    own or the parent's, a leak that fails the test) is ``error``, as pytest counts
+    it; otherwise what the call (or a skipped setup) says.
+    """
+    by_phase = {r.when: r for r in reports}
+    call = by_phase.get("call")
+    if call is not None and call.failed:
+        return "failed"
+    if any(r.failed for r in reports):
+        return "error"
+    if call is not None:
+        if hasattr(call, "wasxfail"):
+            return "xfailed" if call.skipped else "xpassed"
+        if call.skipped:
+            return "skipped"
+    setup = by_phase.get("setup")
+    if setup is not None and setup.skipped:
+        return "xfailed" if hasattr(setup, "wasxfail") else "skipped"
+    return "passed"
+
+
+def build_record(
+    nodeid: str,
+    reports: list[pytest.TestReport],
+    outcome: Outcome | None = None,
+    spec: IsolationSpec | None = None,
+    lease: Any = None,
+    verdict: Verdict | None = None,
+) -> dict[str, Any]:
+    """One test's entry in the JSON report (schema version 1).
+
+    ``outcome`` is None when no process ran (a bad marker, a lease timeout, a skip).
+    """
+    record: dict[str, Any] = {
+        "nodeid": nodeid,
+        "outcome": final_outcome(reports),
+        "duration": round(outcome.duration, 6) if outcome else 0.0,
+        "pid": outcome.pid if outcome else None,
+        "timeout": spec.timeout if spec and outcome else None,
+        "exit": {
+            "code": outcome.exitcode if outcome else None,
+            "signal": outcome.signal_name if outcome else None,
+            "timed_out": outcome.timed_out if outcome else False,
+        },
+        "escaped": list(outcome.escaped) if outcome else [],
+        "leaks": verdict.records if verdict is not None else [],
+        "start": {
+            "method": outcome.method if outcome else None,
+            "prewarmed": outcome.prewarmed if outcome else False,
+            "collected": outcome.collected if outcome else False,
+            "uncollected": outcome.uncollected if outcome else None,
+        },
+    }
+    if lease is not None:
+        record["gpus"] = list(lease.devices)
+        record["lease_wait"] = round(lease.waited, 6)
+    return record
+
+
+def attach_record(reports: list[pytest.TestReport], record: dict[str, Any]) -> None:
+    """Put the record on the test's last report."""
+    setattr(reports[-1], RECORD_ATTR, record)
+
+
+def record_of(report: Any) -> dict[str, Any] | None:
+    """The record a report carries, if it is a test's last report."""
+    record = getattr(report, RECORD_ATTR, None)
+    return record if isinstance(record, dict) else None
