@@ -13,11 +13,12 @@ import pickle
 from collections.abc import Callable
 from typing import Any
 
-from . import workdir
+from . import frames, workdir
 from .child import CallJob
 from .leases import LEASED_ENV, Leases, discover, visible_env
+from .outcome import Outcome
 from .settings import DEFAULT_GRACE, parse_count, parse_seconds
-from .supervisor import Outcome, Supervisor
+from .supervisor import Supervisor
 
 
 class IsolationError(RuntimeError):
@@ -119,10 +120,10 @@ def _label(func: Callable[..., Any]) -> str:
 
 
 def _unwrap(func: Callable[..., Any], outcome: Outcome, timeout: float | None) -> Any:
-    results = outcome.frames_of("result")
+    results = outcome.frames_of(frames.RESULT)
     if results:
         return results[0]
-    exceptions = outcome.frames_of("exception")
+    exceptions = outcome.frames_of(frames.EXCEPTION)
     if exceptions:
         info = exceptions[0]
         exc = None
@@ -140,7 +141,7 @@ def _unwrap(func: Callable[..., Any], outcome: Outcome, timeout: float | None) -
     detail = "\n\n".join(
         part
         for part in (
-            "\n".join(outcome.frames_of("error")),
+            "\n".join(outcome.frames_of(frames.ERROR)),
             f"Stack at the timeout:\n{outcome.stack}" if outcome.stack else "",
             f"Last output:\n{outcome.output_tail}" if outcome.output_tail else "",
         )

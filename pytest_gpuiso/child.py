@@ -42,12 +42,11 @@ import pytest
 from . import _compat, cuda_state, frames
 from ._linux import die_with_parent, set_child_subreaper
 from .frames import send_frame
+from .leaks import torch as torch_check
 
 CHILD_PLUGIN = "gpuiso-child"
 
 _keep: list[Any] = []  # objects that must live as long as the process (faulthandler's file)
-# A configuration the fork server parsed before forking this process (see ``ItemJob.run``).
-prepared: Any = None
 
 
 @dataclass(frozen=True)
@@ -66,24 +65,35 @@ class Bootstrap:
 CUDA_ENV = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
 
 
-def main(boot: Bootstrap, job: Any, conn: Connection, go: Connection | None = None) -> None:
-    """Entry point of the isolated process (spawned, or forked by the fork server)."""
-    _bootstrap(boot, conn)
+def main(
+    boot: Bootstrap,
+    job: Any,
+    conn: Connection,
+    go: Connection | None = None,
+    *,
+    config: Any = None,
+) -> None:
+    """Entry point of the isolated process (spawned, or forked by the fork server).
+
+    ``config``: a configuration the fork server parsed (never configured) before it
+    forked this process; an ``ItemJob`` uses it when it was parsed from its arguments.
+    """
+    bootstrap(boot, conn)
     channel = Channel(conn, boot.spill_dir, go, boot.output)
     status = 0
     try:
-        _refuse_inherited_cuda()
+        refuse_inherited_cuda()
         channel.send(frames.READY, os.getpid())
         _preload(boot.preload)
-        job.run(channel, boot)
+        job.run(channel, boot, config)
     except BaseException:
         status = 1
         with contextlib.suppress(Exception):
-            send_frame(conn, frames.ERROR, _internal_error(), boot.spill_dir)
-    _flush_and_exit(status)
+            send_frame(conn, frames.ERROR, internal_error(), boot.spill_dir)
+    flush_and_exit(status)
 
 
-def _refuse_inherited_cuda() -> None:
+def refuse_inherited_cuda() -> None:
     inherited = cuda_state.touched()
     if inherited is not None:
         raise RuntimeError(
@@ -92,18 +102,18 @@ def _refuse_inherited_cuda() -> None:
         )
 
 
-def _internal_error() -> str:
+def internal_error() -> str:
     return "internal error in the isolated process:\n" + traceback.format_exc()
 
 
-def _flush_and_exit(status: int) -> NoReturn:
+def flush_and_exit(status: int) -> NoReturn:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
     os._exit(status)
 
 
-def _bootstrap(boot: Bootstrap, conn: Connection) -> None:
+def bootstrap(boot: Bootstrap, conn: Connection) -> None:
     # Own process group: the parent signals the test's whole tree at once, and
     # the terminal's Ctrl-C goes to pytest, which then takes the group down.
     with contextlib.suppress(OSError):
@@ -197,7 +207,7 @@ class CallJob:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
 
-    def run(self, channel: Channel, boot: Bootstrap) -> None:
+    def run(self, channel: Channel, boot: Bootstrap, config: Any = None) -> None:
         channel.wait_go()
         try:
             value = self.func(*self.args, **self.kwargs)
@@ -258,38 +268,25 @@ class ItemJob:
     junit_family: str | None = None  # the parent writes junitxml with this family
     torch_check: bool = False  # compare torch's CUDA allocator before and after the test
 
-    def run(self, channel: Channel, boot: Bootstrap) -> None:
-        _name_capture_files(boot.capture_prefix)
+    def run(self, channel: Channel, boot: Bootstrap, config: Any = None) -> None:
+        name_capture_files(boot.capture_prefix)
         os.chdir(self.invocation_dir)
         plugin = ChildPlugin(self, channel)
-        config = _take_prepared(self.args, self.invocation_dir)
+        if config is not None:  # parsing it once in the fork server saves ~15 ms a test
+            params = config.invocation_params
+            if tuple(params.args) != self.args or str(params.dir) != self.invocation_dir:
+                config = None
         if config is None:
             config = _compat.prepare_config(list(self.args), plugins=[plugin])
         else:
             config.pluginmanager.register(plugin)
-            _restart_capture(config)
-        _override_options(config.option, self.basetemp)
+            restart_capture(config)
+        override_options(config.option, self.basetemp)
         status = config.hook.pytest_cmdline_main(config=config)
         channel.send(frames.DONE, int(status))
 
 
-def _take_prepared(args: tuple[str, ...], invocation_dir: str) -> Any:
-    """The fork server's parsed (never configured) configuration, if it fits this job.
-
-    Parsing imports and registers every plugin and the initial conftests; doing it
-    once in the server saves each test's process ~15 ms of its start-up.
-    """
-    global prepared
-    config, prepared = prepared, None
-    if config is None:
-        return None
-    params = config.invocation_params
-    if tuple(params.args) != tuple(args) or str(params.dir) != invocation_dir:
-        return None
-    return config
-
-
-def _restart_capture(config: Any) -> None:
+def restart_capture(config: Any) -> None:
     """Give this process its own global capture (the server stopped its own after parsing).
 
     As after ``pytest_load_initial_conftests``: started, then suspended until a test runs.
@@ -300,7 +297,7 @@ def _restart_capture(config: Any) -> None:
         capman.suspend_global_capture()
 
 
-def _name_capture_files(prefix: str) -> None:
+def name_capture_files(prefix: str) -> None:
     """Give pytest's fd-capture files names in our private directory.
 
     pytest captures into anonymous temporary files; when the test crashes they
@@ -338,7 +335,7 @@ _CHILD_OVERRIDES: dict[str, Any] = {
 }
 
 
-def _override_options(option: Any, basetemp: str) -> None:
+def override_options(option: Any, basetemp: str) -> None:
     for name, value in _CHILD_OVERRIDES.items():
         if hasattr(option, name):
             setattr(option, name, value)
@@ -419,7 +416,7 @@ class ChildPlugin:
         return True
 
     def _run(self, item: Any) -> None:
-        before = torch_allocated() if self.job.torch_check else {}
+        before = torch_check.allocated() if self.job.torch_check else {}
         try:
             item.config.hook.pytest_runtest_protocol(item=item, nextitem=None)
         except (pytest.exit.Exception, KeyboardInterrupt) as exc:
@@ -434,7 +431,7 @@ class ChildPlugin:
             )
             raise
         if self.job.torch_check:
-            for device, grown in torch_growth(before).items():
+            for device, grown in torch_check.growth(before).items():
                 self.channel.send(frames.TORCH_LEAK, {"device": device, "bytes": grown})
 
     def pytest_runtest_logreport(self, report: Any) -> None:
@@ -461,145 +458,6 @@ class ChildPlugin:
         )
 
 
-class TemplatePlugin(ChildPlugin):
-    """The template's session (see ``forkserver``): collect, then fork tests' processes.
-
-    The template configures pytest, starts the session and collects the isolated
-    tests' modules once; then its ``pytest_collection`` hands over to the fork
-    server's request loop. That loop returns only in a freshly forked test's
-    process (by raising ``forkserver.Become``), which takes its job from it, sets
-    up what is its own (pipes, output, capture files, temporary directory), waits
-    for its go and runs its item from the collected session.
-    """
-
-    def __init__(self, modules: list[str] | None, serve: Callable[[list[str]], None]) -> None:
-        super().__init__(None, None)  # type: ignore[arg-type] - given to each fork
-        self.modules = modules
-        self.serve = serve
-        self.items: dict[str, Any] = {}
-        self.seeded: list[Any] = [None, None]  # generator states the collection set
-
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_collection(self, session: Any) -> bool:
-        from .forkserver import Become
-
-        before = _random_states()
-        session.perform_collect(self.modules)  # None: the session's arguments, as pytest
-        # A module that seeded a global generator at import: each test's process starts
-        # from that state, as if it had imported the module itself (a fork reseeds them).
-        after = _random_states()
-        self.seeded = [new if new != old else None for old, new in zip(before, after, strict=True)]
-        self.items = {item.nodeid: item for item in session.items}
-        capman = self.config.pluginmanager.get_plugin("capturemanager")
-        if capman is not None:  # each test's process captures into its own files
-            capman.stop_global_capturing()
-        try:
-            self.serve(list(self.items))
-        except Become as become:
-            boot, job, conn, go = become.args
-        else:
-            os._exit(0)
-        self._become(boot, job, conn, go)
-        self.channel.wait_go()
-        return True
-
-    def _become(self, boot: Bootstrap, job: ItemJob, conn: Connection, go: Connection) -> None:
-        """This process is now the test's: take its job and what is its own."""
-        _bootstrap(boot, conn)
-        self.job = job
-        self.channel = Channel(conn, boot.spill_dir, go, boot.output)
-        _refuse_inherited_cuda()
-        self.channel.send(frames.READY, os.getpid())
-        config = self.config
-        self._record_junit(config)
-        _name_capture_files(boot.capture_prefix)
-        _restart_capture(config)
-        _override_options(config.option, job.basetemp)
-        # The session's factory was made in the template: this test's basetemp instead.
-        _compat.retarget_basetemp(config, job.basetemp)
-        _restore_random_states(self.seeded)
-        _repoint_faulthandler(config)
-
-    @pytest.hookimpl(trylast=True)
-    def pytest_collection_modifyitems(self, items: list) -> None:
-        """Keep everything: the template serves every test it collected."""
-
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_runtestloop(self, session: Any) -> bool:
-        item = self.items.get(self.job.nodeid)
-        session.items[:] = [item] if item is not None else []
-        return super().pytest_runtestloop(session)
-
-
-def run_template(
-    config: Any, modules: list[str] | None, serve: Callable[[list[str]], None]
-) -> None:
-    """The template's pytest session; in a test's process forked from it, the test's end."""
-    plugin = TemplatePlugin(modules, serve)
-    config.pluginmanager.register(plugin, CHILD_PLUGIN)
-    _restart_capture(config)
-    _override_options(config.option, config.option.basetemp)
-    try:
-        status = int(config.hook.pytest_cmdline_main(config=config))
-    except BaseException:
-        if plugin.channel is None:  # the template itself failed: the server forks instead
-            raise
-        with contextlib.suppress(Exception):
-            plugin.channel.send(frames.ERROR, _internal_error())
-        _flush_and_exit(1)
-    if plugin.channel is not None:  # a test's process: its session is over
-        plugin.channel.send(frames.DONE, status)
-        status = 0
-    _flush_and_exit(status)
-
-
-def _random_states() -> list[Any]:
-    """The states of Python's and numpy's global random generators (None: no numpy)."""
-    import random
-
-    numpy = sys.modules.get("numpy")
-    try:
-        state = numpy.random.get_state() if numpy is not None else None
-    except Exception:
-        state = None
-    return [random.getstate(), _comparable(state)]
-
-
-def _comparable(state: Any) -> Any:
-    """numpy's state tuple holds an array; a tuple of plain values compares with ==."""
-    if state is None:
-        return None
-    return tuple(x.tolist() if hasattr(x, "tolist") else x for x in state)
-
-
-def _restore_random_states(seeded: list[Any]) -> None:
-    import random
-
-    python, numpy_state = seeded
-    if python is not None:
-        random.setstate(python)
-    numpy = sys.modules.get("numpy")
-    if numpy_state is not None and numpy is not None:
-        with contextlib.suppress(Exception):
-            kind, keys, *rest = numpy_state
-            numpy.random.set_state((kind, numpy.asarray(keys, dtype=numpy.uint32), *rest))
-
-
-def _repoint_faulthandler(config: Any) -> None:
-    """Crash dumps go to this process's stderr, as pytest's faulthandler plugin set it up.
-
-    The plugin enabled faulthandler on a copy of stderr made at configure time, in the
-    template; here the copy is pointed at this process's stderr (while capture is
-    suspended, so the real one), and faulthandler at the copy, which fd capture of
-    fd 2 during the test does not redirect.
-    """
-    with contextlib.suppress(Exception):
-        fd = config.stash.get(_compat.fault_handler_stderr_fd_key, None)
-        if fd is not None:
-            os.dup2(2, fd)
-            faulthandler.enable(file=fd, all_threads=True)
-
-
 class QuietReporter(_compat.TerminalReporter):
     """The child's terminal reporter: writes to /dev/null and asks for no summary.
 
@@ -610,29 +468,6 @@ class QuietReporter(_compat.TerminalReporter):
     @pytest.hookimpl(wrapper=True)
     def pytest_sessionfinish(self, session: Any, exitstatus: Any) -> Any:
         return (yield)
-
-
-def torch_allocated() -> dict[int, int]:
-    """Bytes held by torch's CUDA allocator per device; {} when CUDA is not initialised.
-
-    Never initialises CUDA itself: a test that did not use the GPU has nothing to compare.
-    """
-    torch = sys.modules.get("torch")
-    if torch is None or not torch.cuda.is_initialized():
-        return {}
-    return {d: int(torch.cuda.memory_allocated(d)) for d in range(torch.cuda.device_count())}
-
-
-def torch_growth(before: dict[int, int]) -> dict[int, int]:
-    """Growth of ``torch_allocated()`` since ``before``, after dropping unreachable tensors."""
-    import gc
-
-    gc.collect()
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
-    after = torch_allocated()
-    return {d: n - before.get(d, 0) for d, n in after.items() if n > before.get(d, 0)}
 
 
 class JunitRecorder:

@@ -24,7 +24,8 @@ from . import _compat, frames, report, workdir
 from ._linux import set_child_subreaper
 from .call import call_isolated
 from .child import CHILD_PLUGIN, ItemJob
-from .leaks import Leak, Probe, Verdict, judge
+from .leaks import Probe, Verdict, judge
+from .leaks import torch as torch_check
 from .leaks.gpu_memory import GpuMemoryProbe, NvmlReader
 from .leaks.shm import ShmProbe, preload_env
 from .leases import Devices, Lease, Leases, LeaseTimeout, discover
@@ -459,7 +460,9 @@ def _run_isolated_item(
             state.leases.release(lease)
     state.runs[outcome.method] = state.runs.get(outcome.method, 0) + 1
     _tell_start_problems(item, state, supervisor)
-    leaks = outcome.leaks + [_torch_leak(data) for data in outcome.frames_of(frames.TORCH_LEAK)]
+    leaks = outcome.leaks + [
+        torch_check.leak(data) for data in outcome.frames_of(frames.TORCH_LEAK)
+    ]
     verdict = judge(leaks, dict(state.settings.leaks), spec.allow_leaks)
     _replay_warnings(item.config, outcome.frames_of(frames.WARNING))
     _warn_leaks(item, verdict)
@@ -618,16 +621,6 @@ def _close(config: pytest.Config) -> None:
         if state.prewarmer is not None:
             state.prewarmer.close()
         state.supervisor.close()
-
-
-def _torch_leak(data: dict[str, Any]) -> Leak:
-    """A growth of torch's allocator reported by the child (--gpu-isolate-torch-check)."""
-    return Leak(
-        "gpu_memory",
-        f"cuda:{data['device']}: torch.cuda.memory_allocated() grew by {data['bytes']} bytes "
-        "during the test (tensors still referenced after teardown)",
-        {"device": f"cuda:{data['device']}", "bytes": data["bytes"], "source": "torch"},
-    )
 
 
 def _item_job(item: pytest.Item, settings: Settings) -> ItemJob:

@@ -8,9 +8,12 @@ pid is reused once its process is reaped.
 from __future__ import annotations
 
 import contextlib
+import multiprocessing.process
 import os
 import signal
-from collections.abc import Iterable
+import sys
+import types
+from collections.abc import Iterable, Iterator
 from multiprocessing.connection import wait
 from typing import Any
 
@@ -216,3 +219,34 @@ def reap_pid(pid: int, timeout: float = 5.0) -> None:
     finally:
         if fd is not None:
             os.close(fd)
+
+
+def unlist(proc: Any) -> None:
+    """Keep one of our spawned processes out of ``multiprocessing.active_children()``.
+
+    A test (run in-process) that cleans up the children it sees there must not
+    terminate the fork server or a prewarmed process. We wait for and reap them
+    ourselves (pidfd, ``join``).
+    """
+    with contextlib.suppress(AttributeError, KeyError):
+        multiprocessing.process._children.discard(proc)  # type: ignore[attr-defined]
+
+
+@contextlib.contextmanager
+def main_not_rerun() -> Iterator[None]:
+    """While starting a spawned process: it must not re-run this process's ``__main__``.
+
+    multiprocessing re-runs the parent's main script in every spawned child (as
+    ``__mp_main__``) so that functions defined there unpickle. pytest's processes need
+    nothing from it, and re-running it is harmful: a ``run_tests.py`` calling
+    ``pytest.main()`` without a ``__name__`` guard would start pytest again in every
+    test's process, and a script read from stdin (``python -``) cannot be re-run at all.
+    The preparation data is taken inside ``start()``, so a bare ``__main__`` is in
+    place only for that call.
+    """
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main

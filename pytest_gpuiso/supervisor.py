@@ -38,13 +38,23 @@ from typing import Any
 import psutil
 
 from . import child, frames
-from .forkserver import ForkServer, Unavailable, main_not_rerun, unlist
+from .forkserver import ForkServer, Unavailable
 from .leaks import Leak, Probe, RunInfo
 from .leaks.process import ProcessProbe
 from .leaks.shm import LOG_ENV, remove_created
 from .leaks.shm import scan as shm_scan
 from .outcome import OUTPUT_TAIL_LINES, Outcome
-from .proctree import REAP_WAIT, Child, alive, kill_tree, pidfd, reap, signal_group
+from .proctree import (
+    REAP_WAIT,
+    Child,
+    alive,
+    kill_tree,
+    main_not_rerun,
+    pidfd,
+    reap,
+    signal_group,
+    unlist,
+)
 from .settings import TEMPLATE_WAIT_DEFAULT
 
 STACK_SIGNAL = int(signal.SIGRTMIN) + 2  # unlikely to collide with a test's own handlers

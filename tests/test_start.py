@@ -298,7 +298,7 @@ def test_an_isolated_process_with_cuda_state_refuses_to_run(fake_libcuda: Path, 
 
 
 def test_unsafe_to_fork_reports_a_running_thread() -> None:
-    """forkserver.unsafe_to_fork() names the threads of a process that has more than one
+    """forkserver.fork.unsafe_to_fork() names the threads of a process that has more than one
     (in a subprocess: this process may have threads of its own, e.g. xdist's); a fork
     the template refuses for it names the template, not the server."""
     seen = _probe("threads", None)

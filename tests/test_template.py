@@ -37,7 +37,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pytest_gpuiso.forkserver import FORK_TWICE_ENV
+from pytest_gpuiso.forkserver.fork import FORK_TWICE_ENV
 from pytest_gpuiso.settings import TEMPLATE_WAIT_ENV
 from tests.helpers import GpuIso, kill_quietly, make_gpuiso, wait_gone
 from tests.test_semantics import normalized
@@ -395,7 +395,7 @@ def test_no_precollect_forks_from_the_parsed_configuration(env: Env) -> None:
     ]
 
 
-# True while the fork server's template imports the module (its run_template is on the
+# True while the fork server's template imports the module (its _template_main is on the
 # stack); not in pytest, nor in a test's process forked by the server, which collects itself.
 IN_TEMPLATE = """
 import sys, time
@@ -403,7 +403,7 @@ import sys, time
 
 def in_template():
     frame = sys._getframe()
-    while frame is not None and frame.f_code.co_name != "run_template":
+    while frame is not None and frame.f_code.co_name != "_template_main":
         frame = frame.f_back
     return frame is not None
 """

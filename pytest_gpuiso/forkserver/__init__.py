@@ -1,0 +1,133 @@
+"""The fork server: one process per pytest worker that forks the isolated tests' processes.
+
+Starting an interpreter and importing pytest, its plugins and torch costs seconds;
+forking a process that already did costs milliseconds. ``ForkServer`` is pytest's
+handle on it; the server process is ``server``, its pre-collected session (the
+template) ``template``, and the fork mechanics and request wire ``fork``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+from ..proctree import main_not_rerun, reap, reap_pid, unlist
+from ..settings import TEMPLATE_WAIT_DEFAULT
+from .fork import close_quietly, send_request
+from .server import ServerBoot, Unavailable, main
+
+__all__ = ["ForkServer", "Unavailable"]
+
+
+class ForkServer:
+    """pytest's handle on its fork server."""
+
+    def __init__(
+        self,
+        ctx: Any,
+        log: Path,
+        preload: tuple[str, ...],
+        args: tuple[str, ...],
+        invocation_dir: str,
+        collect_all: bool = False,
+        template_wait: float = TEMPLATE_WAIT_DEFAULT,
+    ) -> None:
+        self.log = log
+        self.conn, theirs = ctx.Pipe(duplex=True)  # a Unix socket pair
+        boot = ServerBoot(
+            os.getpid(),
+            str(log),
+            tuple(preload),
+            tuple(args),
+            invocation_dir,
+            collect_all,
+            template_wait,
+        )
+        self.proc = ctx.Process(target=main, args=(boot, theirs), daemon=False)
+        with main_not_rerun():
+            self.proc.start()
+        unlist(self.proc)
+        # Its exit, seen even while forked tests hold its sentinel pipe (they inherit it).
+        self.pidfd = os.pidfd_open(self.proc.pid)
+        theirs.close()
+        self.sock = socket.socket(fileno=os.dup(self.conn.fileno()))
+        self.ready = False
+        self.template_pid: int | None = None  # the server's template, when it is our child
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def wait_ready(self, timeout: float) -> None:
+        """Return once the server is ready; ``Unavailable`` if it never is."""
+        if not self.ready:
+            kind, payload = self._answer(timeout, "start")
+            if kind != "ready":
+                raise Unavailable(payload)
+            self.ready = True
+
+    def request_fork(self, boot: Any, job: Any, fds: list[int], timeout: float) -> None:
+        """Ask the server to fork a test's process; ``answer()`` later gives its pid.
+
+        Answers come in the order of the requests. ``fds`` (the child's ends of its
+        pipes) travel with the request; the caller may close its copies at once.
+        """
+        self.wait_ready(timeout)
+        try:
+            send_request(self.sock, self.conn, ("fork", boot, job), fds)
+        except OSError as exc:
+            raise Unavailable(f"the fork server is gone ({exc}){self._log_tail()}") from None
+
+    def answer(self, timeout: float) -> tuple[str, Any]:
+        """The next answer to a fork request: ("refused"/"failed", why) or ("forked", (pid,
+        source, note)): forked from the collected ``"template"`` or the parsed ``"server"``;
+        ``note``: why the template could not serve, once it has given up. Each answer
+        also names the template, which ``template_pid`` keeps (pytest's child, like the
+        tests', where it can be: spared by the sweep and reaped by ``close``)."""
+        return self._answer(timeout, "fork")
+
+    def collect(self, directories: list[str], modules: list[str]) -> None:
+        """Tell the server the isolated tests' directories and modules (best effort).
+
+        It imports the directories' conftests and starts a template that collects
+        the modules, so that most tests' processes only have to run their item.
+        """
+        with contextlib.suppress(OSError):
+            send_request(self.sock, self.conn, ("collect", directories, modules))
+
+    def _answer(self, timeout: float, what: str) -> tuple[str, Any]:
+        try:
+            if not self.conn.poll(timeout):
+                return "failed", f"the fork server did not answer ({what}) within {timeout:g} s"
+            kind, payload, *template = self.conn.recv()
+            if template and template[0] is not None:
+                self.template_pid = template[0]
+            return kind, payload
+        except (EOFError, OSError):
+            code = self.proc.exitcode
+            how = f" (exit code {code})" if code is not None else ""
+            return "failed", f"the fork server exited{how}{self._log_tail()}"
+
+    def _log_tail(self) -> str:
+        try:
+            lines = self.log.read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return ""
+        return f"; its last output: {lines[-1].strip()}" if lines else ""
+
+    def close(self) -> None:
+        """Stop the server (it exits when its socket closes) and remove its log."""
+        close_quietly(self.sock, self.conn)
+        if not reap(self.proc, self.pidfd, 1.0):
+            with contextlib.suppress(OSError):
+                self.proc.kill()
+            reap(self.proc, self.pidfd, 5.0)
+        os.close(self.pidfd)
+        if self.template_pid is not None:  # the server killed it on its way out
+            reap_pid(self.template_pid)
+            self.template_pid = None
+        with contextlib.suppress(OSError):
+            self.log.unlink()

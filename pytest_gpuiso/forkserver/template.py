@@ -1,0 +1,415 @@
+"""The template: a configured, collected pytest session that the tests' processes fork from.
+
+The fork server forks the template once the isolated tests are known. It configures
+pytest, starts the session and collects the isolated tests' modules, then waits in
+its ``pytest_collection`` for fork requests; a test's process forked there returns
+from that wait into the session and only runs its item (``TemplatePlugin``).
+
+The template serves only if configuring and collecting left nothing outside its
+memory that its forks would share (``left_outside``), and only while it has not
+touched CUDA and has one thread (``fork.unsafe_to_fork``); otherwise it says why and
+exits, and the server forks the tests from its parsed configuration, each of which
+configures and collects itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import os
+import random
+import signal
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from multiprocessing.connection import Connection
+from typing import Any, Protocol
+
+import pytest
+
+from .. import _compat, child, frames
+from .._linux import die_with_parent, huge_page_steps, set_child_subreaper
+from ..leaks.shm import LOG_ENV, created_entries, remove_created
+from ..proctree import live_descendants
+from .fork import (
+    close_fds,
+    close_quietly,
+    fork_sibling,
+    fork_test_process,
+    one_line,
+    receive_request,
+    send_request,
+    unsafe_to_fork,
+)
+
+# A test's process forked from the template: its bootstrap, job and pipe ends.
+Forked = tuple[child.Bootstrap, Any, Connection, Connection]
+
+
+class Server(Protocol):
+    """What the template takes from the fork server that forks it (``server.Server``)."""
+
+    boot: Any  # its ServerBoot
+    sock: socket.socket
+    conn: Connection
+    config: Any  # the parsed configuration
+    stdio: tuple[int, int]  # pytest's stdout and stderr
+    template_note: str | None
+
+
+class TemplateHandle:
+    """The server's handle on its template."""
+
+    def __init__(self, pid: int, sock: socket.socket, ours: bool, patience: float) -> None:
+        self.pid = pid
+        self.sock = sock
+        self.conn = Connection(os.dup(sock.fileno()))
+        self.ours = ours  # the server's child (else pytest's, reaped there)
+        self.items: frozenset[str] | None = None  # node ids it collected, once it says so
+        self.unusable: str | None = None
+        self.stopped = False
+        self.deadline = time.monotonic() + patience  # fork requests wait until then
+
+    @classmethod
+    def start(cls, server: Server, modules: list[str] | None) -> TemplateHandle | None:
+        """Fork the template, collecting ``modules`` (None: the session's arguments).
+
+        It is pytest's child where ``fork_sibling`` works, like the tests' processes.
+        """
+        problem = unsafe_to_fork()
+        if problem is not None:  # a fork now could deadlock, or carry CUDA into the template
+            server.template_note = f"the fork server did not fork a template: {problem}"
+            return None
+        ours, theirs = socket.socketpair()
+        parent = server.boot.parent_pid
+        try:
+            pid = fork_sibling()
+            if pid is None:
+                parent = os.getpid()
+                pid = os.fork()
+        except OSError:
+            ours.close()
+            theirs.close()
+            return None
+        if pid == 0:  # the template
+            try:
+                die_with_parent(parent)
+                ours.close()
+                close_quietly(server.sock, server.conn)
+                _template_main(server, theirs, modules)
+            finally:
+                os._exit(73)
+        theirs.close()
+        return cls(pid, ours, parent != server.boot.parent_pid, server.boot.template_wait)
+
+    @property
+    def reaper_pid(self) -> int | None:
+        """Its pid for pytest to spare and reap, when it is pytest's child."""
+        return None if self.ours else self.pid
+
+    def serves(self, job: Any) -> bool:
+        """Whether this job's process can be forked from the template (it has its item)."""
+        if self.unusable is not None:
+            return False
+        if self.items is None:
+            try:
+                if not self.conn.poll(max(0.0, self.deadline - time.monotonic())):
+                    return False  # still collecting: the server forks this one
+                kind, payload = self.conn.recv()
+            except (EOFError, OSError):
+                kind, payload = "unusable", "the template process exited"
+            if kind != "collected":
+                self.unusable = str(payload)
+                self.stop()
+                return False
+            self.items = frozenset(payload)
+        return job.nodeid in self.items
+
+    def fork(self, fds: list[int], cboot: Any, job: Any) -> tuple[str, Any]:
+        try:
+            send_request(self.sock, self.conn, ("fork", cboot, job), fds)
+            answer = self.conn.recv()
+        except (EOFError, OSError) as exc:
+            answer = ("failed", f"the template process is gone ({exc})")
+        if answer[0] != "forked":
+            self.unusable = str(answer[1])
+            self.stop()
+        return answer
+
+    def stop(self) -> None:
+        """Kill it (once: after our waitpid its pid may be anyone's)."""
+        if self.stopped:
+            return
+        self.stopped = True
+        close_quietly(self.sock, self.conn)
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.kill(self.pid, signal.SIGKILL)  # pytest's child: a zombie until pytest reaps it
+            if self.ours:
+                os.waitpid(self.pid, 0)
+
+
+def _template_main(server: Server, sock: socket.socket, modules: list[str] | None) -> None:
+    """The template process: configure, collect, then fork tests from inside the session."""
+    boot = server.boot
+    conn = Connection(os.dup(sock.fileno()))
+    config = server.config
+    # Its own temporary directory: the session's --basetemp is pytest's to wipe, not ours.
+    workdir = os.path.dirname(boot.log)
+    config.option.basetemp = tempfile.mkdtemp(prefix="template-", dir=workdir)
+    before = _descriptors(), _shared_mappings()
+    shm_log = None
+    if LOG_ENV in os.environ or "LD_PRELOAD" in os.environ:  # the /dev/shm shim may be loaded
+        shm_log = os.path.join(config.option.basetemp, "shm.log")
+        os.close(os.open(shm_log, os.O_CREAT | os.O_WRONLY, 0o600))  # the shim only appends
+        os.environ[LOG_ENV] = shm_log
+    # Until it has collected, daemons its plugins start (double fork, setsid) become its
+    # children too, so that left_outside sees them, instead of being re-parented to pytest.
+    set_child_subreaper(True)
+
+    def await_fork(items: list[str]) -> Forked:
+        """Called by the session once collected; returns only in a test's process."""
+        os.environ.pop(LOG_ENV, None)
+        problem = unsafe_to_fork("the template") or left_outside(before, shm_log)
+        set_child_subreaper(False)  # tests' orphans (with two forks: tests) go to pytest
+        if problem is not None:  # what it made goes with it, not to a test's account
+            for pid in live_descendants():
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+            if shm_log is not None:
+                remove_created(shm_log)
+            conn.send(("unusable", f"after configuring and collecting: {problem}"))
+            os._exit(0)
+        import gc
+
+        gc.freeze()
+        conn.send(("collected", items))
+        forked = _serve_forks(boot.parent_pid, sock, conn, server.stdio)
+        if forked is None:
+            os._exit(0)  # the server closed the socket
+        return forked
+
+    try:
+        run_session(config, modules, await_fork)
+    except BaseException as exc:  # noqa: BLE001 - the server then forks every test itself
+        traceback.print_exc()
+        with contextlib.suppress(OSError):
+            conn.send(("unusable", f"the template failed: {one_line(exc)}"))
+
+
+def _serve_forks(
+    parent_pid: int, sock: socket.socket, conn: Connection, stdio: tuple[int, int]
+) -> Forked | None:
+    """Fork the tests' processes asked for, compacting memory while idle. Returns None
+    once the server closes the socket, and the test's own in a test's process."""
+    compact: Iterator[int] | None = huge_page_steps()
+    while True:
+        if compact is not None and not conn.poll(0):  # idle: compact a little
+            if next(compact, None) is None:
+                compact = None
+            continue
+        request = receive_request(sock, conn)
+        if request is None:
+            return None
+        fds, (kind, *payload) = request
+        if kind != "fork" or len(fds) != 2:
+            close_fds(fds)
+            conn.send(("refused", f"the template got a {kind!r} request with {len(fds)} fds"))
+            continue
+        cboot, job = payload
+        answer = fork_test_process(parent_pid, [sock, conn], stdio, "the template")
+        if answer is None:  # the test's process: back into the session, with its pipes
+            return cboot, job, Connection(fds[0]), Connection(fds[1])
+        close_fds(fds)
+        conn.send(answer)
+
+
+# --------------------------------------------------------------------------- fitness audit
+
+
+def _descriptors() -> dict[int, str]:
+    """This process's open descriptors and what they point to."""
+    found = {}
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            found[int(name)] = os.readlink(f"/proc/self/fd/{name}")
+    return found
+
+
+def _write_only(fd: int) -> bool:
+    """Whether ``fd`` was opened for writing only (its offset then only ever grows)."""
+    try:
+        with open(f"/proc/self/fdinfo/{fd}") as info:
+            for line in info:
+                if line.startswith("flags:"):
+                    return int(line.split()[1], 8) & os.O_ACCMODE == os.O_WRONLY
+    except (OSError, ValueError):
+        pass
+    return False
+
+
+def _shared_mappings() -> set[str]:
+    """This process's shared memory mappings (lines of /proc/self/maps with an "s")."""
+    try:
+        with open("/proc/self/maps") as maps:
+            return {line for line in maps.read().splitlines() if line.split()[1][3:4] == "s"}
+    except OSError:
+        return set()
+
+
+def left_outside(before: tuple[dict[int, str], set[str]], shm_log: str | None) -> str | None:
+    """What configuring and collecting made outside this process's memory, or None.
+
+    Forked tests' processes would share it: one test would see what another wrote into
+    a shared mapping (``mmap``, a multiprocessing lock) or read from a file (the
+    offset is shared), and each one's ``pytest_unconfigure`` would tear down what the
+    next one still needs (a helper process, a connection). A regular file opened for
+    writing only is fine (a log file: each test's process appends to it).
+    """
+    fds, mappings = before
+    kids = live_descendants()
+    if kids:
+        return f"it started process {kids[0]}" + (f" and {len(kids) - 1} more" if kids[1:] else "")
+    for fd, target in _descriptors().items():
+        if fds.get(fd) == target:
+            continue
+        regular = target.startswith("/") and not target.startswith(("/dev/", "/proc/"))
+        if regular and not _write_only(fd):
+            return f"it opened {target} for reading (descriptor {fd})"
+        if not (regular or target in ("/dev/null", "/dev/urandom")):
+            return f"it opened {target} (descriptor {fd})"
+    for mapping in sorted(_shared_mappings() - mappings):
+        fields = mapping.split(maxsplit=5)
+        what = fields[5] if len(fields) > 5 else ""
+        if not what or what.startswith("/dev/zero"):
+            what = "anonymous memory"
+        return f"it made a shared mapping of {what} ({fields[0]})"
+    created = created_entries(shm_log) if shm_log else []
+    if created:
+        return f"it created /dev/shm/{created[0]}"
+    return None
+
+
+# --------------------------------------------------------------------------- the session
+
+
+class TemplatePlugin(child.ChildPlugin):
+    """The template's session: collect, then wait for forks; in a test's process forked
+    there, take its job and what is its own, and run its item from the collected session."""
+
+    def __init__(self, modules: list[str] | None, await_fork: Callable[[list[str]], Forked]):
+        super().__init__(None, None)  # type: ignore[arg-type] - given to each fork
+        self.modules = modules
+        self.await_fork = await_fork
+        self.items: dict[str, Any] = {}
+        self.seeded: list[Any] = [None, None]  # generator states the collection set
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collection(self, session: Any) -> bool:
+        before = _random_states()
+        session.perform_collect(self.modules)  # None: the session's arguments, as pytest
+        # A module that seeded a global generator at import: each test's process starts
+        # from that state, as if it had imported the module itself (a fork reseeds them).
+        after = _random_states()
+        self.seeded = [new if new != old else None for old, new in zip(before, after, strict=True)]
+        self.items = {item.nodeid: item for item in session.items}
+        capman = self.config.pluginmanager.get_plugin("capturemanager")
+        if capman is not None:  # each test's process captures into its own files
+            capman.stop_global_capturing()
+        self._take_over(*self.await_fork(list(self.items)))  # in a test's process
+        self.channel.wait_go()
+        return True
+
+    def _take_over(self, boot: child.Bootstrap, job: Any, conn: Connection, go: Connection) -> None:
+        """This process is now the test's: take its job and what is its own."""
+        child.bootstrap(boot, conn)
+        self.job = job
+        self.channel = child.Channel(conn, boot.spill_dir, go, boot.output)
+        child.refuse_inherited_cuda()
+        self.channel.send(frames.READY, os.getpid())
+        config = self.config
+        self._record_junit(config)
+        child.name_capture_files(boot.capture_prefix)
+        child.restart_capture(config)
+        child.override_options(config.option, job.basetemp)
+        # The session's factory was made in the template: this test's basetemp instead.
+        _compat.retarget_basetemp(config, job.basetemp)
+        _restore_random_states(self.seeded)
+        _repoint_faulthandler(config)
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, items: list) -> None:
+        """Keep everything: the template serves every test it collected."""
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtestloop(self, session: Any) -> bool:
+        item = self.items.get(self.job.nodeid)
+        session.items[:] = [item] if item is not None else []
+        return super().pytest_runtestloop(session)
+
+
+def run_session(
+    config: Any, modules: list[str] | None, await_fork: Callable[[list[str]], Forked]
+) -> None:
+    """The template's pytest session; in a test's process forked from it, the test's end."""
+    plugin = TemplatePlugin(modules, await_fork)
+    config.pluginmanager.register(plugin, child.CHILD_PLUGIN)
+    child.restart_capture(config)
+    child.override_options(config.option, config.option.basetemp)
+    try:
+        status = int(config.hook.pytest_cmdline_main(config=config))
+    except BaseException:
+        if plugin.channel is None:  # the template itself failed: the server forks instead
+            raise
+        with contextlib.suppress(Exception):
+            plugin.channel.send(frames.ERROR, child.internal_error())
+        child.flush_and_exit(1)
+    if plugin.channel is not None:  # a test's process: its session is over
+        plugin.channel.send(frames.DONE, status)
+        status = 0
+    child.flush_and_exit(status)
+
+
+def _random_states() -> list[Any]:
+    """The states of Python's and numpy's global random generators (None: no numpy)."""
+    numpy = sys.modules.get("numpy")
+    try:
+        state = numpy.random.get_state() if numpy is not None else None
+    except Exception:
+        state = None
+    return [random.getstate(), _comparable(state)]
+
+
+def _comparable(state: Any) -> Any:
+    """numpy's state tuple holds an array; a tuple of plain values compares with ==."""
+    if state is None:
+        return None
+    return tuple(x.tolist() if hasattr(x, "tolist") else x for x in state)
+
+
+def _restore_random_states(seeded: list[Any]) -> None:
+    python, numpy_state = seeded
+    if python is not None:
+        random.setstate(python)
+    numpy = sys.modules.get("numpy")
+    if numpy_state is not None and numpy is not None:
+        with contextlib.suppress(Exception):
+            kind, keys, *rest = numpy_state
+            numpy.random.set_state((kind, numpy.asarray(keys, dtype=numpy.uint32), *rest))
+
+
+def _repoint_faulthandler(config: Any) -> None:
+    """Crash dumps go to this process's stderr, as pytest's faulthandler plugin set it up.
+
+    The plugin enabled faulthandler on a copy of stderr made at configure time, in the
+    template; here the copy is pointed at this process's stderr (while capture is
+    suspended, so the real one), and faulthandler at the copy, which fd capture of
+    fd 2 during the test does not redirect.
+    """
+    with contextlib.suppress(Exception):
+        fd = config.stash.get(_compat.fault_handler_stderr_fd_key, None)
+        if fd is not None:
+            os.dup2(2, fd)
+            faulthandler.enable(file=fd, all_threads=True)

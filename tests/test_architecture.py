@@ -1,0 +1,134 @@
+"""The house rules that can be checked mechanically (GUIDE.md, "The house we aim for"):
+no import cycle inside pytest_gpuiso, counting imports inside functions and under
+TYPE_CHECKING; settings.py on the bottom floor; the test's process (child.py) knows
+nothing of the fork server."""
+
+from __future__ import annotations
+
+import ast
+import importlib.machinery
+from pathlib import Path
+
+import pytest_gpuiso
+
+PACKAGE = Path(pytest_gpuiso.__file__).resolve().parent
+
+
+def _modules() -> dict[str, Path]:
+    """Our modules by name: the Python files, and the C extensions (leaves)."""
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        for path in PACKAGE.glob(f"*{suffix}"):
+            found[f"pytest_gpuiso.{path.name[: -len(suffix)]}"] = path
+    return found
+
+
+def _imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """The modules of ours that ``name`` imports anywhere in its file."""
+    is_package = path.name == "__init__.py"
+    package = name if is_package else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            # "from . import x" imports the submodule x when there is one, else a name
+            # of the package itself (its __init__).
+            targets = [
+                f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base
+                for alias in node.names
+            ]
+        for target in targets:
+            while target and target not in known:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    known = set(modules)
+    return {
+        name: _imports(name, path, known) if path.suffix == ".py" else set()
+        for name, path in modules.items()
+    }
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in sorted(graph[node]):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def _ours(graph: dict[str, set[str]], module: str) -> set[str]:
+    """What ``module`` imports of ours, the package's own ``__init__`` aside."""
+    return graph[module] - {"pytest_gpuiso"}
+
+
+def test_the_cycle_finder_finds_a_cycle_through_a_function_level_import() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(graph) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_import_graph_sees_relative_and_function_level_imports() -> None:
+    graph = _graph()
+    assert "pytest_gpuiso.supervisor" in graph["pytest_gpuiso.call"]  # from .supervisor import
+    assert "pytest_gpuiso._lease" in graph["pytest_gpuiso.leases"]  # inside open_region()
+    assert "pytest_gpuiso.leaks" in graph["pytest_gpuiso.leaks.process"]  # from . import Leak
+    assert "pytest_gpuiso.frames" in graph["pytest_gpuiso.child"]  # from . import frames
+    assert "pytest_gpuiso" not in graph["pytest_gpuiso.child"]  # ... which is not __init__
+
+
+def test_no_import_cycle_inside_the_package() -> None:
+    assert _cycles(_graph()) == []
+
+
+def test_settings_is_the_bottom_floor() -> None:
+    assert _ours(_graph(), "pytest_gpuiso.settings") == set()
+
+
+def test_the_tests_process_knows_nothing_of_the_fork_server() -> None:
+    graph = _graph()
+    assert not {m for m in _ours(graph, "pytest_gpuiso.child") if ".forkserver" in m}
