@@ -33,14 +33,25 @@ def start_time(pid: int) -> int | None:
     return int(stat[stat.rindex(b")") + 2 :].split()[19])
 
 
-def alive(proc: psutil.Process | int) -> bool:
-    """Running and not a zombie. A ``psutil.Process`` also checks that its pid was not
-    reused by another process since it was made (psutil compares start times)."""
+def alive(p: psutil.Process) -> bool:
+    """Running and not a zombie, and its pid not reused by another process since ``p``
+    was made (psutil compares start times)."""
     try:
-        p = psutil.Process(proc) if isinstance(proc, int) else proc
         return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
+
+
+def exists(pid: int) -> bool:
+    """Whether the kernel still has a process ``pid``: a zombie, or another user's
+    process (one we may not signal), counts."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def children(pid: int) -> list[int] | None:
@@ -207,15 +218,20 @@ def reap(proc: Any, exited: Any, timeout: float = REAP_WAIT) -> bool:
     return proc.exitcode is not None
 
 
+def reap_or_kill(proc: Any, exited: Any, patience: float, timeout: float = 5.0) -> None:
+    """Reap our child ``proc`` (see ``reap``) if it exits within ``patience`` seconds;
+    else SIGKILL it and reap it, waiting up to ``timeout``."""
+    if not reap(proc, exited, patience):
+        with contextlib.suppress(OSError):
+            os.kill(proc.pid, signal.SIGKILL)
+        reap(proc, exited, timeout)
+
+
 def reap_pid(pid: int, timeout: float = 5.0) -> None:
     """Reap our child ``pid``, SIGKILLing it if it has not exited within ``timeout``."""
-    child = Child(pid)
     fd = pidfd(pid)
     try:
-        if not reap(child, fd, timeout):
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-            reap(child, fd, timeout)
+        reap_or_kill(Child(pid), fd, timeout, timeout)
     finally:
         if fd is not None:
             os.close(fd)

@@ -82,8 +82,9 @@ def build_record(
 
 
 def attach_record(reports: list[pytest.TestReport], record: dict[str, Any]) -> None:
-    """Put the record on the test's last report."""
-    setattr(reports[-1], RECORD_ATTR, record)
+    """Put the record on the test's last report (none: pytest.exit() before any report)."""
+    if reports:
+        setattr(reports[-1], RECORD_ATTR, record)
 
 
 def record_of(report: Any) -> dict[str, Any] | None:

@@ -14,7 +14,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from ..proctree import main_not_rerun, reap, reap_pid, unlist
+from ..proctree import main_not_rerun, reap_or_kill, reap_pid, unlist
 from ..settings import TEMPLATE_WAIT_DEFAULT
 from .fork import close_quietly, send_request
 from .server import ServerBoot, Unavailable, main
@@ -121,10 +121,7 @@ class ForkServer:
     def close(self) -> None:
         """Stop the server (it exits when its socket closes) and remove its log."""
         close_quietly(self.sock, self.conn)
-        if not reap(self.proc, self.pidfd, 1.0):
-            with contextlib.suppress(OSError):
-                self.proc.kill()
-            reap(self.proc, self.pidfd, 5.0)
+        reap_or_kill(self.proc, self.pidfd, 1.0)
         os.close(self.pidfd)
         if self.template_pid is not None:  # the server killed it on its way out
             reap_pid(self.template_pid)

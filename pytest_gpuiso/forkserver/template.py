@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import gc
 import os
 import random
 import signal
@@ -182,8 +183,6 @@ def _template_main(server: Server, sock: socket.socket, modules: list[str] | Non
                 remove_created(shm_log)
             conn.send(("unusable", f"after configuring and collecting: {problem}"))
             os._exit(0)
-        import gc
-
         gc.freeze()
         conn.send(("collected", items))
         forked = _serve_forks(boot.parent_pid, sock, conn, server.stdio)

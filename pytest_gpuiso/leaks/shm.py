@@ -32,7 +32,7 @@ import os
 import re
 from pathlib import Path
 
-from ..proctree import alive
+from ..proctree import exists
 from . import Leak, RunInfo
 
 SHM_DIR = "/dev/shm"
@@ -210,7 +210,7 @@ class ShmProbe:
             if created is not None and pid not in run.tree_pids:
                 del stats[name]  # traced, not made by this test: another test's or session's
                 continue
-            if pid is not None and pid not in run.tree_pids and alive(pid):
+            if pid is not None and pid not in run.tree_pids and exists(pid):
                 del stats[name]  # a live process outside the test's tree made it
             elif pid is None and not self.alone:
                 del stats[name]  # nothing says whose it is, and other tests ran beside it
