@@ -94,14 +94,12 @@ def call_isolated(
             )
         env = visible_env(have[:gpus])
     elif gpus > 0:
+        devices = leases.devices if leases is not None else discover(None, "auto")
+        missing = devices.shortfall(gpus)
+        if missing is not None:
+            raise IsolationError(f"run_isolated({name}) needs {missing}")
         if leases is None:
-            devices = discover(None, "auto")
-            if not devices.names:
-                raise IsolationError(f"run_isolated({name}) needs {gpus} GPUs, none available")
             leases = Leases(devices, 1)
-        have = len(leases.devices.names)
-        if gpus > have:
-            raise IsolationError(f"run_isolated({name}) needs {gpus} GPUs, {have} available")
         lease = leases.acquire(gpus, f"run_isolated({name}) in pid {os.getpid()}", None)
         env = leases.child_env(lease)
     supervisor = Supervisor(workdir.process_dir())

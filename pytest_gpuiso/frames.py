@@ -15,9 +15,10 @@ import contextlib
 import os
 import pickle
 import tempfile
+import time
 import warnings
 from importlib import import_module
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 READY = "ready"  # the bootstrap is done: the process can answer a stack-dump request (pid)
@@ -74,6 +75,40 @@ def recv_frame(conn: Connection) -> tuple[str, Any]:
     if kind not in KINDS:
         raise FrameError(f"unknown frame kind {kind!r}")
     return kind, payload
+
+
+def pump(reader: Connection, sentinel: Any, received: list, deadline: float | None) -> bool:
+    """Collect frames into ``received`` until the sender exits (True) or, with a
+    ``deadline`` (``time.monotonic()``), until it passes (False).
+
+    ``sentinel`` becomes readable when the sending process has exited; the frames
+    it sent before are all read. A garbled frame or one of an unknown kind ends
+    the reading, with an ``ERROR`` frame that says so.
+    """
+    waitables = [reader, sentinel]
+    while True:
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
+            return False
+        ready = wait(waitables, remaining)
+        if reader in ready and not _read_frame(reader, received):
+            waitables.remove(reader)
+        if sentinel in ready:
+            while reader in waitables and reader.poll(0) and _read_frame(reader, received):
+                pass
+            return True
+
+
+def _read_frame(reader: Connection, received: list) -> bool:
+    """Read one frame; False once the pipe is closed or unreadable."""
+    try:
+        received.append(recv_frame(reader))
+    except (EOFError, OSError):
+        return False
+    except Exception as exc:  # a garbled frame, an unknown kind: keep the evidence, stop
+        received.append((ERROR, f"unreadable message from the test process: {exc!r}"))
+        return False
+    return True
 
 
 def encode_warning(message: warnings.WarningMessage, nodeid: str) -> dict[str, Any]:

@@ -44,6 +44,14 @@ class Devices:
     source: str  # "--gpu-isolate-devices", "CUDA_VISIBLE_DEVICES", "NVML", ...
     pci_order: bool = False  # names are NVML indices: children need CUDA_DEVICE_ORDER=PCI_BUS_ID
 
+    def shortfall(self, n: int) -> str | None:
+        """None when ``n`` GPUs can be leased here; else "N GPUs, <what there is> available"."""
+        have = len(self.names)
+        if n <= have:
+            return None
+        found = f"{have} ({', '.join(self.names)})" if have else "none"
+        return f"{n} GPU{'s' if n != 1 else ''}, {found} available"
+
 
 def discover(setting: list[str] | None, what: str) -> Devices:
     if setting is not None:

@@ -32,15 +32,11 @@ class Prewarmer:
         self.supervisor = supervisor
         self.depth = depth
         self.warm: dict[str, Started] = {}  # by node id
-        self.used = 0  # tests that ran in a prewarmed process
         self.disabled: str | None = None
 
     def take(self, nodeid: str) -> Started | None:
         """The process started for this test, if there is one."""
-        started = self.warm.pop(nodeid, None)
-        if started is not None:
-            self.used += 1
-        return started
+        return self.warm.pop(nodeid, None)
 
     def refill(
         self, upcoming: list[str], prepare: Callable[[str], tuple[Any, dict[str, str]] | None]

@@ -12,9 +12,11 @@ import multiprocessing.process
 import os
 import signal
 import sys
+import time
 import types
 from collections.abc import Iterable, Iterator
 from multiprocessing.connection import wait
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -266,3 +268,23 @@ def main_not_rerun() -> Iterator[None]:
         yield
     finally:
         sys.modules["__main__"] = main
+
+
+def dump_stack(pid: int, signum: int, stack_file: Path, timeout: float = 2.0) -> str:
+    """Send ``signum`` to a process whose faulthandler dumps its threads' stacks into
+    ``stack_file`` on it, and read the dump back (waiting at most ``timeout`` seconds)."""
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        return ""
+    deadline = time.monotonic() + timeout
+    size, text = -1, ""
+    # faulthandler writes from the signal handler without any notification;
+    # the only way to know it is done is that the file stopped growing.
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        text = stack_file.read_text(errors="replace")
+        if text and len(text) == size:
+            break
+        size = len(text)
+    return text.strip()

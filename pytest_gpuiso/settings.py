@@ -91,16 +91,6 @@ def parse_count(value: Any, what: str) -> int:
     return value
 
 
-def parse_bool(value: str, what: str) -> bool:
-    """An ini boolean: true/yes/on/1 or false/no/off/0 (empty: false)."""
-    text = value.strip().lower()
-    if text in ("true", "yes", "on", "1"):
-        return True
-    if text in ("false", "no", "off", "0", ""):
-        return False
-    raise SpecError(f"invalid value {value!r} for {what}: expected true or false")
-
-
 def parse_start(value: str, what: str) -> str:
     text = value.strip().lower()
     if text not in START_METHODS:
@@ -211,12 +201,24 @@ def parse_template_wait(value: str, what: str) -> float:
     return wait
 
 
+def _ini_bool(config: pytest.Config, name: str) -> bool:
+    """An ini key of type bool; pytest's error on a bad value becomes one line naming it."""
+    try:
+        return bool(config.getini(name))
+    except (ValueError, TypeError, pytest.UsageError) as exc:  # "invalid truth value 'x'"
+        text = str(exc)
+        value = text.removeprefix("invalid truth value ") if "truth value" in text else ""
+        raise SpecError(
+            f"invalid value {value or text} for ini {name}: expected true or false"
+        ) from None
+
+
 def _flag(config: pytest.Config, dest: str) -> bool:
-    """A store_true option (None when not given) that falls back to its ini boolean."""
+    """A boolean option (None when not given) that falls back to its ini key."""
     value = config.getoption(dest)
     if value is not None:
         return bool(value)
-    return parse_bool(config.getini(dest), f"ini {dest}")
+    return _ini_bool(config, dest)
 
 
 @dataclass(frozen=True)
@@ -259,8 +261,7 @@ class Settings:
     def _from_config(cls, config: pytest.Config) -> Settings:
         flag = config.getoption("gpu_isolate")
         if flag is None:
-            flag = parse_bool(config.getini("gpu_isolate"), "ini gpu_isolate")
-            mode = "all" if flag else "marked"
+            mode = "all" if _ini_bool(config, "gpu_isolate") else "marked"
         else:
             mode = "all" if flag else "off"
         timeout, timeout_source = _option_or_ini(config, "gpu_isolate_timeout", allow_zero=False)
@@ -294,10 +295,7 @@ class Settings:
         prewarm = (
             parse_int(prewarm_text, prewarm_source, 0, 16) if prewarm_text else DEFAULT_PREWARM
         )
-        precollect = config.getoption("gpu_isolate_precollect")
-        if precollect is None:
-            text = config.getini("gpu_isolate_precollect")
-            precollect = parse_bool(text, "ini gpu_isolate_precollect") if text.strip() else True
+        precollect = _flag(config, "gpu_isolate_precollect")
         return cls(
             start=start,
             precollect=precollect,
@@ -418,3 +416,27 @@ def pytest_timeout_value(item: pytest.Item) -> float | None:
     if settings.timeout is None or settings.timeout <= 0:
         return None
     return float(settings.timeout)
+
+
+def external_session_timeout(config: pytest.Config) -> tuple[float, str] | None:
+    """pytest-timeout's session-wide timeout and where it came from, when it sets one.
+
+    Its own precedence: ``--timeout``, then ``PYTEST_TIMEOUT``, then the ini key
+    ``timeout``; 0 turns it off. A bad value is pytest-timeout's to report.
+    """
+    if not config.pluginmanager.hasplugin("timeout"):
+        return None
+    sources = (
+        (config.getoption("timeout", None), "pytest-timeout --timeout"),
+        (os.environ.get("PYTEST_TIMEOUT"), "pytest-timeout PYTEST_TIMEOUT"),
+        (config.getini("timeout"), "pytest-timeout ini timeout"),
+    )
+    for value, source in sources:
+        if value is None or (isinstance(value, str) and not value.strip()):
+            continue
+        try:
+            seconds = float(value)
+        except (TypeError, ValueError):
+            return None
+        return (seconds, source) if seconds > 0 and math.isfinite(seconds) else None
+    return None

@@ -38,7 +38,7 @@ from typing import Any
 import psutil
 
 from . import child, frames
-from .forkserver import ForkServer, Unavailable
+from .forkserver import ForkServer, ServerBoot, Unavailable
 from .leaks import Leak, Probe, RunInfo
 from .leaks.process import ProcessProbe
 from .leaks.shm import LOG_ENV, remove_created
@@ -48,6 +48,7 @@ from .proctree import (
     REAP_WAIT,
     Child,
     alive,
+    dump_stack,
     kill_tree,
     main_not_rerun,
     pidfd,
@@ -55,12 +56,11 @@ from .proctree import (
     signal_group,
     unlist,
 )
-from .settings import TEMPLATE_WAIT_DEFAULT
+from .workdir import private_file, read_end, remove
 
 STACK_SIGNAL = int(signal.SIGRTMIN) + 2  # unlikely to collide with a test's own handlers
 OUTPUT_TAIL_BYTES = 8192
 OUTPUT_KEEP_BYTES = 1 << 20  # of what the child wrote outside pytest's capture
-_STACK_WAIT = 2.0  # upper bound for faulthandler to write the dump
 _SERVER_WAIT = 300.0  # seconds the first fork may wait for the server to import everything
 
 
@@ -133,19 +133,16 @@ class Supervisor:
         *,
         capture_output: bool = True,
         start: str = "spawn",
-        preload: tuple[str, ...] = (),
         exec_env: dict[str, str] | None = None,
-        server_args: tuple[tuple[str, ...], str, bool] | None = None,
-        template_wait: float = TEMPLATE_WAIT_DEFAULT,
+        server_boot: ServerBoot | None = None,
     ) -> None:
         self.workdir = workdir
         self.capture_output = capture_output
         self.method = start
-        self.preload = tuple(preload)
         self.exec_env = dict(exec_env or {})  # must be there at exec (LD_PRELOAD of a probe)
-        # (pytest args, invocation dir, collect them all at once) for the fork server
-        self.server_args = server_args
-        self.template_wait = template_wait
+        self.server_boot = server_boot  # None: no fork server (spawn only)
+        # imported by the fork server, and by spawned processes started ahead of their turn
+        self.preload = server_boot.preload if server_boot is not None else ()
         self.server: ForkServer | None = None
         self.notices: list[str] = []  # start-method problems, for the plugin to show once
         self.stale: str | None = None  # why a prewarmed child had to be replaced, once seen
@@ -155,26 +152,18 @@ class Supervisor:
 
     def start_server(self) -> None:
         """Start the fork server now (it loads while pytest collects)."""
-        if self.method == "forkserver" and self.server is None and self.server_args:
+        if self.method == "forkserver" and self.server is None and self.server_boot:
             try:
                 os.close(os.pidfd_open(os.getpid()))
             except (AttributeError, OSError) as exc:
                 self._fall_back(f"the fork server needs pidfd_open (Linux 5.3+): {exc}")
                 return
-            args, directory, collect_all = self.server_args
-            log = self._private_file(f"forkserver-{next(_RUNS)}.log")
+            log = private_file(self.workdir, f"forkserver-{next(_RUNS)}.log")
+            boot = dataclasses.replace(self.server_boot, log=str(log))
             _ensure_resource_tracker()
             try:
                 with _exec_environment(self.exec_env):
-                    self.server = ForkServer(
-                        self._ctx,
-                        log,
-                        self.preload,
-                        args,
-                        directory,
-                        collect_all,
-                        self.template_wait,
-                    )
+                    self.server = ForkServer(self._ctx, boot)
             except Exception as exc:
                 self._fall_back(f"the fork server could not be started: {exc}")
 
@@ -220,7 +209,7 @@ class Supervisor:
         shm_log = Path(started.shm_log) if started.shm_log else None
         if shm_log is not None:  # what it created before its turn goes with it too
             remove_created(str(shm_log), started.shm_at_start)
-        _remove(started.output, started.stack_file, shm_log, *started.capture_files())
+        remove(started.output, started.stack_file, shm_log, *started.capture_files())
 
     def close(self) -> None:
         """Discard children that never got their go, and stop the fork server."""
@@ -251,8 +240,8 @@ class Supervisor:
         fork server has them already), and its fork may still be under way.
         """
         tag = f"{os.getpid()}-{next(_RUNS)}"
-        output = self._private_file(f"out-{tag}.log") if self.capture_output else None
-        stack_file = self._private_file(f"stack-{tag}.txt")
+        output = private_file(self.workdir, f"out-{tag}.log") if self.capture_output else None
+        stack_file = private_file(self.workdir, f"stack-{tag}.txt")
         capture_prefix = self.workdir / f"cap-{tag}-"
         if self.method == "forkserver":
             self.start_server()
@@ -261,7 +250,7 @@ class Supervisor:
         shm_at_start: dict[str, int] = {}
         env = dict(env or {})
         if self.exec_env:  # the shim is preloaded: it logs from the process's start on
-            shm_log = str(self._private_file(f"shm-{tag}.log"))
+            shm_log = str(private_file(self.workdir, f"shm-{tag}.log"))
             shm_at_start = shm_scan()
             env[LOG_ENV] = shm_log
         boot = child.Bootstrap(
@@ -313,7 +302,7 @@ class Supervisor:
                 started.attach(proc)
         except Exception as exc:
             started.close()
-            _remove(output, stack_file, Path(shm_log) if shm_log else None)
+            remove(output, stack_file, Path(shm_log) if shm_log else None)
             raise StartError(f"could not start the isolated process: {exc}") from exc
         finally:
             writer.close()
@@ -406,11 +395,11 @@ class Supervisor:
         interrupted = False
         try:
             deadline = None if timeout is None else begun + timeout
-            if not _pump(reader, sentinel, received, deadline):
+            if not frames.pump(reader, sentinel, received, deadline):
                 timed_out, cutoff = True, len(received)
                 # Before its bootstrap the child has no handler and the signal would kill it.
                 if any(kind == frames.READY for kind, _ in received):
-                    stack = _dump_stack(proc.pid, started.stack_file)
+                    stack = dump_stack(proc.pid, STACK_SIGNAL, started.stack_file)
                 _escalate(proc, reader, sentinel, received, grace)
         except BaseException:  # KeyboardInterrupt: take the child's tree down before leaving
             interrupted = True
@@ -434,7 +423,7 @@ class Supervisor:
             written = _read_output(started.output) if started.output else ""
             captures = started.capture_files()
             captured = [text for text in map(_tail, captures) if text.strip()]
-            _remove(started.output, started.stack_file, *captures)
+            remove(started.output, started.stack_file, *captures)
         return Outcome(
             frames=received,
             pid=proc.pid,
@@ -450,11 +439,6 @@ class Supervisor:
             collected=started.collected,
             uncollected=started.uncollected,
         )
-
-    def _private_file(self, name: str) -> Path:
-        path = self.workdir / name
-        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
-        return path
 
 
 @contextlib.contextmanager
@@ -476,60 +460,6 @@ def _exec_environment(extra: dict[str, str]) -> Iterator[None]:
                 os.environ[name] = value
 
 
-def _remove(*paths: Path | None) -> None:
-    for path in paths:
-        if path is not None:
-            with contextlib.suppress(OSError):
-                path.unlink()
-
-
-def _pump(reader: Connection, sentinel: Any, received: list, deadline: float | None) -> bool:
-    """Collect frames until the child exits (True) or the deadline passes (False)."""
-    waitables = [reader, sentinel]
-    while True:
-        remaining = None if deadline is None else deadline - time.monotonic()
-        if remaining is not None and remaining <= 0:
-            return False
-        ready = wait(waitables, remaining)
-        if reader in ready and not _read_frame(reader, received):
-            waitables.remove(reader)
-        if sentinel in ready:
-            while reader in waitables and reader.poll(0) and _read_frame(reader, received):
-                pass
-            return True
-
-
-def _read_frame(reader: Connection, received: list) -> bool:
-    """Read one frame; False once the pipe is closed or unreadable."""
-    try:
-        received.append(frames.recv_frame(reader))
-    except (EOFError, OSError):
-        return False
-    except Exception as exc:  # a garbled frame, an unknown kind: keep the evidence, stop
-        received.append((frames.ERROR, f"unreadable message from the test process: {exc!r}"))
-        return False
-    return True
-
-
-def _dump_stack(pid: int, stack_file: Path) -> str:
-    """Ask the child's faulthandler for a dump of every thread and read it back."""
-    try:
-        os.kill(pid, STACK_SIGNAL)
-    except ProcessLookupError:
-        return ""
-    deadline = time.monotonic() + _STACK_WAIT
-    size, text = -1, ""
-    # faulthandler writes from the signal handler without any notification;
-    # the only way to know it is done is that the file stopped growing.
-    while time.monotonic() < deadline:
-        time.sleep(0.05)
-        text = stack_file.read_text(errors="replace")
-        if text and len(text) == size:
-            break
-        size = len(text)
-    return text.strip()
-
-
 def _escalate(proc, reader: Connection, sentinel: Any, received: list, grace: float) -> None:
     """SIGTERM the tree, wait ``grace`` (draining the pipe), then SIGKILL what is left."""
     try:
@@ -538,7 +468,7 @@ def _escalate(proc, reader: Connection, sentinel: Any, received: list, grace: fl
         tree = []
     signal_group(proc.pid, signal.SIGTERM, tree)
     deadline = time.monotonic() + grace
-    if _pump(reader, sentinel, received, deadline):
+    if frames.pump(reader, sentinel, received, deadline):
         rest = max(0.0, deadline - time.monotonic())
         _, running = psutil.wait_procs([p for p in tree if alive(p)], timeout=rest)
         if not running:
@@ -556,30 +486,13 @@ def _ensure_resource_tracker() -> None:
 
 def _read_output(path: Path) -> str:
     """What the child wrote outside capture; only the last ``OUTPUT_KEEP_BYTES`` if more."""
-    try:
-        with open(path, "rb") as f:
-            size = f.seek(0, os.SEEK_END)
-            f.seek(max(0, size - OUTPUT_KEEP_BYTES))
-            data = f.read()
-    except OSError:
-        return ""
-    text = data.decode("utf-8", "replace")
+    text, size = read_end(path, OUTPUT_KEEP_BYTES)
     if size > OUTPUT_KEEP_BYTES:
-        text = f"[{size - OUTPUT_KEEP_BYTES} earlier bytes not kept]\n" + text.split("\n", 1)[-1]
+        text = f"[{size - OUTPUT_KEEP_BYTES} earlier bytes not kept]\n" + text
     return text
 
 
 def _tail(path: Path) -> str:
-    """The last lines of the child's stdout/stderr."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - OUTPUT_TAIL_BYTES))
-            data = f.read()
-    except OSError:
-        return ""
-    lines = data.decode("utf-8", "replace").splitlines()
-    if size > OUTPUT_TAIL_BYTES and lines:
-        lines = lines[1:]  # the first line is probably cut
-    return "\n".join(lines[-OUTPUT_TAIL_LINES:])
+    """The last lines of the child's captured stdout/stderr."""
+    text, _ = read_end(path, OUTPUT_TAIL_BYTES)
+    return "\n".join(text.splitlines()[-OUTPUT_TAIL_LINES:])

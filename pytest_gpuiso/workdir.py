@@ -74,3 +74,36 @@ def clean_stale() -> list[Path]:
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)
     return removed
+
+
+def private_file(directory: Path, name: str) -> Path:
+    """Create an empty file only we can read (0600); it must not exist yet."""
+    path = directory / name
+    os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    return path
+
+
+def remove(*paths: Path | None) -> None:
+    """Delete files that may already be gone."""
+    for path in paths:
+        if path is not None:
+            with contextlib.suppress(OSError):
+                path.unlink()
+
+
+def read_end(path: Path, keep: int) -> tuple[str, int]:
+    """The last ``keep`` bytes of a file as text, from a line's start when cut, and its size.
+
+    ``("", 0)`` when it cannot be read.
+    """
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(0, size - keep))
+            data = f.read()
+    except OSError:
+        return "", 0
+    text = data.decode("utf-8", "replace")
+    if size > keep:
+        text = text.split("\n", 1)[-1]  # the first line is probably cut
+    return text, size

@@ -17,3 +17,10 @@ def gpuiso(
     each guarantee must hold whichever way the isolated processes start.
     """
     return make_gpuiso(pytester, monkeypatch, request.param)
+
+
+@pytest.fixture
+def gpuiso_settings(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> GpuIso:
+    """``gpuiso`` with spawn only: for checks of options, ini keys and the header, which
+    are read before any isolated process starts and so do not depend on how it starts."""
+    return make_gpuiso(pytester, monkeypatch, "spawn")

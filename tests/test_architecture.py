@@ -1,6 +1,7 @@
 """The house rules that can be checked mechanically (GUIDE.md, "The house we aim for"):
 no import cycle inside pytest_gpuiso, counting imports inside functions and under
-TYPE_CHECKING; settings.py on the bottom floor; the test's process (child.py) knows
+TYPE_CHECKING; settings.py on the bottom floor, options.py just above it; plugin.py thin
+(hooks only, <= 400 lines); no module over 500 lines; the test's process (child.py) knows
 nothing of the fork server."""
 
 from __future__ import annotations
@@ -132,3 +133,38 @@ def test_settings_is_the_bottom_floor() -> None:
 def test_the_tests_process_knows_nothing_of_the_fork_server() -> None:
     graph = _graph()
     assert not {m for m in _ours(graph, "pytest_gpuiso.child") if ".forkserver" in m}
+
+
+def test_options_come_from_settings_only() -> None:
+    """The option table shows settings' defaults; it knows nothing else of ours."""
+    assert _ours(_graph(), "pytest_gpuiso.options") == {"pytest_gpuiso.settings"}
+
+
+def test_the_hooks_module_holds_hooks_only() -> None:
+    """plugin.py hands each test to runner.py; it neither starts processes nor judges leaks."""
+    graph = _graph()
+    assert "pytest_gpuiso.runner" in graph["pytest_gpuiso.plugin"]
+    assert (
+        not {
+            "pytest_gpuiso.supervisor",
+            "pytest_gpuiso.results",
+            "pytest_gpuiso.leaks",
+            "pytest_gpuiso.prewarm",
+        }
+        & graph["pytest_gpuiso.plugin"]
+    )
+
+
+LINE_LIMIT = 500
+LIMITS = {"pytest_gpuiso.plugin": 400}  # pytest's hooks, thin
+
+
+def test_no_module_is_too_big_to_hold_one_role() -> None:
+    over = {}
+    for name, path in _modules().items():
+        if path.suffix != ".py":
+            continue
+        lines = len(path.read_text().splitlines())
+        if lines > LIMITS.get(name, LINE_LIMIT):
+            over[name] = lines
+    assert over == {}

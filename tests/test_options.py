@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 USAGE_ERROR = 4
@@ -18,10 +20,10 @@ USAGE_ERROR = 4
         (["--gpu-isolate-grace=soon"], "invalid value 'soon' for --gpu-isolate-grace"),
     ],
 )
-def test_bad_command_line_value_is_a_usage_error(gpuiso, args, culprit):
+def test_bad_command_line_value_is_a_usage_error(gpuiso_settings, args, culprit):
     """A bad CLI value stops the session with one line naming the option and value."""
-    gpuiso.copy("test_where.py")
-    result = gpuiso.run(*args)
+    gpuiso_settings.copy("test_where.py")
+    result = gpuiso_settings.run(*args)
     assert result.ret == USAGE_ERROR
     result.stderr.fnmatch_lines([f"ERROR: gpu-isolate: {culprit}: expected a number of seconds*"])
     assert "Traceback" not in result.stderr.str() + result.stdout.str()
@@ -35,10 +37,10 @@ def test_bad_command_line_value_is_a_usage_error(gpuiso, args, culprit):
         ("gpu_isolate = maybe", "invalid value 'maybe' for ini gpu_isolate"),
     ],
 )
-def test_bad_ini_value_is_a_usage_error(gpuiso, ini, culprit):
-    gpuiso.copy("test_where.py")
-    gpuiso.pytester.makeini(f"[pytest]\n{ini}\n")
-    result = gpuiso.run()
+def test_bad_ini_value_is_a_usage_error(gpuiso_settings, ini, culprit):
+    gpuiso_settings.copy("test_where.py")
+    gpuiso_settings.pytester.makeini(f"[pytest]\n{ini}\n")
+    result = gpuiso_settings.run()
     assert result.ret == USAGE_ERROR
     result.stderr.fnmatch_lines([f"ERROR: gpu-isolate: {culprit}*"])
     assert "Traceback" not in result.stderr.str()
@@ -103,21 +105,23 @@ def test_no_gpu_isolate_runs_everything_in_process(gpuiso):
     result.stdout.fnmatch_lines(["gpu-isolate: off*"])
 
 
-def test_report_header_describes_settings(gpuiso):
-    gpuiso.copy("test_where.py")
-    result = gpuiso.run("--gpu-isolate", "--gpu-isolate-timeout=30", "--gpu-isolate-grace=2")
+def test_report_header_describes_settings(gpuiso_settings):
+    gpuiso_settings.copy("test_where.py")
+    result = gpuiso_settings.run(
+        "--gpu-isolate", "--gpu-isolate-timeout=30", "--gpu-isolate-grace=2"
+    )
     result.stdout.fnmatch_lines(
         [
             "gpu-isolate: every test in a fresh process, timeout 30 s "
             "(--gpu-isolate-timeout), grace 2 s",
-            f"gpu-isolate: start {gpuiso.start}*, preload none, prewarm next 1 test",
+            "gpu-isolate: start spawn, preload none, prewarm next 1 test",
         ]
     )
 
 
-def test_pdb_note_in_header(gpuiso):
-    gpuiso.copy("test_where.py")
-    result = gpuiso.run("--pdb", "-k", "marked")
+def test_pdb_note_in_header(gpuiso_settings):
+    gpuiso_settings.copy("test_where.py")
+    result = gpuiso_settings.run("--pdb", "-k", "marked")
     result.stdout.fnmatch_lines(["gpu-isolate: --pdb cannot reach into isolated tests*"])
 
 
@@ -170,3 +174,46 @@ def test_marker_on_module_and_class_and_closest_wins(gpuiso):
     result = gpuiso.run("--gpu-isolate-grace=0")
     result.assert_outcomes(passed=2, failed=1)
     assert "timed out after 1 s (timeout from marker)" in _timeout_line(result)
+
+
+def test_every_option_has_an_ini_key_and_typed_booleans(gpuiso_settings):
+    """The options come from one table: each flag names its ini key, booleans are pytest bools."""
+    result = gpuiso_settings.run("--help")
+    out = result.stdout.str()
+    flags = sorted(set(re.findall(r"--gpu-isolate[a-z-]*", out)))
+    assert len(flags) >= 15, flags
+    for flag in set(flags) - {"--gpu-isolate-no-precollect", "--no-gpu-isolate"}:
+        key = flag.lstrip("-").replace("-", "_")
+        assert f"ini: {key})" in " ".join(out.split()), flag  # --help wraps lines
+        assert re.search(rf"^  {key} \((string|bool)\):", out, re.M), key
+    for key in ("gpu_isolate", "gpu_isolate_cleanup", "gpu_isolate_torch_check"):
+        assert re.search(rf"^  {key} \(bool\):", out, re.M), key
+    assert re.search(r"^  gpu_isolate_precollect \(bool\):", out, re.M)
+    assert re.search(r"^  gpu_isolate_shm_ignore \(args\):", out, re.M)
+
+
+@pytest.mark.parametrize(
+    ("how", "source"),
+    [
+        (["--timeout=7"], "pytest-timeout --timeout"),
+        (["-o", "timeout=8"], "pytest-timeout ini timeout"),
+        ("env", "pytest-timeout PYTEST_TIMEOUT"),
+    ],
+)
+def test_header_names_pytest_timeouts_value(gpuiso_settings, monkeypatch, how, source):
+    """Without a gpu-isolate timeout, the header gives pytest-timeout's, not our default."""
+    gpuiso_settings.copy("test_where.py")
+    args = ["-p", "timeout"]
+    if how == "env":
+        monkeypatch.setenv("PYTEST_TIMEOUT", "9")
+    else:
+        args += how
+    result = gpuiso_settings.run(*args, "-k", "unmarked")
+    seconds = "9" if how == "env" else how[-1].split("=")[-1]
+    result.stdout.fnmatch_lines(
+        [
+            f"gpu-isolate: tests marked gpu_isolated in a fresh process, "
+            f"timeout {seconds} s ({source}), grace 5 s"
+        ]
+    )
+    assert "(default)" not in result.stdout.str()

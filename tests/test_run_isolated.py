@@ -111,10 +111,10 @@ def test_gpus_are_leased_and_visible(tmp_path, monkeypatch):
     assert run_isolated(funcs.visible, gpus=1) in ("3", "4")
     assert sorted(run_isolated(funcs.visible, gpus=2).split(",")) == ["3", "4"]
     assert run_isolated(funcs.visible) == "3,4"  # gpus=0: the environment as it is
-    with pytest.raises(IsolationError, match=r"needs 3 GPUs, 2 available"):
+    with pytest.raises(IsolationError, match=r"needs 3 GPUs, 2 \(3, 4\) available"):
         run_isolated(funcs.visible, gpus=3)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    with pytest.raises(IsolationError, match=r"needs 1 GPUs, none available"):
+    with pytest.raises(IsolationError, match=r"needs 1 GPU, none available"):
         run_isolated(funcs.visible, gpus=1)
 
 

@@ -581,17 +581,17 @@ def test_marked_tests_are_pre_collected_from_their_modules_only(env: Env) -> Non
     result.stdout.fnmatch_lines(["gpu-isolate: started 2 forkserver; 1 prewarmed; 2 pre-collected"])
 
 
-# ------------------------------------------------------------------ review fixes
+# ------------------------------------------- what a module does at import, and forks
 
 
-@pytest.mark.parametrize("cause", ["mmap", "open"])
+@pytest.mark.parametrize("cause", ["shared_mapping", "open_file"])
 def test_shared_state_made_at_import_gives_up(env: Env, cause: str) -> None:
     """A MAP_SHARED anonymous mapping, or a regular file opened for reading and kept, made
     at import: forks would share it (a write, a file offset), so the template gives up and
     says why; both tests pass, each in its own process, as under spawn."""
-    program = f"test_template_review_{cause}.py"
+    program = f"test_import_{cause}.py"
     env.iso.copy(program)
-    data = env.iso.path / "template_review_data.json"
+    data = env.iso.path / "import_open_file_data.json"
     data.write_text('{"answer": 42}')
     spawn = env.run(program, start="spawn")
     result = env.run(program)
@@ -599,7 +599,7 @@ def test_shared_state_made_at_import_gives_up(env: Env, cause: str) -> None:
     same_as_spawn(result, spawn)
     [(collected, why)] = set(starts(env.iso).values())
     assert not collected and why.startswith(WHY), why
-    wanted = ["shared mapping"] if cause == "mmap" else ["opened", str(data.resolve())]
+    wanted = ["shared mapping"] if cause == "shared_mapping" else ["opened", str(data.resolve())]
     assert all(word in why for word in wanted), why
     assert len({record["pid"] for record in env.iso.records().values()}) == 2
 
@@ -608,9 +608,9 @@ def test_threaded_fork_server_falls_back_to_spawn(env: Env) -> None:
     """A conftest starts a thread ("heartbeat") at import in isolated processes: the fork
     server has two threads, so no test is forked (nor from a template it forked while
     threaded); every test is started with spawn, said once, and has its thread."""
-    program = "test_template_review_thread.py"
-    env.iso.copy(program, "template_review_conftest.py")
-    (env.iso.path / "template_review_conftest.py").rename(env.iso.path / "conftest.py")
+    program = "test_import_thread.py"
+    env.iso.copy(program, "conftest_heartbeat_thread.py")
+    (env.iso.path / "conftest_heartbeat_thread.py").rename(env.iso.path / "conftest.py")
     result = env.run(program)
     result.assert_outcomes(passed=2, warnings=1)
     [warning] = [line for line in result.outlines if "GpuIsoStartWarning" in line]
@@ -624,9 +624,9 @@ def test_random_state_as_under_spawn(env: Env, seed: str) -> None:
     Unseeded: two tests' processes draw different numbers (the template's state is not
     handed to every fork)."""
 
-    program = "test_template_review_random.py"
+    program = "test_import_random_seed.py"
     env.iso.copy(program)
-    env.monkeypatch.setenv("GPUISO_REVIEW_SEED", seed)
+    env.monkeypatch.setenv("GPUISO_RANDOM_SEED", seed)
     for start in ("spawn", "forkserver"):
         env.log.unlink(missing_ok=True)
         env.run(program, start=start).assert_outcomes(passed=2)
@@ -641,7 +641,7 @@ def test_random_state_as_under_spawn(env: Env, seed: str) -> None:
 def test_tmpdir_factory_is_under_the_session_basetemp(env: Env) -> None:
     """tmpdir_factory.mktemp() in a test forked from the template: under --basetemp, like
     tmp_path_factory's, not in the template's own (removed) directory."""
-    program = "test_template_review_tmpdir.py"
+    program = "test_tmpdir_factory_paths.py"
     env.iso.copy(program)
     env.run("--basetemp=bt", program).assert_outcomes(passed=1)
     assert set(starts(env.iso).values()) == {(True, None)}
@@ -655,7 +655,7 @@ def test_tmpdir_factory_is_under_the_session_basetemp(env: Env) -> None:
 def test_exited_background_job_keeps_the_template(env: Env) -> None:
     """`sleep 0.05 &` run by a shell at import, gone before collection ends: nothing the
     forks would share, so every test is forked from the template."""
-    program = "test_template_review_bgjob.py"
+    program = "test_import_background_job.py"
     env.iso.copy(program)
     env.run(program).assert_outcomes(passed=2)
     assert set(starts(env.iso).values()) == {(True, None)}
@@ -665,8 +665,8 @@ def test_repeated_sessions_in_one_process_leave_no_zombies(env: Env) -> None:
     """Three pytest.main() runs with the fork server in one Python process: each test forked
     from a template each time, and no zombie child of that process left afterwards."""
 
-    env.iso.copy("template_review_driver.py", "test_template_review_random.py")
-    command = [sys.executable, "template_review_driver.py", "test_template_review_random.py"]
+    env.iso.copy("sessions_in_one_process.py", "test_import_random_seed.py")
+    command = [sys.executable, "sessions_in_one_process.py", "test_import_random_seed.py"]
     out = subprocess.run(command, cwd=env.iso.path, capture_output=True, text=True, timeout=300)
     lines = [line for line in out.stdout.splitlines() if line.startswith("DRIVER ")]
     assert len(lines) == 1, out.stdout + out.stderr

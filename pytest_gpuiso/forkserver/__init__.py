@@ -15,37 +15,18 @@ from pathlib import Path
 from typing import Any
 
 from ..proctree import main_not_rerun, reap_or_kill, reap_pid, unlist
-from ..settings import TEMPLATE_WAIT_DEFAULT
 from .fork import close_quietly, send_request
 from .server import ServerBoot, Unavailable, main
 
-__all__ = ["ForkServer", "Unavailable"]
+__all__ = ["ForkServer", "ServerBoot", "Unavailable"]
 
 
 class ForkServer:
     """pytest's handle on its fork server."""
 
-    def __init__(
-        self,
-        ctx: Any,
-        log: Path,
-        preload: tuple[str, ...],
-        args: tuple[str, ...],
-        invocation_dir: str,
-        collect_all: bool = False,
-        template_wait: float = TEMPLATE_WAIT_DEFAULT,
-    ) -> None:
-        self.log = log
+    def __init__(self, ctx: Any, boot: ServerBoot) -> None:
+        self.log = Path(boot.log)
         self.conn, theirs = ctx.Pipe(duplex=True)  # a Unix socket pair
-        boot = ServerBoot(
-            os.getpid(),
-            str(log),
-            tuple(preload),
-            tuple(args),
-            invocation_dir,
-            collect_all,
-            template_wait,
-        )
         self.proc = ctx.Process(target=main, args=(boot, theirs), daemon=False)
         with main_not_rerun():
             self.proc.start()

@@ -35,13 +35,15 @@ class Unavailable(RuntimeError):
 
 @dataclass(frozen=True)
 class ServerBoot:
+    """What the server is started with: the one carrier from pytest's settings to it."""
+
     parent_pid: int
-    log: str
-    preload: tuple[str, ...]
-    args: tuple[str, ...]
+    preload: tuple[str, ...]  # imported by the server (and by prewarmed spawned processes)
+    args: tuple[str, ...]  # pytest's command line
     invocation_dir: str
     collect_all: bool = False  # every test is isolated: the template collects the args at once
     template_wait: float = TEMPLATE_WAIT_DEFAULT  # seconds a fork request waits for it
+    log: str = ""  # the server's log file (the supervisor makes it)
 
 
 def main(boot: ServerBoot, conn: Connection) -> None:

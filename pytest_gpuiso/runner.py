@@ -1,0 +1,420 @@
+"""One isolated test, parent side: its GPUs, its lease, its probes, its run, its verdict.
+
+``run_item`` is the whole of it, from the test's turn to its final reports:
+
+1. resolve the test's ``IsolationSpec`` (a bad marker: the test's setup error);
+2. skip it when it needs more GPUs than there are; lease them (in this process:
+   a child that crashes can never strand a GPU);
+3. run it in a fresh process (``Supervisor.run``; a prewarmed one when there is
+   one), with the leak probes of the session's policy;
+4. judge the leaks, replay the child's warnings and junit properties, echo what
+   it wrote outside capture, and turn the ``Outcome`` into pytest reports
+   (``results``);
+5. tear down the parent's own fixtures that ``nextitem`` no longer needs, as
+   in-process, and attach the JSON record to the last report.
+
+The session-wide side (one ``Supervisor``, the lease table, prewarming) lives
+in ``State``, in the config's stash.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import sys
+import tempfile
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from . import _compat, frames, workdir
+from ._linux import set_child_subreaper
+from .child import ItemJob
+from .forkserver import ServerBoot
+from .leaks import Probe, Verdict, judge
+from .leaks import torch as torch_check
+from .leaks.gpu_memory import GpuMemoryProbe, NvmlReader
+from .leaks.shm import ShmProbe, preload_env
+from .leases import Devices, Lease, Leases, LeaseTimeout
+from .outcome import Outcome
+from .prewarm import HIDDEN_GPUS, Prewarmer
+from .record import attach_record, build_record
+from .results import apply_xfail, item_reports, setup_error_reports, skip_reports
+from .settings import MARKER, IsolationSpec, Settings, SpecError, spec_for_item, wants_isolation
+from .supervisor import Started, Supervisor
+
+
+class GpuIsoLeakWarning(UserWarning):
+    """An isolated test left something behind (``--gpu-isolate-leaks=warn``)."""
+
+
+class GpuIsoStartWarning(UserWarning):
+    """The fork server or prewarming could not be used; isolation itself is unaffected."""
+
+
+@dataclass
+class State:
+    """The session's side of isolation, in one pytest process (a worker under xdist)."""
+
+    settings: Settings
+    report_path: Path | None = None
+    summary_path: Path | None = None
+    records: list[dict[str, Any]] = field(default_factory=list)
+    supervisor: Supervisor | None = None
+    devices: Devices = Devices((), "none")
+    leases: Leases | None = None  # None: no GPUs, nothing to lease
+    nvml: NvmlReader = field(default_factory=NvmlReader)
+    parallel: bool = False  # an xdist worker: other isolated tests run at the same time
+    prewarmer: Prewarmer | None = None
+    positions: dict[int, int] | None = None  # id(item) -> index in session.items
+    told: int = 0  # how many of the supervisor's notices were shown
+
+
+STATE = pytest.StashKey[State]()
+
+
+@dataclass
+class Ran:
+    """What became of one isolated test: its reports and what its record is made of."""
+
+    reports: list[pytest.TestReport]
+    spec: IsolationSpec | None = None
+    outcome: Outcome | None = None  # None: no process ran
+    lease: Lease | None = None
+    verdict: Verdict | None = None
+    stop: dict[str, Any] | None = None  # pytest.exit() or Ctrl-C in the test: end the session
+
+    def record(self, nodeid: str) -> dict[str, Any]:
+        return build_record(nodeid, self.reports, self.outcome, self.spec, self.lease, self.verdict)
+
+
+def isolated(item: pytest.Item) -> bool:
+    state = item.config.stash.get(STATE, None)
+    return state is not None and wants_isolation(item, state.settings)
+
+
+def run_item(item: pytest.Item, nextitem: pytest.Item | None) -> Ran:
+    """Run one isolated test (its turn has come); its reports are final, the record attached."""
+    state = item.config.stash[STATE]
+    started = state.prewarmer.take(item.nodeid) if state.prewarmer is not None else None
+    prewarmed: list[bool] = []
+
+    def prewarm() -> None:
+        """Start the next tests' processes: once this test has its go, or was not run."""
+        if not prewarmed:
+            prewarmed.append(True)
+            _prewarm(item, nextitem, state)
+
+    try:
+        spec = spec_for_item(item, state.settings)
+    except SpecError as exc:
+        ran = Ran(setup_error_reports(item, str(exc)))
+    else:
+        ran = _run(item, spec, state, started, prewarm)
+        started = None
+    finally:
+        if started is not None:
+            supervisor(item.config, state).discard(started)
+    if ran.stop is None:
+        prewarm()
+        _teardown_parent_stack(item, nextitem, ran.reports)
+    attach_record(ran.reports, ran.record(item.nodeid))  # once every report is final
+    return ran
+
+
+def stop_session(stop: dict[str, Any]) -> None:
+    """End the session as the test's ``pytest.exit()`` or Ctrl-C did in its process."""
+    if stop["interrupt"]:
+        raise KeyboardInterrupt(stop["message"])
+    pytest.exit(stop["message"], returncode=stop["returncode"])
+
+
+def gpus_wanted(item: pytest.Item, spec: IsolationSpec, state: State) -> int:
+    """The marker's gpus, else 1 for a marked test when there are GPUs; unmarked tests: 0."""
+    if spec.gpus is not None:
+        return spec.gpus
+    marked = item.get_closest_marker(MARKER) is not None
+    return 1 if marked and state.devices.names else 0
+
+
+def _run(
+    item: pytest.Item,
+    spec: IsolationSpec,
+    state: State,
+    started: Started | None,
+    after_go: Callable[[], None] | None = None,
+) -> Ran:
+    """Lease the test's GPUs (in this process), run it in a child, release after reaping.
+
+    ``started``: the test's prewarmed process, if any; discarded when the test does not run.
+    ``after_go``: called once the child has its go (prewarming the next tests then keeps
+    their starts from delaying this one).
+    """
+    runs = supervisor(item.config, state)
+    n = gpus_wanted(item, spec, state)
+    lease = None
+    try:
+        missing = state.devices.shortfall(n)
+        if missing is not None:
+            return Ran(skip_reports(item, f"gpu-isolate: test needs {missing}"))
+        if n > 0 and state.leases is not None:
+            try:
+                lease = state.leases.acquire(n, item.nodeid, state.settings.lease_timeout)
+            except LeaseTimeout as exc:
+                return Ran(setup_error_reports(item, str(exc)))
+        env = state.leases.child_env(lease) if state.leases is not None else None
+        job = started.job if started is not None else _item_job(item, state.settings)
+        outcome, started = (
+            runs.run(
+                job,
+                timeout=spec.timeout,
+                grace=spec.grace,
+                env=env,
+                probes=_probes(spec, state, lease),
+                started=started,
+                after_go=after_go,
+            ),
+            None,
+        )
+    finally:
+        if started is not None:
+            runs.discard(started)
+        if lease is not None:
+            state.leases.release(lease)
+    _tell_start_problems(item, state, runs)
+    leaks = outcome.leaks + [
+        torch_check.leak(data) for data in outcome.frames_of(frames.TORCH_LEAK)
+    ]
+    verdict = judge(leaks, dict(state.settings.leaks), spec.allow_leaks)
+    _replay_warnings(item.config, outcome.frames_of(frames.WARNING))
+    _warn_leaks(item, verdict)
+    _replay_junit(item.config, outcome.frames_of(frames.JUNIT))
+    if outcome.finished and outcome.output:
+        _echo(item.config, outcome.output)
+    stop = outcome.frames_of(frames.EXIT)
+    reports = item_reports(item, spec, outcome, verdict)
+    return Ran(reports, spec, outcome, lease, verdict, stop[0] if stop else None)
+
+
+def supervisor(config: pytest.Config, state: State) -> Supervisor:
+    """The session's supervisor, made on first use (with the prewarmer)."""
+    if state.supervisor is None:
+        s = state.settings
+        reaper = set_child_subreaper()  # before the fork server starts: it relies on it
+        state.supervisor = Supervisor(
+            workdir.process_dir(),
+            capture_output=config.getoption("capture") not in ("no", "tee-sys"),
+            start=s.start,
+            exec_env=preload_env() if s.leak_level("shm") != "off" else {},
+            server_boot=ServerBoot(
+                parent_pid=os.getpid(),
+                preload=s.preload,
+                args=tuple(config.invocation_params.args),
+                invocation_dir=str(config.invocation_params.dir),
+                collect_all=s.precollect and s.mode == "all",  # the template collects the args
+                template_wait=s.template_wait,
+            ),
+        )
+        if s.start == "forkserver" and not reaper:
+            state.supervisor.method = "spawn"
+            state.supervisor.notices.append(
+                "the fork server needs PR_SET_CHILD_SUBREAPER (Linux); "
+                "isolated tests are started with spawn instead"
+            )
+        if s.prewarm:
+            state.prewarmer = Prewarmer(state.supervisor, s.prewarm)
+    return state.supervisor
+
+
+def close(state: State) -> None:
+    """Discard prewarmed processes and stop the fork server."""
+    if state.supervisor is not None:
+        if state.prewarmer is not None:
+            state.prewarmer.close()
+        state.supervisor.close()
+
+
+_SHM_LOGS = itertools.count(1)
+
+
+def _probes(spec: IsolationSpec, state: State, lease: Lease | None) -> tuple[Probe, ...]:
+    """The leak probes of one test, besides the process sweep (which always runs)."""
+    s = state.settings
+    probes: list[Probe] = []
+    if s.leak_level("shm") != "off":
+        cleanup = s.cleanup and "shm" not in spec.allow_leaks
+        log = workdir.process_dir() / f"shm-{next(_SHM_LOGS)}.log"
+        probes.append(ShmProbe(s.shm_ignore, cleanup=cleanup, log=log, alone=not state.parallel))
+    if lease is not None and s.leak_level("gpu_memory") != "off" and state.nvml.available():
+        probes.append(
+            GpuMemoryProbe(state.nvml, lease.devices, s.gpu_tolerance_mib, shared=s.slots > 1)
+        )
+    return tuple(probes)
+
+
+_LOOKAHEAD = 64  # items scanned past nextitem for the next isolated ones
+
+
+def _prewarm(item: pytest.Item, nextitem: pytest.Item | None, state: State) -> None:
+    """Have the processes of the next isolated tests started (see ``prewarm``)."""
+    supervisor(item.config, state)
+    prewarmer = state.prewarmer
+    if prewarmer is None or prewarmer.disabled is not None:
+        return
+    candidates: list[pytest.Item] = []
+    if nextitem is not None:
+        candidates = [nextitem]
+        items = item.session.items
+        if not state.parallel:  # under xdist only nextitem is known
+            if state.positions is None:
+                state.positions = {id(it): i for i, it in enumerate(items)}
+            at = state.positions.get(id(nextitem))
+            if at is not None:
+                candidates = items[at : at + _LOOKAHEAD]
+    by_id = {c.nodeid: c for c in candidates if isolated(c)}
+    prewarmer.refill(list(by_id), lambda nodeid: _prepare_warm(by_id[nodeid], state))
+
+
+def _prepare_warm(item: pytest.Item, state: State) -> tuple[ItemJob, dict[str, str]] | None:
+    """The job and start environment of a test's prewarmed process; None: it won't run one."""
+    try:
+        spec = spec_for_item(item, state.settings)
+    except SpecError:
+        return None
+    n = gpus_wanted(item, spec, state)
+    if state.devices.shortfall(n) is not None:
+        return None
+    env: dict[str, str] = {}
+    if state.leases is not None:
+        env = state.leases.child_env(None) if n == 0 else dict(HIDDEN_GPUS)
+    return _item_job(item, state.settings), env
+
+
+def _tell_start_problems(item: pytest.Item, state: State, runs: Supervisor) -> None:
+    """Say once (as a warning) that the fork server or prewarming is not used, and why."""
+    messages = runs.notices[state.told :]
+    state.told = len(runs.notices)
+    prewarmer = state.prewarmer
+    if runs.stale and prewarmer is not None and prewarmer.disabled is None:
+        prewarmer.disable(runs.stale)
+        messages.append(
+            f"prewarming turned off: a process started ahead of its test initialised CUDA "
+            f"before it was given its GPUs ({runs.stale}); a plugin or conftest uses "
+            "CUDA or NVML at import (torch.cuda.is_available() and device_count() do): "
+            "call them in fixtures or tests instead"
+        )
+    for text in messages:
+        _warn_at(item, GpuIsoStartWarning(f"gpu-isolate: {text}"))
+
+
+def _warn_leaks(item: pytest.Item, verdict: Verdict) -> None:
+    """``warn`` leaks reach pytest's warnings summary, like any warning of the test."""
+    for leak in verdict.warning:
+        _warn_at(item, GpuIsoLeakWarning(f"{leak.kind}: {leak.detail}"))
+
+
+def _warn_at(item: pytest.Item, message: Warning) -> None:
+    lineno = (item.location[1] or 0) + 1
+    _record_warning(item.config, message, type(message), item.nodeid, str(item.path), lineno)
+
+
+def _item_job(item: pytest.Item, settings: Settings) -> ItemJob:
+    config = item.config
+    factory = getattr(config, "_tmp_path_factory", None)
+    parent = factory.getbasetemp() if factory is not None else Path(tempfile.gettempdir())
+    xml = _junit_xml(config)
+    return ItemJob(
+        nodeid=item.nodeid,
+        collect_arg=_collect_arg(item),
+        args=tuple(config.invocation_params.args),
+        invocation_dir=str(config.invocation_params.dir),
+        basetemp=tempfile.mkdtemp(prefix="isolated-", dir=parent),
+        junit_family=getattr(xml, "family", None),
+        torch_check=settings.torch_check,
+    )
+
+
+def _collect_arg(item: pytest.Item) -> str:
+    """Narrow the child's collection to the test function when its name allows it.
+
+    Parameter ids may hold ``::``, ``[`` or spaces, so the ``[...]`` part is never
+    passed; the child picks the exact node id among what it collected.
+    """
+    path = str(item.path)
+    _, sep, rest = item.nodeid.partition("::")
+    names = rest.split("[", 1)[0]
+    if sep and names and all(part.isidentifier() for part in names.split("::")):
+        return f"{path}::{names}"
+    return path
+
+
+def _junit_xml(config: pytest.Config) -> Any:
+    """pytest's LogXML object when this process writes junitxml (not in xdist workers)."""
+    return config.stash.get(_compat.xml_key, None)
+
+
+def _replay_junit(config: pytest.Config, records: list[tuple[str, str | None, str, str]]) -> None:
+    """Apply the child's record_xml_attribute / record_testsuite_property calls."""
+    xml = _junit_xml(config)
+    if xml is None:
+        return
+    for kind, nodeid, name, value in records:
+        if kind == "attribute":
+            xml.node_reporter(nodeid).add_attribute(name, value)
+        else:
+            xml.add_global_property(name, value)
+
+
+def _echo(config: pytest.Config, text: str) -> None:
+    """Show what the test wrote outside capture (e.g. under capsys.disabled()), as in-process."""
+    capman = config.pluginmanager.get_plugin("capturemanager")
+    with capman.global_and_fixture_disabled() if capman else contextlib.nullcontext():
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+
+def _replay_warnings(config: pytest.Config, payloads: list[dict[str, Any]]) -> None:
+    for data in payloads:
+        message, category = frames.decode_warning(data)
+        _record_warning(config, message, category, data["nodeid"], data["filename"], data["lineno"])
+
+
+def _record_warning(
+    config: pytest.Config,
+    message: Warning,
+    category: type[Warning],
+    nodeid: str,
+    filename: str,
+    lineno: int,
+) -> None:
+    """Hand a warning of an isolated test to pytest's warnings summary, as in-process."""
+    record = warnings.WarningMessage(
+        message=message, category=category, filename=filename, lineno=lineno
+    )
+    config.hook.pytest_warning_recorded.call_historic(
+        kwargs=dict(warning_message=record, when="runtest", nodeid=nodeid, location=None)
+    )
+
+
+def _teardown_parent_stack(item: pytest.Item, nextitem: pytest.Item | None, reports: list) -> None:
+    """Tear down fixtures that earlier in-process tests left up and ``nextitem`` no longer needs.
+
+    In-process, this teardown would belong to the test run just before
+    ``nextitem``, so an error in it fails this test's teardown (an expected failure
+    of an xfail test, as pytest's skipping plugin makes it in-process).
+    """
+    setupstate = _compat.setup_state(item.session)
+    if setupstate is None or not setupstate.stack:
+        return
+    call = pytest.CallInfo.from_call(lambda: setupstate.teardown_exact(nextitem), when="teardown")
+    if call.excinfo is None or not reports or reports[-1].when != "teardown":
+        return
+    failed = item.ihook.pytest_runtest_makereport(item=item, call=call)
+    apply_xfail(item, failed, call.excinfo.value)
+    failed.sections = list(reports[-1].sections) + list(failed.sections)
+    reports[-1] = failed
