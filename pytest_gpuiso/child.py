@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
-import gc
-import itertools
 import os
 import pickle
 import sys
@@ -37,14 +35,15 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, NoReturn
 
-import pytest
-
 from . import _compat, cuda_state, frames
 from ._linux import die_with_parent, set_child_subreaper
+from .child_plugin import (
+    ChildPlugin,
+    name_capture_files,
+    override_options,
+    restart_capture,
+)
 from .frames import send_frame
-from .leaks import torch as torch_check
-
-CHILD_PLUGIN = "gpuiso-child"
 
 _keep: list[Any] = []  # objects that must live as long as the process (faulthandler's file)
 
@@ -84,7 +83,7 @@ def main(
     try:
         refuse_inherited_cuda()
         channel.send(frames.READY, os.getpid())
-        _preload(boot.preload)
+        _preload(channel, boot.preload)
         job.run(channel, boot, config)
     except BaseException:
         status = 1
@@ -146,10 +145,12 @@ def _close_quietly(fd: int) -> None:
         os.close(fd)
 
 
-def _preload(modules: tuple[str, ...]) -> None:
+def _preload(channel: Channel, modules: tuple[str, ...]) -> None:
     """Import what the test will need, ahead of its turn; a failure is the test's to meet."""
     from importlib import import_module
 
+    if modules:
+        channel.send(frames.PHASE, f"importing {', '.join(modules)}")
     for name in modules:
         with contextlib.suppress(Exception):
             import_module(name)
@@ -209,11 +210,14 @@ class CallJob:
 
     def run(self, channel: Channel, boot: Bootstrap, config: Any = None) -> None:
         channel.wait_go()
+        channel.send(frames.BEGIN, _name(self.func))  # its timeout counts from here
         try:
             value = self.func(*self.args, **self.kwargs)
         except BaseException as exc:
+            channel.send(frames.END, None)
             channel.send(frames.EXCEPTION, describe_exception(exc))
         else:
+            channel.send(frames.END, None)
             try:
                 channel.send(frames.RESULT, value)
             except Exception as exc:
@@ -277,6 +281,7 @@ class ItemJob:
             if tuple(params.args) != self.args or str(params.dir) != self.invocation_dir:
                 config = None
         if config is None:
+            channel.send(frames.PHASE, "configuring pytest (plugins, conftests)")
             config = _compat.prepare_config(list(self.args), plugins=[plugin])
         else:
             config.pluginmanager.register(plugin)
@@ -284,217 +289,3 @@ class ItemJob:
         override_options(config.option, self.basetemp)
         status = config.hook.pytest_cmdline_main(config=config)
         channel.send(frames.DONE, int(status))
-
-
-def restart_capture(config: Any) -> None:
-    """Give this process its own global capture (the server stopped its own after parsing).
-
-    As after ``pytest_load_initial_conftests``: started, then suspended until a test runs.
-    """
-    capman = config.pluginmanager.get_plugin("capturemanager")
-    if capman is not None:
-        capman.start_global_capturing()
-        capman.suspend_global_capture()
-
-
-def name_capture_files(prefix: str) -> None:
-    """Give pytest's fd-capture files names in our private directory.
-
-    pytest captures into anonymous temporary files; when the test crashes they
-    vanish with the process, and with them whatever the test printed just before.
-    Named files (0600, removed by the parent after the test) survive the crash.
-    """
-    counter = itertools.count(1)
-
-    def named_temporary_file(buffering: int = -1, **_: Any) -> Any:
-        fd = os.open(f"{prefix}{next(counter)}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        return open(fd, "w+b", buffering=buffering)  # noqa: SIM115 - pytest owns and closes it
-
-    _compat.set_capture_tempfile(named_temporary_file)
-
-
-# Options that must not take effect in the child: the parent debugs, distributes,
-# writes result files and keeps the last-failed cache; the child only runs one test.
-_CHILD_OVERRIDES: dict[str, Any] = {
-    "usepdb": False,
-    "trace": False,
-    "xmlpath": None,
-    "numprocesses": None,
-    "maxprocesses": None,
-    "dist": "no",
-    "tx": [],
-    "looponfail": False,
-    "report_log": None,
-    "htmlpath": None,
-    "lf": False,
-    "failedfirst": False,
-    "newfirst": False,
-    "stepwise": False,
-    "stepwise_skip": False,
-    "gpu_isolate_report": None,
-}
-
-
-def override_options(option: Any, basetemp: str) -> None:
-    for name, value in _CHILD_OVERRIDES.items():
-        if hasattr(option, name):
-            setattr(option, name, value)
-    option.basetemp = basetemp
-
-
-class ChildPlugin:
-    """Collects just the target item, runs it and forwards reports and warnings."""
-
-    __name__ = CHILD_PLUGIN  # pluggy registers the plugin under this name
-
-    def __init__(self, job: ItemJob, channel: Channel) -> None:
-        self.job = job
-        self.channel = channel
-        self.collect_errors: list[str] = []
-        self.config: Any = None
-
-    @pytest.hookimpl(trylast=True)
-    def pytest_configure(self, config: Any) -> None:
-        self.config = config
-        if self.job is not None:
-            self._record_junit(config)
-        # The parent keeps the last-failed / new-first caches and the stepwise state.
-        for name in ("lfplugin", "nfplugin", "stepwiseplugin"):
-            found = config.pluginmanager.get_plugin(name)
-            if found is not None:
-                config.pluginmanager.unregister(found)
-        # The parent prints; the child's terminal output would only bury the crash tail.
-        reporter = config.pluginmanager.get_plugin("terminalreporter")
-        if reporter is not None:
-            config.pluginmanager.unregister(reporter)
-            quiet = QuietReporter(config, open(os.devnull, "w"))  # noqa: SIM115
-            config.pluginmanager.register(quiet, "terminalreporter")
-
-    def _record_junit(self, config: Any) -> None:
-        if self.job.junit_family is not None:
-            recorder = JunitRecorder(self.job.junit_family, self.channel)
-            config.stash[_compat.xml_key] = recorder
-            config.pluginmanager.register(recorder, "gpuiso-junit-recorder")
-
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_collection(self, session: Any) -> bool:
-        # What exists before the test runs (the interpreter, the preload modules, pytest's
-        # configuration, plugins, conftests, the collected module) is left out of garbage
-        # collection, as in the fork server's template: pytest's end-of-session gc.collect()
-        # calls (its unraisable-exception check) would otherwise scan all of torch's objects
-        # in every test's process, ~130 ms a test. Frozen now, and again once collected (a
-        # process started cold imports torch with the test module). The test's objects are
-        # collected as ever.
-        gc.freeze()
-        self.channel.wait_go()  # a prewarmed child stops here until its test's turn
-        try:
-            session.perform_collect([self.job.collect_arg])
-        except pytest.UsageError:  # "found no collectors": the collect errors say why
-            session.items = []
-        gc.freeze()
-        return True
-
-    @pytest.hookimpl(trylast=True)  # after -k / -m deselection
-    def pytest_collection_modifyitems(self, items: list) -> None:
-        items[:] = [item for item in items if item.nodeid == self.job.nodeid]
-
-    def pytest_collectreport(self, report: Any) -> None:
-        if report.failed:
-            self.collect_errors.append(f"{report.nodeid}:\n{report.longreprtext}")
-
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_runtestloop(self, session: Any) -> bool:
-        if not session.items:
-            detail = "\n".join(self.collect_errors) or "the test was not collected"
-            self.channel.send(
-                frames.ERROR,
-                f"the isolated process could not collect {self.job.nodeid!r}:\n{detail}",
-            )
-            return True
-        item = session.items[0]
-        self._run(item)
-        return True
-
-    def _run(self, item: Any) -> None:
-        before = torch_check.allocated() if self.job.torch_check else {}
-        try:
-            item.config.hook.pytest_runtest_protocol(item=item, nextitem=None)
-        except (pytest.exit.Exception, KeyboardInterrupt) as exc:
-            # pytest.exit() or Ctrl-C raised by the test ends the parent's session too.
-            self.channel.send(
-                frames.EXIT,
-                {
-                    "interrupt": isinstance(exc, KeyboardInterrupt),
-                    "message": str(getattr(exc, "msg", exc)),
-                    "returncode": getattr(exc, "returncode", None),
-                },
-            )
-            raise
-        if self.job.torch_check:
-            for device, grown in torch_check.growth(before).items():
-                self.channel.send(frames.TORCH_LEAK, {"device": device, "bytes": grown})
-
-    def pytest_runtest_logreport(self, report: Any) -> None:
-        data = self.config.hook.pytest_report_to_serializable(config=self.config, report=report)
-        self.channel.send(frames.REPORT, data)
-
-    def pytest_warning_recorded(
-        self, warning_message: Any, when: str, nodeid: str, location: Any
-    ) -> None:
-        if when == "runtest":
-            self.channel.send(frames.WARNING, frames.encode_warning(warning_message, nodeid))
-
-    @pytest.hookimpl(optionalhook=True, tryfirst=True)
-    def pytest_timeout_set_timer(self, item: Any, settings: Any) -> bool:
-        return True  # the parent enforces the timeout; pytest-timeout must not fire here too
-
-    @pytest.hookimpl(optionalhook=True, tryfirst=True)
-    def pytest_timeout_cancel_timer(self, item: Any) -> bool:
-        return True
-
-    def pytest_internalerror(self, excrepr: Any, excinfo: Any) -> None:
-        self.channel.send(
-            frames.ERROR, f"internal pytest error in the isolated process:\n{excrepr}"
-        )
-
-
-class QuietReporter(_compat.TerminalReporter):
-    """The child's terminal reporter: writes to /dev/null and asks for no summary.
-
-    Nobody reads the child's terminal, and ``pytest_terminal_summary`` hooks can be
-    costly (hypothesis's imports all of hypothesis there: ~1 s in every process).
-    """
-
-    @pytest.hookimpl(wrapper=True)
-    def pytest_sessionfinish(self, session: Any, exitstatus: Any) -> Any:
-        return (yield)
-
-
-class JunitRecorder:
-    """Stands in for pytest's LogXML in the child when the parent writes junitxml.
-
-    ``record_xml_attribute`` and ``record_testsuite_property`` write straight into
-    the LogXML object; here their calls are recorded and replayed by the parent.
-    """
-
-    def __init__(self, family: str, channel: Channel) -> None:
-        self.family = family
-        self.channel = channel
-
-    def node_reporter(self, report: Any) -> JunitRecorder._Node:
-        return self._Node(self, str(getattr(report, "nodeid", report)))
-
-    def add_global_property(self, name: str, value: object) -> None:
-        __tracebackhide__ = True
-        _compat.check_record_param_type("name", name)
-        self.channel.send(frames.JUNIT, ("property", None, name, str(value)))
-
-    class _Node:
-        def __init__(self, recorder: JunitRecorder, nodeid: str) -> None:
-            self.recorder = recorder
-            self.nodeid = nodeid
-
-        def add_attribute(self, name: str, value: object) -> None:
-            self.recorder.channel.send(
-                frames.JUNIT, ("attribute", self.nodeid, str(name), str(value))
-            )

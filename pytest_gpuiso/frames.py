@@ -22,6 +22,9 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 READY = "ready"  # the bootstrap is done: the process can answer a stack-dump request (pid)
+PHASE = "phase"  # what the process is doing while it starts: "importing test_x.py" (text)
+BEGIN = "begin"  # the test's protocol begins (setup): its timeout clock starts (nodeid)
+END = "end"  # the test's protocol (or run_isolated's call) is over: the clock stops (None)
 STALE = "stale"  # a prewarmed process initialised CUDA before its go: start afresh (why)
 REPORT = "report"  # a pytest report, as pytest_report_to_serializable data
 WARNING = "warning"  # a warning of the test (``encode_warning``)
@@ -33,7 +36,8 @@ RESULT = "result"  # run_isolated: the function's value
 EXCEPTION = "exception"  # run_isolated: the exception it raised (``describe_exception``)
 DONE = "done"  # the last frame: the job finished (its exit status)
 KINDS = frozenset(
-    {READY, STALE, REPORT, WARNING, JUNIT, TORCH_LEAK, EXIT, ERROR, RESULT, EXCEPTION, DONE}
+    {READY, PHASE, BEGIN, END, STALE, REPORT, WARNING, JUNIT, TORCH_LEAK, EXIT, ERROR, RESULT}
+    | {EXCEPTION, DONE}
 )
 
 SPILL_BYTES = 1 << 20  # 1 MiB
@@ -77,26 +81,40 @@ def recv_frame(conn: Connection) -> tuple[str, Any]:
     return kind, payload
 
 
-def pump(reader: Connection, sentinel: Any, received: list, deadline: float | None) -> bool:
-    """Collect frames into ``received`` until the sender exits (True) or, with a
-    ``deadline`` (``time.monotonic()``), until it passes (False).
+EXITED = "exited"  # pump: the sender exited (all it sent is read)
+EXPIRED = "expired"  # pump: the deadline passed
+
+
+def pump(
+    reader: Connection,
+    sentinel: Any,
+    received: list,
+    deadline: float | None,
+    until: str | None = None,
+) -> str:
+    """Collect frames into ``received`` until the sender exits (``EXITED``), the
+    ``deadline`` (``time.monotonic()``) passes (``EXPIRED``) or a frame of kind
+    ``until`` arrives (that kind; the frames after it stay in the pipe).
 
     ``sentinel`` becomes readable when the sending process has exited; the frames
-    it sent before are all read. A garbled frame or one of an unknown kind ends
-    the reading, with an ``ERROR`` frame that says so.
+    it sent before are all read then. A garbled frame or one of an unknown kind
+    ends the reading, with an ``ERROR`` frame that says so.
     """
     waitables = [reader, sentinel]
     while True:
         remaining = None if deadline is None else deadline - time.monotonic()
         if remaining is not None and remaining <= 0:
-            return False
+            return EXPIRED
         ready = wait(waitables, remaining)
-        if reader in ready and not _read_frame(reader, received):
-            waitables.remove(reader)
+        if reader in ready:
+            if not _read_frame(reader, received):
+                waitables.remove(reader)
+            elif until is not None and received[-1][0] == until:
+                return until
         if sentinel in ready:
             while reader in waitables and reader.poll(0) and _read_frame(reader, received):
                 pass
-            return True
+            return EXITED
 
 
 def _read_frame(reader: Connection, received: list) -> bool:

@@ -14,7 +14,13 @@ from dataclasses import dataclass
 
 import pytest
 
-from .settings import DEFAULT_GRACE, DEFAULT_PREWARM, DEFAULT_SLOTS, DEFAULT_TIMEOUT
+from .settings import (
+    DEFAULT_GRACE,
+    DEFAULT_PREWARM,
+    DEFAULT_SLOTS,
+    DEFAULT_STARTUP_TIMEOUT,
+    DEFAULT_TIMEOUT,
+)
 from .settings import DEFAULT_TOLERANCE_MIB as DEFAULT_TOLERANCE
 
 
@@ -52,9 +58,16 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "gpu_isolate_timeout",
-        "timeout of an isolated test in seconds, counted from its turn",
+        "timeout in seconds of an isolated test's setup, call and teardown, as pytest-timeout's",
         metavar="SECONDS",
         default=f"{DEFAULT_TIMEOUT:g}, or pytest-timeout's",
+    ),
+    Option(
+        "gpu_isolate_startup_timeout",
+        "bound in seconds on an isolated test's process before its test begins (interpreter, "
+        "plugins, conftests, the test module's import) and after it ends (its exit)",
+        metavar="SECONDS",
+        default=f"{DEFAULT_STARTUP_TIMEOUT:g}",
     ),
     Option(
         "gpu_isolate_grace",

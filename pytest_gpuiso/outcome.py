@@ -19,8 +19,12 @@ class Outcome:
     frames: list[tuple[str, Any]]
     pid: int
     exitcode: int | None
-    timed_out: bool
-    duration: float
+    # The bound that ran out, after which the process was stopped: "startup" (its test
+    # never began), "test" (the test's timeout) or "exit" (it did not end after its
+    # test); None: none did.
+    expired: str | None
+    duration: float  # seconds from the go to the process's end
+    began: float | None = None  # seconds from the go to the test's start (None: never)
     stack: str = ""
     output: str = ""  # what the child wrote to fds 1/2 outside pytest's capture
     leaks: list[Leak] = field(default_factory=list)  # process leaks first, then the probes'
@@ -30,6 +34,17 @@ class Outcome:
     prewarmed: bool = False  # started ahead of its turn (prewarm)
     collected: bool = False  # forked from the fork server's collected session
     uncollected: str | None = None  # why the fork server had no collected session to fork
+
+    @property
+    def timed_out(self) -> bool:
+        """A bound ran out (start-up, test or exit) and the process was stopped for it."""
+        return self.expired is not None
+
+    @property
+    def phase(self) -> str:
+        """What the process said it was doing last while it started ("" before it said)."""
+        said = [payload for kind, payload in self.frames if kind == frames.PHASE]
+        return said[-1] if said else ""
 
     @property
     def escaped(self) -> list[dict[str, Any]]:

@@ -15,7 +15,7 @@ import pytest
 
 from . import report, runner, workdir
 from .call import call_isolated
-from .child import CHILD_PLUGIN
+from .child_plugin import CHILD_PLUGIN
 from .leases import Leases, discover
 from .options import add_options
 from .record import record_of
@@ -25,8 +25,8 @@ from .settings import DEFAULT_GRACE, DEFAULT_TIMEOUT, MARKER, Settings, external
 __all__ = ["GpuIsoLeakWarning", "GpuIsoStartWarning"]
 
 MARKER_DOC = (
-    f"{MARKER}(timeout=None, grace=None, gpus=None, allow_leaks=()): run this test in a fresh "
-    "process with a clean CUDA context (pytest-gpuiso)"
+    f"{MARKER}(timeout=None, startup_timeout=None, grace=None, gpus=None, allow_leaks=()): "
+    "run this test in a fresh process with a clean CUDA context (pytest-gpuiso)"
 )
 
 
@@ -84,7 +84,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         seconds, source = external_session_timeout(config) or (DEFAULT_TIMEOUT, "default")
     timeout = f"{seconds:g} s ({source})"
     lines = [
-        f"gpu-isolate: {scope} in a fresh process, timeout {timeout}, grace {s.grace:g} s",
+        f"gpu-isolate: {scope} in a fresh process, timeout {timeout}, grace {s.grace:g} s, "
+        f"start-up bound {s.startup_timeout:g} s",
         _start_header(s),
     ]
     d = state.devices

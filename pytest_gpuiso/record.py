@@ -58,13 +58,22 @@ def build_record(
     record: dict[str, Any] = {
         "nodeid": nodeid,
         "outcome": final_outcome(reports),
-        "duration": round(outcome.duration, 6) if outcome else 0.0,
+        # What the test ran (setup, call, teardown), as pytest and junit count it; a
+        # timeout or crash counts until the process was stopped or ended.
+        "duration": round(sum(r.duration for r in reports), 6) if outcome else 0.0,
+        # Seconds from the test's turn until its protocol began (start-up; None: never),
+        # and until its process had ended.
+        "startup": None if outcome is None or outcome.began is None else round(outcome.began, 6),
+        "wall": round(outcome.duration, 6) if outcome else 0.0,
         "pid": outcome.pid if outcome else None,
         "timeout": spec.timeout if spec and outcome else None,
+        "startup_timeout": spec.startup_timeout if spec and outcome else None,
         "exit": {
             "code": outcome.exitcode if outcome else None,
             "signal": outcome.signal_name if outcome else None,
             "timed_out": outcome.timed_out if outcome else False,
+            # which bound stopped it: "startup", "test" (its timeout) or "exit"; None
+            "expired": outcome.expired if outcome else None,
         },
         "escaped": list(outcome.escaped) if outcome else [],
         "leaks": verdict.records if verdict is not None else [],

@@ -62,10 +62,23 @@ def _ended(record: dict[str, Any]) -> str | None:
     exit_ = record["exit"]
     if exit_["timed_out"]:
         how = f", ended by {exit_['signal']}" if exit_["signal"] else ""
-        return f"timed out after {record['timeout']:g} s{how}"
+        return f"{_bound(record)}{how}"
     if exit_["signal"]:
         return f"crashed with {exit_['signal']}"
     return None
+
+
+def _bound(record: dict[str, Any]) -> str:
+    """Which bound a timed-out test ran past: "timed out after 2 s", "did not finish
+    starting within 300 s", "did not exit within 300 s after its test"."""
+    expired = record["exit"].get("expired") or "test"  # records before it had only tests
+    seconds = record.get("startup_timeout")
+    within = f" within {seconds:g} s" if _is_number(seconds) else ""
+    if expired == "startup":
+        return f"did not finish starting{within}"
+    if expired == "exit":
+        return f"did not exit{within} after its test"
+    return f"timed out after {record['timeout']:g} s"
 
 
 def leak_counts(records: list[dict[str, Any]]) -> Counter[str]:
@@ -85,7 +98,8 @@ def terminal_summary(tr: Any, records: list[dict[str, Any]], path: Path | None) 
     if starts:
         tr.write_line("gpu-isolate: started " + starts)
     for r in timed_out:
-        tr.write_line(f"  TIMEOUT {r['nodeid']} (after {r['timeout']:g} s)")
+        bound = _bound(r).replace("timed out after", "after")
+        tr.write_line(f"  TIMEOUT {r['nodeid']} ({bound})")
     for r in crashed:
         tr.write_line(f"  CRASHED {r['nodeid']} ({r['exit']['signal']})")
     if path is not None:

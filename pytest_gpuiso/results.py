@@ -36,7 +36,13 @@ def item_reports(
     stopped = bool(outcome.frames_of(frames.EXIT))  # pytest.exit(): reported as in-process, no more
     complete = outcome.finished and any(r.when == "teardown" for r in reports)
     if not complete and not stopped:
-        _close_with_failure(item, reports, lambda phase: describe_problem(outcome, spec, phase))
+        # The time the child's reports do not account for (up to the kill, or the crash)
+        # goes to the failure, so that junit and --durations show what it took.
+        ran = outcome.duration - (outcome.began or 0.0)
+        unreported = max(0.0, ran - sum(r.duration for r in reports))
+        _close_with_failure(
+            item, reports, lambda phase: describe_problem(outcome, spec, phase), unreported
+        )
     if reports and verdict is not None and verdict.records:
         _attach_leaks(item, reports, verdict)
     return reports
@@ -88,12 +94,16 @@ def skip_reports(item: pytest.Item, reason: str) -> list[pytest.TestReport]:
     return [setup, synthetic_report(item, "teardown", None)]
 
 
-def _close_with_failure(item: pytest.Item, reports: list, problem) -> None:
-    """Fail the first phase that has no report and end with a teardown report."""
+def _close_with_failure(item: pytest.Item, reports: list, problem, duration: float = 0.0) -> None:
+    """Fail the first phase that has no report and end with a teardown report.
+
+    ``duration``: the seconds the failure took that no report of the child counts.
+    """
     if reports and reports[-1].when == "teardown":
         last = reports.pop()
         failed = synthetic_report(item, "teardown", problem("teardown"))
         failed.sections = list(last.sections)
+        failed.duration = last.duration + duration
         reports.append(failed)
         return
     if not reports:
@@ -102,7 +112,9 @@ def _close_with_failure(item: pytest.Item, reports: list, problem) -> None:
         phase = "call"
     else:
         phase = "teardown"
-    reports.append(synthetic_report(item, phase, problem(phase)))
+    failed = synthetic_report(item, phase, problem(phase))
+    failed.duration = duration
+    reports.append(failed)
     if phase != "teardown":
         reports.append(synthetic_report(item, "teardown", None))
 
@@ -148,11 +160,25 @@ def describe_problem(outcome: Outcome, spec: IsolationSpec, phase: str) -> str:
     code = outcome.exitcode
     if outcome.timed_out:
         ended = f"; it was ended by {outcome.signal_name}" if outcome.signal_name else ""
-        head = (
-            f"Timeout: the isolated test timed out after {spec.timeout:g} s "
-            f"(timeout from {spec.timeout_source}) during {phase}{ended} "
-            f"(escalation: stack dump, SIGTERM, {spec.grace:g} s grace, SIGKILL)"
-        )
+        escalation = f"(escalation: stack dump, SIGTERM, {spec.grace:g} s grace, SIGKILL)"
+        if outcome.expired == "startup":
+            doing = outcome.phase or (
+                "bootstrapping" if outcome.bootstrapped else "starting the interpreter"
+            )
+            head = (
+                f"Start-up timeout: the test process did not finish starting ({doing}) "
+                f"within {spec.startup_timeout:g} s{ended} {escalation}; the test did not run"
+            )
+        elif outcome.expired == "exit":
+            head = (
+                f"Exit timeout: the test process did not exit within "
+                f"{spec.startup_timeout:g} s after its test ended{ended} {escalation}"
+            )
+        else:
+            head = (
+                f"Timeout: the isolated test timed out after {spec.timeout:g} s "
+                f"(timeout from {spec.timeout_source}) during {phase}{ended} {escalation}"
+            )
     elif outcome.signal_name:
         head = (
             f"Crashed: the isolated test process crashed with {outcome.signal_name} "

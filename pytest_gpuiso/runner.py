@@ -46,7 +46,7 @@ from .prewarm import HIDDEN_GPUS, Prewarmer
 from .record import attach_record, build_record
 from .results import apply_xfail, item_reports, setup_error_reports, skip_reports
 from .settings import MARKER, IsolationSpec, Settings, SpecError, spec_for_item, wants_isolation
-from .supervisor import Started, Supervisor
+from .supervisor import Started, StartError, Supervisor
 
 
 class GpuIsoLeakWarning(UserWarning):
@@ -162,18 +162,21 @@ def _run(
         missing = state.devices.shortfall(n)
         if missing is not None:
             return Ran(skip_reports(item, f"gpu-isolate: test needs {missing}"))
+        job = started.job if started is not None else _item_job(item, state.settings)
         if n > 0 and state.leases is not None:
+            if started is None:  # start its process while it waits: the lease is then
+                started = _warm_while_waiting(job, state, runs)  # used from its first ms
             try:
                 lease = state.leases.acquire(n, item.nodeid, state.settings.lease_timeout)
             except LeaseTimeout as exc:
                 return Ran(setup_error_reports(item, str(exc)))
         env = state.leases.child_env(lease) if state.leases is not None else None
-        job = started.job if started is not None else _item_job(item, state.settings)
         outcome, started = (
             runs.run(
                 job,
                 timeout=spec.timeout,
                 grace=spec.grace,
+                startup=spec.startup_timeout,
                 env=env,
                 probes=_probes(spec, state, lease),
                 started=started,
@@ -199,6 +202,17 @@ def _run(
     stop = outcome.frames_of(frames.EXIT)
     reports = item_reports(item, spec, outcome, verdict)
     return Ran(reports, spec, outcome, lease, verdict, stop[0] if stop else None)
+
+
+def _warm_while_waiting(job: ItemJob, state: State, runs: Supervisor) -> Started | None:
+    """Start a test's process ahead of its lease, as prewarming does (seeing no GPU until
+    its go); None when prewarming is off for the session."""
+    if state.prewarmer is None or state.prewarmer.disabled is not None:
+        return None
+    try:
+        return runs.start(job, dict(HIDDEN_GPUS), warm=True)
+    except StartError:
+        return None  # its run starts it again, and reports why it cannot
 
 
 def supervisor(config: pytest.Config, state: State) -> Supervisor:

@@ -24,8 +24,11 @@ from typing import Any
 import pytest
 
 MARKER = "gpu_isolated"
-MARKER_KWARGS = ("timeout", "grace", "gpus", "allow_leaks")
+MARKER_KWARGS = ("timeout", "startup_timeout", "grace", "gpus", "allow_leaks")
 DEFAULT_TIMEOUT = 900.0
+# Bounds what is not the test's time: from the test's turn until its protocol begins
+# (interpreter, plugins, conftests, module import), and from its end to the exit.
+DEFAULT_STARTUP_TIMEOUT = 300.0
 DEFAULT_GRACE = 5.0
 DEFAULT_PREWARM = 1
 DEFAULT_SLOTS = 1
@@ -230,6 +233,7 @@ class Settings:
     timeout_source: str
     grace: float
     report_path: str | None
+    startup_timeout: float = DEFAULT_STARTUP_TIMEOUT
     devices: list[str] | None = None  # None: discover (auto)
     devices_source: str = "auto"
     slots: int = DEFAULT_SLOTS
@@ -268,6 +272,7 @@ class Settings:
         grace, _ = _option_or_ini(config, "gpu_isolate_grace", allow_zero=True)
         if grace is None:
             grace = DEFAULT_GRACE
+        startup, _ = _option_or_ini(config, "gpu_isolate_startup_timeout", allow_zero=False)
         report = (
             config.getoption("gpu_isolate_report") or config.getini("gpu_isolate_report")
         ).strip()
@@ -316,6 +321,7 @@ class Settings:
             timeout=timeout,
             timeout_source=timeout_source,
             grace=grace,
+            startup_timeout=DEFAULT_STARTUP_TIMEOUT if startup is None else startup,
             report_path=report or None,
         )
 
@@ -344,11 +350,12 @@ def _option_or_ini(
 class IsolationSpec:
     """How one isolated test runs."""
 
-    timeout: float
+    timeout: float  # the test's setup, call and teardown
     timeout_source: str  # "marker", "--gpu-isolate-timeout", "pytest-timeout", "default", ...
     grace: float
     gpus: int | None  # None: not given (the lease layer decides)
     allow_leaks: frozenset[str] = frozenset()  # leak kinds this test may leave (marker)
+    startup_timeout: float = DEFAULT_STARTUP_TIMEOUT  # its process's start-up (and exit)
 
 
 def wants_isolation(item: pytest.Item, settings: Settings) -> bool:
@@ -391,6 +398,10 @@ def spec_for_item(item: pytest.Item, settings: Settings) -> IsolationSpec:
         grace = parse_seconds(kwargs["grace"], f"{MARKER} marker argument grace", allow_zero=True)
     else:
         grace = settings.grace
+    startup = settings.startup_timeout
+    if "startup_timeout" in kwargs:
+        what = f"{MARKER} marker argument startup_timeout"
+        startup = parse_seconds(kwargs["startup_timeout"], what, allow_zero=False)
 
     gpus = None
     if "gpus" in kwargs:
@@ -399,7 +410,12 @@ def spec_for_item(item: pytest.Item, settings: Settings) -> IsolationSpec:
     if "allow_leaks" in kwargs:
         allowed = parse_allowed(kwargs["allow_leaks"], f"{MARKER} marker argument allow_leaks")
     return IsolationSpec(
-        timeout=timeout, timeout_source=timeout_source, grace=grace, gpus=gpus, allow_leaks=allowed
+        timeout=timeout,
+        timeout_source=timeout_source,
+        grace=grace,
+        gpus=gpus,
+        allow_leaks=allowed,
+        startup_timeout=startup,
     )
 
 

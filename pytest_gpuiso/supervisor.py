@@ -1,15 +1,11 @@
-"""Parent side of one isolated run: start the child, wait, escalate, reap, sweep.
+"""Parent side of one isolated run: start the child, give its go, watch, reap, sweep.
 
-What happens on timeout, in order (all of it is in ``Supervisor.run``):
-
-1. ask the child for a stack dump (faulthandler registered on ``STACK_SIGNAL``
-   dumps every thread even when the test is stuck in C code);
-2. SIGTERM to the child's process group;
-3. wait ``grace`` seconds, still draining the pipe;
-4. SIGKILL to the group (and to every descendant seen before step 2);
-5. after the child is reaped, sweep descendants that escaped the group: this
-   process is a child subreaper, so double-forked or ``setsid`` orphans of the
-   test are re-parented here, where ``psutil`` finds them (``leaks.process``).
+``Supervisor.run`` starts the child (or takes its prewarmed one), gives it its go,
+has ``watch.Watch`` read its frames under the three bounds (start-up, the test's
+timeout, exit) and stop it past one (stack dump, SIGTERM, grace, SIGKILL), then
+reaps it and sweeps the descendants that escaped its process group: this process
+is a child subreaper, so double-forked or ``setsid`` orphans of the test are
+re-parented here, where ``psutil`` finds them (``leaks.process``).
 
 Leak probes (``leaks/``) take their snapshot just before the child gets its go
 (it may have been started earlier: prewarmed) and check once the child and its
@@ -35,8 +31,6 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from . import child, frames
 from .forkserver import ForkServer, ServerBoot, Unavailable
 from .leaks import Leak, Probe, RunInfo
@@ -45,10 +39,7 @@ from .leaks.shm import LOG_ENV, remove_created
 from .leaks.shm import scan as shm_scan
 from .outcome import OUTPUT_TAIL_LINES, Outcome
 from .proctree import (
-    REAP_WAIT,
     Child,
-    alive,
-    dump_stack,
     kill_tree,
     main_not_rerun,
     pidfd,
@@ -56,9 +47,10 @@ from .proctree import (
     signal_group,
     unlist,
 )
+from .settings import DEFAULT_STARTUP_TIMEOUT
+from .watch import STACK_SIGNAL, Watch
 from .workdir import private_file, read_end, remove
 
-STACK_SIGNAL = int(signal.SIGRTMIN) + 2  # unlikely to collide with a test's own handlers
 OUTPUT_TAIL_BYTES = 8192
 OUTPUT_KEEP_BYTES = 1 << 20  # of what the child wrote outside pytest's capture
 _SERVER_WAIT = 300.0  # seconds the first fork may wait for the server to import everything
@@ -321,6 +313,7 @@ class Supervisor:
         *,
         timeout: float | None,
         grace: float,
+        startup: float = DEFAULT_STARTUP_TIMEOUT,
         env: dict[str, str] | None = None,
         probes: tuple[Probe, ...] = (),
         started: Started | None = None,
@@ -329,9 +322,11 @@ class Supervisor:
         """Run ``job`` (an object with ``run(channel, boot)``) in a fresh process.
 
         ``started``: the job's prewarmed process, if there is one. ``probes`` are
-        leak checks besides the process sweep, which always runs. The timeout
-        clock starts at the go. ``after_go()`` is called once the child has its go
-        (while it runs).
+        leak checks besides the process sweep, which always runs. ``timeout``
+        bounds the test (or call) itself, from when the child says it begins;
+        ``startup`` bounds what comes before it from the go, and the process's
+        exit after it (``_wait``). ``after_go()`` is called once the child has its
+        go (while it runs).
         """
         if started is not None:
             self._settle(started)
@@ -343,16 +338,13 @@ class Supervisor:
         prewarmed = started is not None
         if started is None:
             started = self.start(job, env)
-        outcome = self._run(
-            started, timeout=timeout, grace=grace, env=env, probes=probes, after_go=after_go
-        )
+        how = dict(timeout=timeout, grace=grace, startup=startup, env=env, probes=probes)
+        outcome = self._run(started, after_go=after_go, **how)
         stale = outcome.frames_of(frames.STALE)
         if stale:  # it initialised CUDA before it knew its GPUs: run a fresh one
             self.stale = self.stale or stale[0]
             prewarmed = False
-            outcome = self._run(
-                self.start(job, env), timeout=timeout, grace=grace, env=env, probes=probes
-            )
+            outcome = self._run(self.start(job, env), **how)
         outcome.prewarmed = prewarmed
         return outcome
 
@@ -362,6 +354,7 @@ class Supervisor:
         *,
         timeout: float | None,
         grace: float,
+        startup: float,
         env: dict[str, str] | None,
         probes: tuple[Probe, ...],
         after_go: Callable[[], None] | None = None,
@@ -379,6 +372,7 @@ class Supervisor:
         go_env = dict(env or {})
         for probe in probes:
             go_env.update(getattr(probe, "child_env", {}))
+        go_at = time.monotonic()
         with contextlib.suppress(OSError):  # a child that already died has no use for it
             started.go.send(go_env)
         started.go.close()
@@ -387,26 +381,16 @@ class Supervisor:
                 after_go()
             except Exception as exc:  # prewarming the next test must not cost this one
                 self.notices.append(f"prewarming failed: {exc}")
-        begun = time.monotonic()
-        received: list[tuple[str, Any]] = []
-        timed_out = False
-        cutoff = None
-        stack = ""
+        watched = Watch(proc, reader, sentinel, started.stack_file)
         interrupted = False
         try:
-            deadline = None if timeout is None else begun + timeout
-            if not frames.pump(reader, sentinel, received, deadline):
-                timed_out, cutoff = True, len(received)
-                # Before its bootstrap the child has no handler and the signal would kill it.
-                if any(kind == frames.READY for kind, _ in received):
-                    stack = dump_stack(proc.pid, STACK_SIGNAL, started.stack_file)
-                _escalate(proc, reader, sentinel, received, grace)
+            watched.run(go_at, timeout, startup, grace)
         except BaseException:  # KeyboardInterrupt: take the child's tree down before leaving
             interrupted = True
-            _escalate(proc, reader, sentinel, received, min(grace, 1.0))
+            watched.escalate(min(grace, 1.0))
             raise
         finally:
-            duration = time.monotonic() - begun
+            duration = time.monotonic() - go_at
             reap(proc, sentinel)
             self.live.pop(id(started), None)
             sweep.spare = self.spare(settle=True)  # children forked during the test included
@@ -425,15 +409,16 @@ class Supervisor:
             captured = [text for text in map(_tail, captures) if text.strip()]
             remove(started.output, started.stack_file, *captures)
         return Outcome(
-            frames=received,
+            frames=watched.received,
             pid=proc.pid,
             exitcode=proc.exitcode,
-            timed_out=timed_out,
+            expired=watched.expired,
             duration=duration,
-            stack=stack,
+            began=None if watched.began is None else watched.began - go_at,
+            stack=watched.stack,
             output=written,
             leaks=leaks,
-            cutoff=cutoff,
+            cutoff=watched.cutoff,
             captured=captured,
             method=started.method,
             collected=started.collected,
@@ -458,23 +443,6 @@ def _exec_environment(extra: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-
-
-def _escalate(proc, reader: Connection, sentinel: Any, received: list, grace: float) -> None:
-    """SIGTERM the tree, wait ``grace`` (draining the pipe), then SIGKILL what is left."""
-    try:
-        tree = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.Error:
-        tree = []
-    signal_group(proc.pid, signal.SIGTERM, tree)
-    deadline = time.monotonic() + grace
-    if frames.pump(reader, sentinel, received, deadline):
-        rest = max(0.0, deadline - time.monotonic())
-        _, running = psutil.wait_procs([p for p in tree if alive(p)], timeout=rest)
-        if not running:
-            return
-    signal_group(proc.pid, signal.SIGKILL, tree)
-    wait([sentinel], REAP_WAIT)
 
 
 def _ensure_resource_tracker() -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from pytest_gpuiso.settings import TEMPLATE_WAIT_ENV
 from tests.helpers import kill_quietly, pid_alive, wait_for_file, wait_gone
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -136,7 +137,12 @@ def test_timeout_reports_source_phase_and_stack(gpuiso) -> None:
         "fail_stuck_in_c_read.py::test_stuck_in_c_read": "failed",
     }
     for record in records.values():
-        assert record["exit"] == {"code": -15, "signal": "SIGTERM", "timed_out": True}, record
+        assert record["exit"] == {
+            "code": -15,
+            "signal": "SIGTERM",
+            "timed_out": True,
+            "expired": "test",
+        }, record
         assert record["timeout"] == 2.0
 
 
@@ -164,7 +170,12 @@ def test_sigterm_ignoring_test_is_killed_after_grace(gpuiso, tmp_path: Path, mon
         )
         record = gpuiso.records()["test_hangs.py::test_ignores_sigterm"]
         assert record["pid"] == pid
-        assert record["exit"] == {"code": -9, "signal": "SIGKILL", "timed_out": True}
+        assert record["exit"] == {
+            "code": -9,
+            "signal": "SIGKILL",
+            "timed_out": True,
+            "expired": "test",
+        }
         # SIGKILL comes no sooner than timeout + grace, and not much later either.
         assert 2 + 1 <= record["duration"] <= 2 + 1 + 1.5, record
         assert not pid_alive(pid)
@@ -205,24 +216,93 @@ def test_timed_out_test_never_passes(gpuiso) -> None:
     )
 
 
-def test_timeout_during_start_up_is_ended_by_the_escalation(gpuiso) -> None:
-    """A timeout that fires while the child is still starting is ended by SIGTERM (or
-    SIGKILL), not by the stack-dump request."""
+def test_start_up_bound_ended_before_bootstrap_by_the_escalation(gpuiso) -> None:
+    """A start-up bound that runs out while the spawned child is still starting is ended
+    by SIGTERM (or SIGKILL), not by the stack-dump request; the test did not run: an
+    error in setup that says so."""
     if gpuiso.start == "forkserver":
-        pytest.skip("a forked process has finished its bootstrap before the timeout clock starts")
+        pytest.skip("a forked process has finished its bootstrap at its fork")
     gpuiso.copy("test_crashes.py")
     result = gpuiso.run(
         "--gpu-isolate",
-        "--gpu-isolate-timeout=0.001",
+        "--gpu-isolate-startup-timeout=0.001",
         GRACE,
         REPORT,
         "test_crashes.py::test_after_crashes",
     )
     result.assert_outcomes(errors=1)
     record = gpuiso.records()["test_crashes.py::test_after_crashes"]
-    assert record["exit"]["timed_out"]
+    assert record["exit"]["timed_out"] and record["exit"]["expired"] == "startup", record
+    assert record["startup"] is None
     assert "ended by signal" not in result.stdout.str()
     assert record["exit"]["signal"] in ("SIGTERM", "SIGKILL"), record["exit"]
+    result.stdout.fnmatch_lines(
+        ["*Start-up timeout: the test process did not finish starting (*) within 0.001 s*"]
+    )
+
+
+def test_module_import_is_not_test_time(gpuiso) -> None:
+    """A 0.2 s test marked timeout=1 in a module whose import takes 1.5 s passes (the
+    import is start-up, as under pytest-timeout); a 2 s test's duration is >= 2 s in the
+    JSON record and in junit; the start-up is recorded apart."""
+    gpuiso.copy("test_slow_import.py")
+    result = gpuiso.run(REPORT, "--junitxml=junit.xml")
+    result.assert_outcomes(passed=2)
+    records = gpuiso.records()
+    quick = records["test_slow_import.py::test_quick_after_slow_import"]
+    two = records["test_slow_import.py::test_sleeps_two_seconds"]
+    assert quick["duration"] < 1, quick
+    if gpuiso.start == "spawn":  # the first test's process starts cold, importing at its turn
+        assert quick["startup"] >= 1.5, quick
+    assert 0 <= quick["startup"] <= quick["wall"] - quick["duration"] + 0.01, quick
+    assert two["duration"] >= 2, two
+    cases = {
+        case.get("name"): float(case.get("time"))
+        for case in ET.parse(gpuiso.path / "junit.xml").iter("testcase")
+    }
+    assert cases["test_sleeps_two_seconds"] >= 2, cases
+
+
+def test_hang_at_import_is_bounded_by_the_start_up_bound(gpuiso, monkeypatch) -> None:
+    """A module that hangs at import in the isolated process: stopped after the marker's
+    startup_timeout=2, an error in setup naming what it was doing, with its stack."""
+    if gpuiso.start == "forkserver":
+        # the template is stuck in the same import: fork from the server after 1 s
+        monkeypatch.setenv(TEMPLATE_WAIT_ENV, "1")
+    gpuiso.copy("test_import_hangs.py")
+    result = gpuiso.run(GRACE, REPORT)
+    result.assert_outcomes(errors=1)
+    record = gpuiso.records()["test_import_hangs.py::test_never_gets_to_run"]
+    assert record["exit"]["expired"] == "startup" and record["startup_timeout"] == 2, record
+    assert record["outcome"] == "error"
+    source = (PROGRAMS / "test_import_hangs.py").read_text().splitlines()
+    hang = next(n for n, line in enumerate(source, 1) if "time.sleep(0.1)" in line)
+    section(result, "ERROR at setup of test_never_gets_to_run").fnmatch_lines(
+        [
+            "Start-up timeout: the test process did not finish starting "
+            "(importing test_import_hangs.py) within 2 s*",
+            "Stack of the test process (pid *) at the timeout:",
+            f'  File "*test_import_hangs.py", line {hang} in <module>',
+        ]
+    )
+    result.stdout.fnmatch_lines(
+        ["  TIMEOUT test_import_hangs.py::test_never_gets_to_run (did not finish starting*"]
+    )
+
+
+def test_hang_in_the_test_is_a_failed_call_however_slow_the_start(gpuiso, monkeypatch) -> None:
+    """Without bytecode caches (every import compiles), a timeout=1 hang is still a
+    failed test, in call: the clock starts when the test begins; junit gives its time."""
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    gpuiso.copy("test_hangs_in_call.py")
+    result = gpuiso.run(GRACE, REPORT, "--junitxml=junit.xml", "-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*Timeout: the isolated test timed out after 1 s *during call*"])
+    record = gpuiso.records()["test_hangs_in_call.py::test_hangs"]
+    assert record["exit"]["expired"] == "test", record
+    assert record["duration"] >= 1, record
+    [case] = ET.parse(gpuiso.path / "junit.xml").iter("testcase")
+    assert float(case.get("time")) >= 1, case.attrib
 
 
 # --------------------------------------------------------------------------- crashes
@@ -270,10 +350,30 @@ def test_crashes_are_failures_naming_the_signal(gpuiso) -> None:
     )
     records = gpuiso.records()
     exits = {nodeid.split("::")[1]: r["exit"] for nodeid, r in records.items()}
-    assert exits["test_segfault"] == {"code": -11, "signal": "SIGSEGV", "timed_out": False}
-    assert exits["test_abort"] == {"code": -6, "signal": "SIGABRT", "timed_out": False}
-    assert exits["test_self_sigkill"] == {"code": -9, "signal": "SIGKILL", "timed_out": False}
-    assert exits["test_os_exit_zero"] == {"code": 0, "signal": None, "timed_out": False}
+    assert exits["test_segfault"] == {
+        "code": -11,
+        "signal": "SIGSEGV",
+        "timed_out": False,
+        "expired": None,
+    }
+    assert exits["test_abort"] == {
+        "code": -6,
+        "signal": "SIGABRT",
+        "timed_out": False,
+        "expired": None,
+    }
+    assert exits["test_self_sigkill"] == {
+        "code": -9,
+        "signal": "SIGKILL",
+        "timed_out": False,
+        "expired": None,
+    }
+    assert exits["test_os_exit_zero"] == {
+        "code": 0,
+        "signal": None,
+        "timed_out": False,
+        "expired": None,
+    }
     outcomes = {nodeid.split("::")[1]: r["outcome"] for nodeid, r in records.items()}
     assert outcomes == {
         "test_segfault": "failed",
@@ -318,7 +418,12 @@ def test_crash_of_a_test_that_forked_names_the_signal(gpuiso, tmp_path: Path, mo
         grandchild = int(pidfile.read_text())
         assert [e["pid"] for e in record["escaped"]] == [grandchild]
         assert not pid_alive(grandchild)
-        assert record["exit"] == {"code": -11, "signal": "SIGSEGV", "timed_out": False}, record
+        assert record["exit"] == {
+            "code": -11,
+            "signal": "SIGSEGV",
+            "timed_out": False,
+            "expired": None,
+        }, record
         section(result, "test_forks_then_segfaults").fnmatch_lines(
             ["Crashed: the isolated test process crashed with SIGSEGV (exit code -11) during call"]
         )
@@ -395,7 +500,7 @@ def test_non_daemon_thread_does_not_hang_the_child(gpuiso) -> None:
     )
     result.assert_outcomes(passed=1)
     record = gpuiso.records()["test_payloads.py::test_leaves_non_daemon_thread"]
-    assert record["exit"] == {"code": 0, "signal": None, "timed_out": False}
+    assert record["exit"] == {"code": 0, "signal": None, "timed_out": False, "expired": None}
     assert record["duration"] < 20
     assert not pid_alive(record["pid"])
 

@@ -65,9 +65,9 @@ def test_bad_marker_arguments_fail_only_their_test(gpuiso):
             "gpu-isolate: invalid value 1.5 for gpu_isolated marker argument gpus: "
             "expected an integer >= 0",
             "gpu-isolate: invalid gpu_isolated marker argument 'timout': "
-            "expected one of timeout, grace, gpus, allow_leaks",
+            "expected one of timeout, startup_timeout, grace, gpus, allow_leaks",
             "gpu-isolate: invalid gpu_isolated marker: positional arguments (5,) are not "
-            "accepted; use keyword arguments (timeout, grace, gpus, allow_leaks)",
+            "accepted; use keyword arguments (timeout, startup_timeout, grace, gpus, allow_leaks)",
             "ERROR test_markers.py::test_bad_timeout*",  # pytest 8.0: no " - message"
             "ERROR test_markers.py::test_positional_argument*",  # pytest 8.0: no " - message"
             "PASSED test_markers.py::test_good_marker",
@@ -113,7 +113,7 @@ def test_report_header_describes_settings(gpuiso_settings):
     result.stdout.fnmatch_lines(
         [
             "gpu-isolate: every test in a fresh process, timeout 30 s "
-            "(--gpu-isolate-timeout), grace 2 s",
+            "(--gpu-isolate-timeout), grace 2 s, start-up bound 300 s",
             "gpu-isolate: start spawn, preload none, prewarm next 1 test",
         ]
     )
@@ -213,7 +213,7 @@ def test_header_names_pytest_timeouts_value(gpuiso_settings, monkeypatch, how, s
     result.stdout.fnmatch_lines(
         [
             f"gpu-isolate: tests marked gpu_isolated in a fresh process, "
-            f"timeout {seconds} s ({source}), grace 5 s"
+            f"timeout {seconds} s ({source}), grace 5 s, start-up bound 300 s"
         ]
     )
     assert "(default)" not in result.stdout.str()

@@ -24,7 +24,8 @@ def _check_schema(document: dict) -> dict[str, dict]:
     tests = document["tests"]
     for record in tests:
         assert set(record) >= {"nodeid", "outcome", "duration", "pid", "exit", "leaks"}
-        assert set(record["exit"]) == {"code", "signal", "timed_out"}
+        assert set(record["exit"]) == {"code", "signal", "timed_out", "expired"}
+        assert isinstance(record["wall"], float) and record["wall"] >= record["startup"] >= 0
         assert isinstance(record["duration"], float) and record["duration"] > 0
         assert isinstance(record["pid"], int)
         assert record["leaks"] == []

@@ -474,14 +474,14 @@ def test_no_gpu_isolate_runs_marked_tests_in_process(gpuiso: GpuIso) -> None:
     assert "isolated, " not in result.stdout.str()
 
 
-def test_markers_lists_gpu_isolated(gpuiso: GpuIso) -> None:
+def test_markers_lists_gpu_isolated(gpuiso_settings: GpuIso) -> None:
     """``pytest --markers`` lists the registered gpu_isolated marker with its arguments."""
-    result = gpuiso.run("--markers")
+    result = gpuiso_settings.run("--markers")
     assert result.ret == pytest.ExitCode.OK
     result.stdout.fnmatch_lines(
         [
-            "@pytest.mark.gpu_isolated(timeout=None, grace=None, gpus=None, allow_leaks=()): "
-            "run this test in a fresh process with a clean CUDA context*"
+            "@pytest.mark.gpu_isolated(timeout=None, startup_timeout=None, grace=None, gpus=None, "
+            "allow_leaks=()): run this test in a fresh process with a clean CUDA context*"
         ]
     )
 

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 import pytest
 
-from .. import _compat, child, frames
+from .. import _compat, child, child_plugin, frames
 from .._linux import die_with_parent, huge_page_steps, set_child_subreaper
 from ..leaks.shm import LOG_ENV, created_entries, remove_created
 from ..proctree import live_descendants
@@ -294,7 +294,7 @@ def left_outside(before: tuple[dict[int, str], set[str]], shm_log: str | None) -
 # --------------------------------------------------------------------------- the session
 
 
-class TemplatePlugin(child.ChildPlugin):
+class TemplatePlugin(child_plugin.ChildPlugin):
     """The template's session: collect, then wait for forks; in a test's process forked
     there, take its job and what is its own, and run its item from the collected session."""
 
@@ -330,9 +330,9 @@ class TemplatePlugin(child.ChildPlugin):
         self.channel.send(frames.READY, os.getpid())
         config = self.config
         self._record_junit(config)
-        child.name_capture_files(boot.capture_prefix)
-        child.restart_capture(config)
-        child.override_options(config.option, job.basetemp)
+        child_plugin.name_capture_files(boot.capture_prefix)
+        child_plugin.restart_capture(config)
+        child_plugin.override_options(config.option, job.basetemp)
         # The session's factory was made in the template: this test's basetemp instead.
         _compat.retarget_basetemp(config, job.basetemp)
         _restore_random_states(self.seeded)
@@ -354,9 +354,9 @@ def run_session(
 ) -> None:
     """The template's pytest session; in a test's process forked from it, the test's end."""
     plugin = TemplatePlugin(modules, await_fork)
-    config.pluginmanager.register(plugin, child.CHILD_PLUGIN)
-    child.restart_capture(config)
-    child.override_options(config.option, config.option.basetemp)
+    config.pluginmanager.register(plugin, child_plugin.CHILD_PLUGIN)
+    child_plugin.restart_capture(config)
+    child_plugin.override_options(config.option, config.option.basetemp)
     try:
         status = int(config.hook.pytest_cmdline_main(config=config))
     except BaseException:
