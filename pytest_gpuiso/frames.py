@@ -36,8 +36,22 @@ RESULT = "result"  # run_isolated: the function's value
 EXCEPTION = "exception"  # run_isolated: the exception it raised (``describe_exception``)
 DONE = "done"  # the last frame: the job finished (its exit status)
 KINDS = frozenset(
-    {READY, PHASE, BEGIN, END, STALE, REPORT, WARNING, JUNIT, TORCH_LEAK, EXIT, ERROR, RESULT}
-    | {EXCEPTION, DONE}
+    {
+        READY,
+        PHASE,
+        BEGIN,
+        END,
+        STALE,
+        REPORT,
+        WARNING,
+        JUNIT,
+        TORCH_LEAK,
+        EXIT,
+        ERROR,
+        RESULT,
+        EXCEPTION,
+        DONE,
+    }
 )
 
 SPILL_BYTES = 1 << 20  # 1 MiB

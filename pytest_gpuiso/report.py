@@ -68,9 +68,10 @@ def _ended(record: dict[str, Any]) -> str | None:
     return None
 
 
-def _bound(record: dict[str, Any]) -> str:
-    """Which bound a timed-out test ran past: "timed out after 2 s", "did not finish
-    starting within 300 s", "did not exit within 300 s after its test"."""
+def _bound(record: dict[str, Any], test: str = "timed out after") -> str:
+    """Which bound a timed-out test ran past: "timed out after 2 s" (``test`` names the
+    test's own timeout), "did not finish starting within 300 s", "did not exit within
+    300 s after its test"."""
     expired = record["exit"].get("expired") or "test"  # records before it had only tests
     seconds = record.get("startup_timeout")
     within = f" within {seconds:g} s" if _is_number(seconds) else ""
@@ -78,7 +79,7 @@ def _bound(record: dict[str, Any]) -> str:
         return f"did not finish starting{within}"
     if expired == "exit":
         return f"did not exit{within} after its test"
-    return f"timed out after {record['timeout']:g} s"
+    return f"{test} {record['timeout']:g} s"
 
 
 def leak_counts(records: list[dict[str, Any]]) -> Counter[str]:
@@ -98,8 +99,7 @@ def terminal_summary(tr: Any, records: list[dict[str, Any]], path: Path | None) 
     if starts:
         tr.write_line("gpu-isolate: started " + starts)
     for r in timed_out:
-        bound = _bound(r).replace("timed out after", "after")
-        tr.write_line(f"  TIMEOUT {r['nodeid']} ({bound})")
+        tr.write_line(f"  TIMEOUT {r['nodeid']} ({_bound(r, test='after')})")
     for r in crashed:
         tr.write_line(f"  CRASHED {r['nodeid']} ({r['exit']['signal']})")
     if path is not None:
