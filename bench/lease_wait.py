@@ -8,7 +8,10 @@ does), and runs it side by side in one run with ``pytest -n W
 * prewarm 0: a test's process starts only once it holds its lease, so the GPU
   waits for an interpreter, pytest and the module's import each time;
 * prewarm 1 (the default): the next test's process is started while a test runs,
-  and a test that waits for its lease has its process started while it waits.
+  and a test that waits for its lease has its process started while it waits; it
+  collects the test's module then too, so the lease is not spent importing it;
+* forkserver: each test's process is forked from a template that collected the
+  module once (per xdist worker).
 
 For each: the wall time, the ideal (N x hold: the GPU never idle), and the
 leased-but-idle time summed over tests (the JSON record's ``startup``: from the
@@ -44,9 +47,16 @@ def test_holds_the_gpu(i):
 """
 
 
-def run(directory: Path, workers: int, prewarm: int) -> tuple[float, float, int]:
+CONFIGS = {
+    ("spawn", 0): "spawn, prewarm 0 (cold after the lease)",
+    ("spawn", 1): "spawn, prewarm 1 (default)",
+    ("forkserver", 1): "forkserver, prewarm 1",
+}
+
+
+def run(directory: Path, workers: int, start: str, prewarm: int) -> tuple[float, float, int]:
     """Wall seconds, summed leased-idle seconds, tests that passed."""
-    report = directory / f"report-{prewarm}.json"
+    report = directory / f"report-{start}-{prewarm}.json"
     command = [
         sys.executable,
         "-m",
@@ -57,6 +67,7 @@ def run(directory: Path, workers: int, prewarm: int) -> tuple[float, float, int]
         "-n",
         str(workers),
         "--gpu-isolate-devices=0",
+        f"--gpu-isolate-start={start}",
         f"--gpu-isolate-prewarm={prewarm}",
         f"--gpu-isolate-report={report}",
         "test_gpu_bound.py",
@@ -89,30 +100,33 @@ def main() -> None:
         f"import {args.import_s:g} s, -n {args.workers}, best of {args.repeat}"
     )
     ideal = args.tests * args.hold
-    best: dict[int, tuple[float, float, int]] = {}
+    best: dict[tuple[str, int], tuple[float, float, int]] = {}
     with tempfile.TemporaryDirectory(prefix="gpuiso-bench-") as tmp:
         directory = Path(tmp)
         (directory / "test_gpu_bound.py").write_text(
             SUITE.format(import_s=args.import_s, tests=args.tests, hold=args.hold)
         )
         for _ in range(args.repeat):
-            for prewarm in (0, 1):  # side by side, alternating
-                result = run(directory, args.workers, prewarm)
-                if prewarm not in best or result[0] < best[prewarm][0]:
-                    best[prewarm] = result
+            for config in CONFIGS:  # side by side, alternating
+                result = run(directory, args.workers, *config)
+                if config not in best or result[0] < best[config][0]:
+                    best[config] = result
     print("| configuration | wall | × ideal | leased GPU idle (sum) | passed |")
     print("|---|---|---|---|---|")
-    for prewarm, label in ((0, "prewarm 0 (cold after the lease)"), (1, "prewarm 1 (default)")):
-        wall, idle, passed = best[prewarm]
+    for config, label in CONFIGS.items():
+        wall, idle, passed = best[config]
         print(
             f"| {label} | {wall:.2f} s | {wall / ideal:.2f}× | {idle:.2f} s | "
             f"{passed}/{args.tests} |"
         )
-    cold, warm = best[0], best[1]
-    print(
-        f"\nprewarm 1 vs 0: wall {warm[0] / cold[0]:.2f}×, leased-idle "
-        f"{warm[1] / cold[1] if cold[1] else float('nan'):.2f}× (ideal wall {ideal:.1f} s)"
-    )
+    cold = best[("spawn", 0)]
+    print()
+    for config, name in ((("spawn", 1), "prewarm 1 vs 0"), (("forkserver", 1), "forkserver vs 0")):
+        warm = best[config]
+        print(
+            f"{name}: wall {warm[0] / cold[0]:.2f}×, leased-idle "
+            f"{warm[1] / cold[1] if cold[1] else float('nan'):.2f}× (ideal wall {ideal:.1f} s)"
+        )
 
 
 if __name__ == "__main__":

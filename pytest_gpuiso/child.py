@@ -15,11 +15,13 @@ once ``DONE`` is sent, so a non-daemon thread left running by a test cannot keep
 it alive.
 
 A child may be started before its test's turn (prewarming, ``supervisor``): it
-bootstraps, imports, parses the configuration and configures pytest, then waits
-for the parent's go, which carries the environment of the GPUs it was leased.
-Nothing of the test itself (its module, its fixtures) runs before the go. A
-child that has initialised CUDA before the go cannot switch GPUs any more: it
-says ``stale`` and leaves, and the parent starts a fresh one.
+bootstraps, imports, parses the configuration and configures pytest, collects its
+test's module (``Bootstrap.collect_ahead``), then waits for the parent's go, which
+carries the environment of the GPUs it was leased. Nothing of the test itself (its
+fixtures, its body) runs before the go. A child that initialised CUDA before the
+go, or read a variable the go changes (``CUDA_VISIBLE_DEVICES``), cannot switch
+GPUs any more: it says ``stale`` (and whether the module's import did it) and
+leaves, and the parent starts a fresh one.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class Bootstrap:
     capture_prefix: str  # pytest's capture files get these names, so a crash can't lose them
     env: tuple[tuple[str, str], ...] = ()  # e.g. CUDA_VISIBLE_DEVICES of the leased GPUs
     preload: tuple[str, ...] = ()  # modules to import while waiting for the go (prewarming)
+    collect_ahead: bool = False  # collect the test's module before the go (prewarming)
 
 
 # Variables that decide which GPUs a CUDA runtime sees; read once, at its initialisation.
@@ -78,7 +81,7 @@ def main(
     forked this process; an ``ItemJob`` uses it when it was parsed from its arguments.
     """
     bootstrap(boot, conn)
-    channel = Channel(conn, boot.spill_dir, go, boot.output)
+    channel = Channel(conn, boot.spill_dir, go, boot.output, boot.collect_ahead)
     status = 0
     try:
         refuse_inherited_cuda()
@@ -165,14 +168,24 @@ class Channel:
         spill_dir: str,
         go: Connection | None = None,
         output: str | None = None,
+        collect_ahead: bool = False,
     ) -> None:
         self.conn = conn
         self.spill_dir = spill_dir
         self.go = go
         self.output = output  # the file fds 1 and 2 write to (None: pytest's terminal)
+        self.collect_ahead = collect_ahead and go is not None
+        self.ahead: str | None = None  # the module it is collecting before its go
+        if go is not None:
+            _EnvReads.start()
 
     def send(self, kind: str, payload: Any) -> None:
         send_frame(self.conn, kind, payload, self.spill_dir)
+
+    def collecting_ahead(self, module: str) -> None:
+        """The test's module is about to be imported before the go (``collect_ahead``)."""
+        self.ahead = module
+        _EnvReads.where = module
 
     def wait_go(self) -> None:
         """Block until the parent says this test's turn has come; apply its environment."""
@@ -184,19 +197,69 @@ class Channel:
         except (EOFError, OSError):
             os._exit(0)  # discarded before its turn (session over, other test order)
         self.go.close()
+        reads = _EnvReads.stop()
         set_child_subreaper(False)
-        if any(os.environ.get(name) != env.get(name) for name in CUDA_ENV if name in env):
-            reason = cuda_state.touched()
-            if reason is not None:  # too late to change the GPUs this process sees
-                self.send(frames.STALE, reason)
-                os._exit(0)
+        stale = self._stale(env, reads)
+        if stale is not None:  # too late to change the GPUs this process sees
+            self.send(frames.STALE, stale)
+            os._exit(0)
         os.environ.update(env)
+        if self.ahead is not None:
+            self.send(frames.AHEAD, self.ahead)
         if self.output is not None:  # start-up noise (imports) is not the test's output
             for stream in (sys.stdout, sys.stderr):
                 with contextlib.suppress(Exception):
                     stream.flush()
             with contextlib.suppress(OSError):
                 os.ftruncate(1, 0)
+
+    def _stale(self, env: dict[str, str], reads: dict[str, str | None]) -> dict | None:
+        """Why this process cannot take the go's environment, or None when it can.
+
+        ``{"cuda": why or None, "read": variable or None, "module": the test module
+        whose import (before the go) did it, or None: plugins or conftests did}``.
+        """
+        changed = sorted(name for name, value in env.items() if os.environ.get(name) != value)
+        if any(name in CUDA_ENV for name in changed):
+            reason = cuda_state.touched()
+            if reason is not None:  # collect_ahead is only tried before CUDA is touched
+                return {"cuda": reason, "read": None, "module": self.ahead}
+        for name in changed:
+            if name in reads:
+                return {"cuda": None, "read": name, "module": reads[name]}
+        return None
+
+
+class _EnvReads:
+    """Which environment variables the process read before its go, and where.
+
+    A module that reads ``CUDA_VISIBLE_DEVICES`` at import before the go saw the
+    hidden value (``""``), not its GPUs: it must run in a fresh process. Until the
+    go, ``os.environ`` (which ``os.getenv`` reads too) notes each name read.
+    """
+
+    names: dict[str, str | None] = {}  # name -> module being collected ahead, or None
+    where: str | None = None
+    _class: type | None = None
+
+    @classmethod
+    def start(cls) -> None:
+        if cls._class is None:
+            cls._class = type(os.environ)
+            os.environ.__class__ = _NotingEnviron
+
+    @classmethod
+    def stop(cls) -> dict[str, str | None]:
+        if cls._class is not None:
+            os.environ.__class__ = cls._class
+            cls._class = None
+        return cls.names
+
+
+class _NotingEnviron(os._Environ):  # type: ignore[type-arg] - os.environ's own class
+    def __getitem__(self, key: Any) -> Any:
+        _EnvReads.names.setdefault(key, _EnvReads.where)
+        return super().__getitem__(key)
 
 
 # --------------------------------------------------------------------------- calls

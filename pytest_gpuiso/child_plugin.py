@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from . import _compat, frames
+from . import _compat, cuda_state, frames
 from .leaks import torch as torch_check
 
 CHILD_PLUGIN = "gpuiso-child"
@@ -125,15 +125,25 @@ class ChildPlugin:
         # process started cold imports torch with the test module). The test's objects are
         # collected as ever.
         gc.freeze()
-        self.channel.wait_go()  # a prewarmed child stops here until its test's turn
         module = os.path.relpath(self.job.collect_arg.split("::", 1)[0])
+        # A prewarmed process collects while it waits for its go (seeing no GPU), unless
+        # CUDA is touched already: it would be replaced at its go anyway.
+        ahead = self.channel.collect_ahead and cuda_state.touched() is None
+        if ahead:
+            self.channel.collecting_ahead(module)
+            self._collect(session, module)
+        self.channel.wait_go()  # a prewarmed child stops here until its test's turn
+        if not ahead:
+            self._collect(session, module)
+        gc.freeze()
+        return True
+
+    def _collect(self, session: Any, module: str) -> None:
         self.channel.send(frames.PHASE, f"importing {module}")
         try:
             session.perform_collect([self.job.collect_arg])
         except pytest.UsageError:  # "found no collectors": the collect errors say why
             session.items = []
-        gc.freeze()
-        return True
 
     @pytest.hookimpl(trylast=True)  # after -k / -m deselection
     def pytest_collection_modifyitems(self, items: list) -> None:

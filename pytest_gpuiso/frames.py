@@ -25,7 +25,8 @@ READY = "ready"  # the bootstrap is done: the process can answer a stack-dump re
 PHASE = "phase"  # what the process is doing while it starts: "importing test_x.py" (text)
 BEGIN = "begin"  # the test's protocol begins (setup): its timeout clock starts (nodeid)
 END = "end"  # the test's protocol (or run_isolated's call) is over: the clock stops (None)
-STALE = "stale"  # a prewarmed process initialised CUDA before its go: start afresh (why)
+AHEAD = "ahead"  # a prewarmed process collected its test's module before its go (module)
+STALE = "stale"  # a prewarmed process can't take its GPUs: start afresh ({cuda, read, module})
 REPORT = "report"  # a pytest report, as pytest_report_to_serializable data
 WARNING = "warning"  # a warning of the test (``encode_warning``)
 JUNIT = "junit"  # a record_xml_attribute / record_testsuite_property call, to replay
@@ -41,6 +42,7 @@ KINDS = frozenset(
         PHASE,
         BEGIN,
         END,
+        AHEAD,
         STALE,
         REPORT,
         WARNING,

@@ -1,18 +1,21 @@
 """Start the next isolated tests' processes while the current one runs.
 
 A process started ahead of its test's turn bootstraps, imports the preload
-modules, parses the configuration and configures pytest, then waits for its go
-(``child.Channel.wait_go``). Its start-up overlaps the test before it (and the
-wait for a GPU), and it still runs exactly one test. Which tests come next:
-pytest hands ``nextitem`` to ``pytest_runtest_protocol``; without xdist the
-session's item list says what follows it, so up to ``depth`` processes warm at
-once. Under xdist only ``nextitem`` is known (the scheduler decides the rest).
+modules, parses the configuration, configures pytest and collects its test's
+module, then waits for its go (``child.Channel.wait_go``). Its start-up
+overlaps the test before it (and the wait for a GPU), and it still runs exactly
+one test. Which tests come next: pytest hands ``nextitem`` to
+``pytest_runtest_protocol``; without xdist the session's item list says what
+follows it, so up to ``depth`` processes warm at once. Under xdist only
+``nextitem`` is known (the scheduler decides the rest).
 
 Until its go, a prewarmed process of a test that gets GPUs sees none
 (``CUDA_VISIBLE_DEVICES=""``): its GPUs are only known once leased. If plugin or
-conftest code initialises CUDA at import anyway, the process cannot switch to its
-GPUs; it says so at its go, a fresh one runs the test, and prewarming stops for
-the session (``disabled``), which the plugin reports once.
+conftest code initialises CUDA at import anyway (or reads ``CUDA_VISIBLE_DEVICES``),
+the process cannot switch to its GPUs; it says so at its go, a fresh one runs the
+test, and prewarming stops for the session (``disabled``), which the plugin reports
+once. If the test module's import did it, prewarmed processes only stop collecting
+ahead (``Supervisor.collect_ahead``).
 """
 
 from __future__ import annotations

@@ -112,8 +112,9 @@ def terminal_summary(tr: Any, records: list[dict[str, Any]], path: Path | None) 
 def start_counts(records: list[dict[str, Any]]) -> str:
     """How the isolated processes started, e.g. "38 forkserver, 2 spawn; 39 prewarmed".
 
-    With the fork server, also how many were forked from its collected session,
-    and why the others were not when it gave up on collecting.
+    With the fork server, or prewarmed processes that collected ahead, also how many
+    had their module collected before their turn, and why the others were not when
+    the fork server gave up on collecting.
     """
     methods: dict[str, int] = {}
     prewarmed = collected = 0
@@ -129,7 +130,7 @@ def start_counts(records: list[dict[str, Any]]) -> str:
     if not text:
         return ""
     text += f"; {prewarmed} prewarmed"
-    if "forkserver" in methods:
+    if "forkserver" in methods or collected:
         text += f"; {collected} pre-collected" + (f" ({why})" if why else "")
     return text
 

@@ -137,7 +137,11 @@ class Supervisor:
         self.preload = server_boot.preload if server_boot is not None else ()
         self.server: ForkServer | None = None
         self.notices: list[str] = []  # start-method problems, for the plugin to show once
-        self.stale: str | None = None  # why a prewarmed child had to be replaced, once seen
+        # Why a prewarmed child had to be replaced, once seen (``child.Channel._stale``):
+        # its plugins or conftests touched CUDA (prewarming is turned off) ...
+        self.stale: dict[str, Any] | None = None
+        # ... or its test module did: prewarmed processes then stop collecting ahead.
+        self.collect_ahead = True
         self.live: dict[int, Started] = {}  # started children not yet reaped, by id()
         self._awaiting: collections.deque[Started] = collections.deque()  # fork answers due
         self._ctx = multiprocessing.get_context("spawn")
@@ -254,6 +258,7 @@ class Supervisor:
             capture_prefix=str(capture_prefix),
             env=tuple(sorted(env.items())),
             preload=self.preload if warm and method == "spawn" else (),
+            collect_ahead=warm and method == "spawn" and self.collect_ahead,
         )
         reader, writer = self._ctx.Pipe(duplex=False)
         go_reader, go_writer = self._ctx.Pipe(duplex=False)
@@ -342,11 +347,32 @@ class Supervisor:
         outcome = self._run(started, after_go=after_go, **how)
         stale = outcome.frames_of(frames.STALE)
         if stale:  # it initialised CUDA before it knew its GPUs: run a fresh one
-            self.stale = self.stale or stale[0]
+            self._replaced(stale[0])
             prewarmed = False
             outcome = self._run(self.start(job, env), **how)
         outcome.prewarmed = prewarmed
         return outcome
+
+    def _replaced(self, why: dict[str, Any]) -> None:
+        """A prewarmed child could not take its GPUs (``why``: ``child.Channel._stale``)."""
+        if why["module"] is None:
+            self.stale = self.stale or why  # the plugin turns prewarming off
+        elif self.collect_ahead:
+            self.collect_ahead = False
+            if why["read"]:
+                what, advice = f"read {why['read']}", "read it in fixtures or tests instead"
+            else:
+                what = f"initialised CUDA ({why['cuda']})"
+                advice = (
+                    "a skipif condition calling torch.cuda.is_available() can be written as "
+                    'a string, "not torch.cuda.is_available()", which pytest evaluates '
+                    "when the test runs"
+                )
+            self.notices.append(
+                "prewarmed processes no longer collect their test's module ahead of its "
+                f"turn: importing {why['module']}, one {what} before it was given its GPUs; "
+                + advice
+            )
 
     def _run(
         self,
@@ -421,7 +447,7 @@ class Supervisor:
             cutoff=watched.cutoff,
             captured=captured,
             method=started.method,
-            collected=started.collected,
+            collected=started.collected or any(k == frames.AHEAD for k, _ in watched.received),
             uncollected=started.uncollected,
         )
 

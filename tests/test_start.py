@@ -126,10 +126,10 @@ def _cuda_conftest(iso: GpuIso, monkeypatch: pytest.MonkeyPatch, lib: Path | Non
         monkeypatch.setenv("GPUISO_FAKE_LIBCUDA", str(lib))
 
 
-def _starts(iso: GpuIso) -> dict[str, dict]:
-    """How each test's process started: method and prewarmed (collected: see test_template)."""
+def _starts(iso: GpuIso, *more: str) -> dict[str, dict]:
+    """How each test's process started: method and prewarmed, and the ``more`` keys."""
     return {
-        nodeid: {key: record["start"][key] for key in ("method", "prewarmed")}
+        nodeid: {key: record["start"][key] for key in ("method", "prewarmed", *more)}
         for nodeid, record in iso.records().items()
     }
 
@@ -199,7 +199,7 @@ def test_preload_and_where_the_processes_come_from(
         assert runs[IMPORTER]["preloaded_in"] == runs[IMPORTER]["pid"]
         assert all(runs[nodeid]["preloaded_in"] is None for nodeid in LOGGERS)
     else:
-        result.stdout.fnmatch_lines(["*started 4 spawn; 3 prewarmed"])
+        result.stdout.fnmatch_lines(["*started 4 spawn; 3 prewarmed; 3 pre-collected"])
         # Each prewarmed process imported it itself, while waiting for its go.
         ahead = [run for nodeid, run in runs.items() if prewarmed[nodeid]]
         assert sorted(preloaded_by) == sorted(run["pid"] for run in ahead)
@@ -382,6 +382,9 @@ def test_prewarm_starts_the_next_process_while_a_test_runs(gpuiso: GpuIso, logs:
     runs = logs.by_test()
     first, second = runs[FIRST], runs[SECOND]
     around_first = {sibling["pid"] for sibling in first["siblings"]}
+    # The fork server's processes are forked from its collected session; a prewarmed
+    # spawned process collects (imports) its test's module while it waits.
+    collected = gpuiso.start == "forkserver" or bool(prewarm)
     if prewarm:
         assert second["created"] < first["ended"], (first, second)
         assert second["pid"] in around_first, (first, second)
@@ -389,9 +392,13 @@ def test_prewarm_starts_the_next_process_while_a_test_runs(gpuiso: GpuIso, logs:
         # Both on the boot clock; a creation time is rounded down to a clock tick.
         assert second["created"] > first["ended"] - TICK, (first, second)
         assert second["pid"] not in around_first, (first, second)
-    assert _starts(gpuiso) == {
-        FIRST: {"method": gpuiso.start, "prewarmed": False},
-        SECOND: {"method": gpuiso.start, "prewarmed": bool(prewarm)},
+    if collected:
+        assert second["imported"] < first["ended"], (first, second)
+    else:
+        assert second["imported"] > first["ended"], (first, second)
+    assert _starts(gpuiso, "collected") == {
+        FIRST: {"method": gpuiso.start, "prewarmed": False, "collected": gpuiso.start != "spawn"},
+        SECOND: {"method": gpuiso.start, "prewarmed": bool(prewarm), "collected": collected},
     }
     result.stdout.fnmatch_lines([f"gpu-isolate: started 2 {gpuiso.start}; {prewarm} prewarmed*"])
 
@@ -399,17 +406,22 @@ def test_prewarm_starts_the_next_process_while_a_test_runs(gpuiso: GpuIso, logs:
 GPU_TESTS = [f"test_start_gpus.py::test_gets_a_gpu[{i}]" for i in range(3)]
 
 
-@pytest.mark.parametrize("cuda_at_import", [True, False], ids=["conftest-loads-libcuda", "clean"])
+@pytest.mark.parametrize(
+    "conftest", ["loads-libcuda", "reads-cvd", "clean"], ids=lambda c: f"conftest-{c}"
+)
 def test_prewarmed_process_that_touched_cuda_is_replaced(
-    spawn_iso: GpuIso, logs: Logs, region, monkeypatch, request, cuda_at_import
+    spawn_iso: GpuIso, logs: Logs, region, monkeypatch, request, conftest
 ) -> None:
     """Fake GPUs 0,1; a prewarmed process sees CUDA_VISIBLE_DEVICES="" until its go.
-    One whose conftest loaded the driver at import cannot switch to its GPU: a fresh
-    process runs the test, prewarming is turned off, and that is said once."""
+    One whose conftest loaded the driver (or read CUDA_VISIBLE_DEVICES) at import cannot
+    switch to its GPU: a fresh process runs the test, prewarming is turned off, and that
+    is said once. Otherwise each test's module is collected ahead, too."""
     iso = spawn_iso
-    lib = request.getfixturevalue("fake_libcuda") if cuda_at_import else None
+    lib = request.getfixturevalue("fake_libcuda") if conftest == "loads-libcuda" else None
     iso.copy("start_log.py", "test_start_gpus.py")
     _cuda_conftest(iso, monkeypatch, lib)
+    if conftest == "reads-cvd":
+        monkeypatch.setenv("GPUISO_CONFTEST_READS_CVD", "1")
     result = iso.run("--gpu-isolate-devices=0,1", REPORT, "test_start_gpus.py")
     runs = logs.by_test()
     assert sorted(runs) == GPU_TESTS
@@ -417,19 +429,27 @@ def test_prewarmed_process_that_touched_cuda_is_replaced(
     test_pids = {run["pid"] for run in runs.values()}
     assert len(test_pids) == 3
     cvd_at_import = {row["pid"]: row["cvd"] for row in logs.conftest_imports()}
-    starts = _starts(iso)
-    if cuda_at_import:
+    starts = _starts(iso, "collected")
+    if conftest != "clean":
         result.assert_outcomes(passed=3, warnings=1)
         [warning] = _start_warnings(result)
-        assert (
-            "prewarming turned off: a process started ahead of its test initialised CUDA "
-            f"before it was given its GPUs (the CUDA driver library is loaded ({lib})); "
-            "a plugin or conftest uses CUDA or NVML at import (torch.cuda.is_available() and "
-            "device_count() do): call them in fixtures or tests instead"
-        ) in warning
-        assert "PYTORCH_NVML_BASED_CUDA_CHECK" not in warning  # it loads NVML: stale too
-        assert starts == {nodeid: {"method": "spawn", "prewarmed": False} for nodeid in runs}
-        result.stdout.fnmatch_lines(["gpu-isolate: started 3 spawn; 0 prewarmed*"])
+        if lib is not None:
+            assert (
+                "prewarming turned off: a process started ahead of its test initialised CUDA "
+                f"before it was given its GPUs (the CUDA driver library is loaded ({lib})); "
+                "a plugin or conftest uses CUDA or NVML at import (torch.cuda.is_available() "
+                "and device_count() do): call them in fixtures or tests instead"
+            ) in warning
+            assert "PYTORCH_NVML_BASED_CUDA_CHECK" not in warning  # it loads NVML: stale too
+        else:
+            assert (
+                "prewarming turned off: a process started ahead of its test read "
+                "CUDA_VISIBLE_DEVICES before it was given its GPUs; a plugin or conftest "
+                "reads it at import: read it in fixtures or tests instead"
+            ) in warning
+        fresh = {"method": "spawn", "prewarmed": False, "collected": False}
+        assert starts == {nodeid: fresh for nodeid in runs}
+        result.stdout.fnmatch_lines(["gpu-isolate: started 3 spawn; 0 prewarmed"])
         # The replaced process: started ahead (no GPU yet), never ran a test.
         replaced = [pid for pid, cvd in cvd_at_import.items() if pid not in test_pids]
         assert any(cvd_at_import[pid] == "" for pid in replaced), cvd_at_import
@@ -438,11 +458,60 @@ def test_prewarmed_process_that_touched_cuda_is_replaced(
     else:
         result.assert_outcomes(passed=3)
         assert not _start_warnings(result)
-        # Every one started ahead of its lease (the first while it waited for it).
-        assert starts == {nodeid: {"method": "spawn", "prewarmed": True} for nodeid in runs}
-        result.stdout.fnmatch_lines(["gpu-isolate: started 3 spawn; 3 prewarmed*"])
+        # Every one started ahead of its lease (the first while it waited for it), and
+        # collected its module then.
+        warm = {"method": "spawn", "prewarmed": True, "collected": True}
+        assert starts == {nodeid: warm for nodeid in runs}
+        result.stdout.fnmatch_lines(["gpu-isolate: started 3 spawn; 3 prewarmed; 3 pre-collected"])
         # No GPU while waiting, its GPU after the go (the tests saw "0" or "1", above).
         assert {cvd_at_import[pid] for pid in test_pids} == {""}, cvd_at_import
+
+
+MODULE_GPU_TESTS = [
+    f"test_start_module_gpus.py::test_sees_its_gpu_at_import[{i}]" for i in range(3)
+]
+
+
+@pytest.mark.parametrize("module", ["loads-libcuda", "reads-cvd"], ids=lambda m: f"module-{m}")
+def test_module_that_looks_at_gpus_at_import_is_not_collected_ahead(
+    spawn_iso: GpuIso, logs: Logs, region, monkeypatch, request, module
+) -> None:
+    """A test module that loads the driver (as torch.cuda.is_available() in a skipif does)
+    or reads CUDA_VISIBLE_DEVICES at import, collected ahead by prewarmed processes that
+    see no GPU: those processes are replaced, every test sees its leased GPU at import
+    (the module asserts it), and from then on prewarmed processes stop before collecting
+    (prewarming itself stays on). Said once, naming the module."""
+    iso = spawn_iso
+    lib = request.getfixturevalue("fake_libcuda") if module == "loads-libcuda" else None
+    if lib is None:
+        monkeypatch.delenv("GPUISO_FAKE_LIBCUDA", raising=False)
+    else:
+        monkeypatch.setenv("GPUISO_FAKE_LIBCUDA", str(lib))
+    iso.copy("start_log.py", "test_start_module_gpus.py")
+    result = iso.run("--gpu-isolate-devices=0,1", REPORT, "test_start_module_gpus.py")
+    result.assert_outcomes(passed=3, warnings=1)
+    runs = logs.by_test()
+    assert sorted(runs) == MODULE_GPU_TESTS
+    assert all(run["at_import"] == run["cvd"] for run in runs.values()), runs
+    [warning] = _start_warnings(result)
+    what = (
+        f"initialised CUDA (the CUDA driver library is loaded ({lib}))"
+        if lib
+        else ("read CUDA_VISIBLE_DEVICES")
+    )
+    assert (
+        "prewarmed processes no longer collect their test's module ahead of its turn: "
+        f"importing test_start_module_gpus.py, one {what} before it was given its GPUs"
+    ) in warning
+    starts = _starts(iso, "collected")
+    # The first two were started collecting ahead (the second's while the first got its
+    # go, before its process said it could not take its GPU): both replaced. The third
+    # was prewarmed without collecting, and kept.
+    assert [starts[nodeid] for nodeid in MODULE_GPU_TESTS] == [
+        {"method": "spawn", "prewarmed": False, "collected": False},
+        {"method": "spawn", "prewarmed": False, "collected": False},
+        {"method": "spawn", "prewarmed": True, "collected": False},
+    ]
 
 
 # --------------------------------------------------------------------------- clean-up
