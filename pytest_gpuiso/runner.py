@@ -310,7 +310,8 @@ def _prepare_warm(item: pytest.Item, state: State) -> tuple[ItemJob, dict[str, s
 
 
 def _tell_start_problems(item: pytest.Item, state: State, runs: Supervisor) -> None:
-    """Say once (as a warning) that the fork server or prewarming is not used, and why."""
+    """Say once (as a warning of the session) that the fork server or prewarming is not
+    used, and why."""
     messages = runs.notices[state.told :]
     state.told = len(runs.notices)
     prewarmer = state.prewarmer
@@ -330,8 +331,9 @@ def _tell_start_problems(item: pytest.Item, state: State, runs: Supervisor) -> N
                 f"{why['read']} before it was given its GPUs; a plugin or conftest reads it "
                 "at import: read it in fixtures or tests instead"
             )
-    for text in messages:
-        _warn_at(item, GpuIsoStartWarning(f"gpu-isolate: {text}"))
+    for text in messages:  # the session's, not this test's: no test location
+        message = GpuIsoStartWarning(f"gpu-isolate: {text}")
+        _record_warning(item.config, message, GpuIsoStartWarning, "", "gpu-isolate", 0)
 
 
 def _warn_leaks(item: pytest.Item, verdict: Verdict) -> None:

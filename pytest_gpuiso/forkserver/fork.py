@@ -2,8 +2,9 @@
 
 The clean-CUDA guarantee is checked before every fork (``unsafe_to_fork``): a
 process that has loaded the CUDA driver, or has more than one thread (a thread
-holding a lock at fork time deadlocks the child), refuses, and pytest falls back
-to ``spawn``. Each test's process checks again when it starts.
+holding a lock at fork time deadlocks the child) once OpenBLAS's pool is stopped
+(``pools``), refuses, and pytest falls back to ``spawn``. Each test's process
+checks again when it starts.
 
 A test's process must be pytest's own child (its exit status, its pdeathsig, the
 process sweep). ``fork_sibling`` (native/gpuiso_fork.c, ``clone(CLONE_PARENT)``)
@@ -27,12 +28,12 @@ import pickle
 import signal
 import socket
 import sys
-import threading
 import time
 from multiprocessing.connection import Connection
 from typing import Any
 
 from .. import cuda_state
+from . import pools
 
 REPARENT_WAIT = 5.0  # seconds the test's process waits to become pytest's child
 # Set to 1 to fork twice (re-parenting) instead of fork_sibling(): an escape hatch, and
@@ -46,14 +47,10 @@ def unsafe_to_fork(who: str = "the fork server") -> str | None:
     reason = cuda_state.touched()
     if reason is not None:
         return reason
-    try:
-        threads = len(os.listdir("/proc/self/task"))
-    except OSError:
-        threads = threading.active_count()
-    if threads > 1:
-        names = ", ".join(t.name for t in threading.enumerate() if t is not threading.main_thread())
-        started = f" ({names})" if names else " (native threads)"
-        return f"{who} has {threads} threads{started}; a fork could deadlock"
+    pools.quiesce()  # OpenBLAS's workers (numpy's, started at its import) stop until used
+    count = pools.threads()
+    if count > 1:
+        return pools.why_threads(who, count)
     return None
 
 

@@ -25,6 +25,7 @@ from .. import child
 from .._compat import load_conftests, prepare_config
 from .._linux import die_with_parent
 from ..settings import TEMPLATE_WAIT_DEFAULT
+from . import pools
 from .fork import close_fds, fork_test_process, one_line, receive_request
 from .template import TemplateHandle
 
@@ -93,7 +94,9 @@ def _prepare(boot: ServerBoot) -> Any:
             import_module(name)
         except BaseException as exc:
             raise Unavailable(f"--gpu-isolate-preload: importing {name} failed: {exc!r}") from None
+        pools.step(f"importing {name}")
     config = prepare_config(list(boot.args))
+    pools.step("configuring pytest (plugins)")
     if config.pluginmanager.has_plugin("_cov"):
         raise Unavailable(
             "pytest-cov is active: its coverage would be measured in the fork server, "
@@ -161,6 +164,7 @@ class Server:
                 raise
             except BaseException:  # noqa: BLE001 - even pytest.skip() at import: the test meets it
                 continue
+        pools.step("importing conftests")
         gc.freeze()
         if modules and self.template is None:
             self.template = TemplateHandle.start(self, modules)

@@ -35,6 +35,7 @@ from .. import _compat, child, child_plugin, frames
 from .._linux import die_with_parent, huge_page_steps, set_child_subreaper
 from ..leaks.shm import LOG_ENV, created_entries, remove_created
 from ..proctree import live_descendants
+from . import pools
 from .fork import (
     close_fds,
     close_quietly,
@@ -173,6 +174,7 @@ def _template_main(server: Server, sock: socket.socket, modules: list[str] | Non
     def await_fork(items: list[str]) -> Forked:
         """Called by the session once collected; returns only in a test's process."""
         os.environ.pop(LOG_ENV, None)
+        pools.step("collecting test modules")
         problem = unsafe_to_fork("the template") or left_outside(before, shm_log)
         set_child_subreaper(False)  # tests' orphans (with two forks: tests) go to pytest
         if problem is not None:  # what it made goes with it, not to a test's account
