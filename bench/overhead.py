@@ -184,13 +184,20 @@ def version(dist: str) -> str:
         return "not installed"
 
 
+THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
 def machine_line() -> str:
     cpus = os.cpu_count()
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cpus
     line = (
         f"machine: {cpus} CPUs ({usable} usable), Python {platform.python_version()}, "
-        f"torch {version('torch')}, pytest {version('pytest')}, {platform.platform()}"
+        f"torch {version('torch')}, numpy {version('numpy')}, pytest {version('pytest')}, "
+        f"{platform.platform()}"
     )
+    threads = [f"{name}={os.environ[name]}" for name in THREAD_ENV if name in os.environ]
+    if threads:  # they decide how many threads numpy's OpenBLAS and OpenMP start
+        line += f", {' '.join(threads)}"
     if sys.dont_write_bytecode:  # every process then re-rewrites what has no .pyc yet
         line += ", PYTHONDONTWRITEBYTECODE set"
     return line

@@ -248,7 +248,8 @@ def test_unusable_template_falls_back(env: Env, request, cause: str) -> None:
         env.conftest(cause)
         reason = {
             "socket": r"it opened socket:\[\d+\] \(descriptor \d+\)",
-            "thread": r"the template has 2 threads \(template-probe-thread\); .*",
+            "thread": r"the template has 2 threads \(collecting test modules started 1; "
+            r"template-probe-thread\); .*",
             "process": r"it started process (\d+)",
             "daemon": r"it started process (\d+)(?: and \d+ more)?",
             "shm": re.escape(f"it created /dev/shm/{env.shm_name}-") + r"(\d+)",
