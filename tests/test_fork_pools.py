@@ -10,6 +10,7 @@ library stops still makes it refuse, with the import that started it named once.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -20,6 +21,11 @@ from .helpers import GpuIso, make_gpuiso
 
 pytest.importorskip("numpy")  # both are in the test extras
 pytest.importorskip("threadpoolctl")
+# torch is looked for, never imported here: pytester takes the modules a test imported out
+# of sys.modules again, and torch cannot be imported twice in one process.
+needs_torch = pytest.mark.skipif(
+    importlib.util.find_spec("torch") is None, reason="torch is not installed"
+)
 
 POOLS = "test_fork_pools.py"
 REPORT = "--gpu-isolate-report=report.json"
@@ -119,11 +125,11 @@ def test_a_thread_no_library_stops_makes_the_server_refuse_once(iso: GpuIso) -> 
     assert {r["start"]["method"] for r in iso.records().values()} == {"spawn"}
 
 
+@needs_torch
 def test_openmp_threads_started_at_import_are_named(iso: GpuIso) -> None:
     """A preload module runs a torch op at import: GNU OpenMP's threads are running, and
     they cannot be stopped before a fork. The server refuses, naming the import and the
     runtime."""
-    pytest.importorskip("torch")
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("OpenMP starts no thread on one CPU")
     iso.copy("start_omp_mod.py")
@@ -135,10 +141,10 @@ def test_openmp_threads_started_at_import_are_named(iso: GpuIso) -> None:
     assert "native threads, of GNU OpenMP" in warning
 
 
+@needs_torch
 def test_forty_tiny_torch_tests_are_all_forked(iso: GpuIso) -> None:
     """The issue's measure: torch and numpy installed, the server preloading torch, 40
     tiny torch tests: every one forked from the server (none falls back to spawn)."""
-    pytest.importorskip("torch")
     tests = "".join(
         f"\n\ndef test_{i}():\n    assert torch.arange(4).mul({i}).sum().item() == {6 * i}\n"
         for i in range(40)
