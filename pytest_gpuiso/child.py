@@ -230,6 +230,36 @@ class Channel:
         return None
 
 
+def stale_notice(why: dict[str, Any]) -> str:
+    """What a replaced prewarmed process means for the session, in words (``_stale``'s
+    ``why``): prewarming turned off (plugins, conftests) or collecting ahead (the module)."""
+    if why["module"] is None:
+        if why["cuda"]:
+            return (
+                "prewarming turned off: a process started ahead of its test initialised CUDA "
+                f"before it was given its GPUs ({why['cuda']}); a plugin or conftest uses "
+                "CUDA or NVML at import (torch.cuda.is_available() and device_count() do): "
+                "call them in fixtures or tests instead"
+            )
+        return (
+            f"prewarming turned off: a process started ahead of its test read {why['read']} "
+            "before it was given its GPUs; a plugin or conftest reads it at import: read it "
+            "in fixtures or tests instead"
+        )
+    if why["read"]:
+        what, advice = f"read {why['read']}", "read it in fixtures or tests instead"
+    else:
+        what = f"initialised CUDA ({why['cuda']})"
+        advice = (
+            "a skipif condition calling torch.cuda.is_available() can be written as a "
+            'string, "not torch.cuda.is_available()", which pytest evaluates when the test runs'
+        )
+    return (
+        "prewarmed processes no longer collect their test's module ahead of its turn: "
+        f"importing {why['module']}, one {what} before it was given its GPUs; {advice}"
+    )
+
+
 class _EnvReads:
     """Which environment variables the process read before its go, and where.
 

@@ -316,21 +316,7 @@ def _tell_start_problems(item: pytest.Item, state: State, runs: Supervisor) -> N
     state.told = len(runs.notices)
     prewarmer = state.prewarmer
     if runs.stale and prewarmer is not None and prewarmer.disabled is None:
-        why = runs.stale
-        prewarmer.disable(why["cuda"] or why["read"])
-        if why["cuda"]:
-            messages.append(
-                f"prewarming turned off: a process started ahead of its test initialised CUDA "
-                f"before it was given its GPUs ({why['cuda']}); a plugin or conftest uses "
-                "CUDA or NVML at import (torch.cuda.is_available() and device_count() do): "
-                "call them in fixtures or tests instead"
-            )
-        else:
-            messages.append(
-                f"prewarming turned off: a process started ahead of its test read "
-                f"{why['read']} before it was given its GPUs; a plugin or conftest reads it "
-                "at import: read it in fixtures or tests instead"
-            )
+        prewarmer.disable(runs.stale)  # runs.notices says why
     for text in messages:  # the session's, not this test's: no test location
         message = GpuIsoStartWarning(f"gpu-isolate: {text}")
         _record_warning(item.config, message, GpuIsoStartWarning, "", "gpu-isolate", 0)

@@ -139,7 +139,7 @@ class Supervisor:
         self.notices: list[str] = []  # start-method problems, for the plugin to show once
         # Why a prewarmed child had to be replaced, once seen (``child.Channel._stale``):
         # its plugins or conftests touched CUDA (prewarming is turned off) ...
-        self.stale: dict[str, Any] | None = None
+        self.stale: str | None = None
         # ... or its test module did: prewarmed processes then stop collecting ahead.
         self.collect_ahead = True
         self.live: dict[int, Started] = {}  # started children not yet reaped, by id()
@@ -354,25 +354,15 @@ class Supervisor:
         return outcome
 
     def _replaced(self, why: dict[str, Any]) -> None:
-        """A prewarmed child could not take its GPUs (``why``: ``child.Channel._stale``)."""
+        """A prewarmed child could not take its GPUs (``why``: ``child.Channel._stale``):
+        say so once, and stop prewarming (plugins, conftests) or collecting ahead."""
         if why["module"] is None:
-            self.stale = self.stale or why  # the plugin turns prewarming off
+            if self.stale is None:
+                self.stale = why["cuda"] or why["read"]  # the plugin turns prewarming off
+                self.notices.append(child.stale_notice(why))
         elif self.collect_ahead:
             self.collect_ahead = False
-            if why["read"]:
-                what, advice = f"read {why['read']}", "read it in fixtures or tests instead"
-            else:
-                what = f"initialised CUDA ({why['cuda']})"
-                advice = (
-                    "a skipif condition calling torch.cuda.is_available() can be written as "
-                    'a string, "not torch.cuda.is_available()", which pytest evaluates '
-                    "when the test runs"
-                )
-            self.notices.append(
-                "prewarmed processes no longer collect their test's module ahead of its "
-                f"turn: importing {why['module']}, one {what} before it was given its GPUs; "
-                + advice
-            )
+            self.notices.append(child.stale_notice(why))
 
     def _run(
         self,

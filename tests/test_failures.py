@@ -350,29 +350,13 @@ def test_crashes_are_failures_naming_the_signal(gpuiso) -> None:
     )
     records = gpuiso.records()
     exits = {nodeid.split("::")[1]: r["exit"] for nodeid, r in records.items()}
-    assert exits["test_segfault"] == {
-        "code": -11,
-        "signal": "SIGSEGV",
-        "timed_out": False,
-        "expired": None,
-    }
-    assert exits["test_abort"] == {
-        "code": -6,
-        "signal": "SIGABRT",
-        "timed_out": False,
-        "expired": None,
-    }
-    assert exits["test_self_sigkill"] == {
-        "code": -9,
-        "signal": "SIGKILL",
-        "timed_out": False,
-        "expired": None,
-    }
-    assert exits["test_os_exit_zero"] == {
-        "code": 0,
-        "signal": None,
-        "timed_out": False,
-        "expired": None,
+    crashed_exit = {"timed_out": False, "expired": None}
+    crashers = ("test_segfault", "test_abort", "test_self_sigkill", "test_os_exit_zero")
+    assert {name: exits[name] for name in crashers} == {
+        "test_segfault": {"code": -11, "signal": "SIGSEGV", **crashed_exit},
+        "test_abort": {"code": -6, "signal": "SIGABRT", **crashed_exit},
+        "test_self_sigkill": {"code": -9, "signal": "SIGKILL", **crashed_exit},
+        "test_os_exit_zero": {"code": 0, "signal": None, **crashed_exit},
     }
     outcomes = {nodeid.split("::")[1]: r["outcome"] for nodeid, r in records.items()}
     assert outcomes == {

@@ -47,8 +47,7 @@ def unsafe_to_fork(who: str = "the fork server") -> str | None:
     reason = cuda_state.touched()
     if reason is not None:
         return reason
-    pools.quiesce()  # OpenBLAS's workers (numpy's, started at its import) stop until used
-    count = pools.threads()
+    count = pools.quiesce()  # OpenBLAS's workers (numpy's, started at import) stop until used
     if count > 1:
         return pools.why_threads(who, count)
     return None

@@ -67,25 +67,27 @@ def loaded_pools() -> list[tuple[str, str]]:
     return sorted(found.items())
 
 
-def quiesce() -> None:
-    """Stop the worker threads of every OpenBLAS loaded, if this process has threads.
+def quiesce() -> int:
+    """Stop the worker threads of every OpenBLAS loaded, if this process has threads;
+    return how many threads it has then.
 
     They start again at the next BLAS call (in this process, or in a fork of it).
     """
-    if threads() <= 1:
-        return
+    count = threads()
+    if count <= 1:
+        return count
     for path, kind in loaded_pools():
         if kind != "OpenBLAS":
             continue
         with contextlib.suppress(OSError, AttributeError):
             library = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_NOW)
             getattr(library, SHUTDOWN)()
+    return threads()
 
 
 def step(what: str) -> None:
     """The process did ``what`` (e.g. "importing numpy"); note the threads it left."""
-    quiesce()
-    _steps.append((what, threads()))
+    _steps.append((what, quiesce()))
 
 
 def why_threads(who: str, count: int) -> str:
