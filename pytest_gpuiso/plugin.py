@@ -211,6 +211,7 @@ class Recorder:
         self.config = config
         self.state = state
         self.summaries: list[str] = []  # where the Markdown summary went
+        self.unwritten: list[str] = []  # reports that could not be written, and why
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         record = record_of(report)
@@ -221,19 +222,36 @@ class Recorder:
         state = self.state
         if state.parallel:
             return  # the xdist controller writes the reports, from every worker's records
-        if state.report_path is not None:
-            report.write_json(state.report_path, state.records)
-        if state.summary_path is not None or (state.records and _step_summary()):
-            self.summaries = report.write_markdown(state.summary_path, state.records)
+        # Checked at configure; what fails now (a full disk) is one line, not a traceback.
+        try:
+            if state.report_path is not None:
+                report.write_json(state.report_path, state.records)
+        except OSError as exc:
+            self.unwritten.append(f"--gpu-isolate-report {state.report_path}: {_why(exc)}")
+        try:
+            if state.summary_path is not None or (state.records and _step_summary()):
+                self.summaries = report.write_markdown(state.summary_path, state.records)
+        except OSError as exc:
+            self.unwritten.append(f"--gpu-isolate-summary {state.summary_path}: {_why(exc)}")
+        if self.unwritten and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         state = self.state
         if state.records:
-            report.terminal_summary(terminalreporter, state.records, state.report_path)
+            failed = any(p.startswith("--gpu-isolate-report") for p in self.unwritten)
+            written = None if failed else state.report_path
+            report.terminal_summary(terminalreporter, state.records, written)
+        for problem in self.unwritten:
+            terminalreporter.write_line(f"gpu-isolate: ERROR: could not write {problem}", red=True)
         if self.summaries:
             terminalreporter.write_line(
                 f"gpu-isolate: Markdown summary written to {', '.join(self.summaries)}"
             )
+
+
+def _why(exc: OSError) -> str:
+    return f"{exc.strerror or exc}" + (f" ({exc.filename})" if exc.filename else "")
 
 
 def _step_summary() -> bool:

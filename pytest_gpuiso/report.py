@@ -11,6 +11,7 @@ import errno
 import json
 import os
 import re
+import stat
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -21,6 +22,8 @@ from .settings import KINDS
 
 MARKDOWN_ROWS = 200  # leak rows in the Markdown table; GitHub truncates huge summaries
 WORST = 5  # tests listed as worst offenders in the terminal
+# The largest report ``merge`` reads: a record is about 1 KiB, so a million tests.
+MAX_REPORT_BYTES = 1 << 30
 
 
 class ReportError(ValueError):
@@ -318,13 +321,42 @@ def _record_problem(record: Any) -> str | None:
     return None
 
 
-def load(path: str) -> list[dict[str, Any]]:
-    """The records of one JSON report; ``ReportError`` names the file and the problem."""
+def _read_report(path: str) -> bytes:
+    """A report file's bytes: a regular file of at most ``MAX_REPORT_BYTES``.
+
+    Opened without blocking (a FIFO would wait for a writer) and checked before it is
+    read (``/dev/zero`` would be read forever).
+    """
     try:
-        with open(path, encoding="utf-8") as f:
-            document = json.load(f)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         raise ReportError(f"{path}: cannot read: {exc.strerror}") from None
+    st = os.fstat(fd)
+    problem = None
+    if stat.S_ISDIR(st.st_mode):
+        problem = "cannot read: Is a directory"
+    elif not stat.S_ISREG(st.st_mode):
+        problem = "not a regular file"
+    elif st.st_size > MAX_REPORT_BYTES:
+        problem = f"{st.st_size} bytes, more than a report can be ({MAX_REPORT_BYTES} at most)"
+    if problem is not None:
+        os.close(fd)
+        raise ReportError(f"{path}: {problem}")
+    with os.fdopen(fd, "rb") as f:
+        try:
+            data = f.read(MAX_REPORT_BYTES + 1)
+        except OSError as exc:
+            raise ReportError(f"{path}: cannot read: {exc.strerror}") from None
+    if len(data) > MAX_REPORT_BYTES:  # it grew while we read it
+        raise ReportError(f"{path}: more than {MAX_REPORT_BYTES} bytes")
+    return data
+
+
+def load(path: str) -> list[dict[str, Any]]:
+    """The records of one JSON report; ``ReportError`` names the file and the problem."""
+    data = _read_report(path)
+    try:
+        document = json.loads(data.decode("utf-8"))
     except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
         raise ReportError(f"{path}: not JSON: {exc}") from None
     if not isinstance(document, dict) or not isinstance(document.get("tests"), list):

@@ -18,6 +18,7 @@ import importlib.util
 import math
 import os
 import re
+import tempfile
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,9 @@ DEFAULT_TIMEOUT = 900.0
 # (interpreter, plugins, conftests, module import), and from its end to the exit.
 DEFAULT_STARTUP_TIMEOUT = 300.0
 DEFAULT_GRACE = 5.0
+# The longest duration any bound accepts (a week): waits below it fit the kernel's poll
+# timeout (2**31 ms, 24.8 days), where 1e10 seconds overflowed mid-session.
+MAX_SECONDS = 7 * 24 * 3600.0
 DEFAULT_PREWARM = 1
 DEFAULT_SLOTS = 1
 DEFAULT_TOLERANCE_MIB = 64.0  # GPU memory growth the leak check ignores
@@ -54,14 +58,20 @@ class SpecError(ValueError):
     """A bad setting. The message is one line naming the source and the value."""
 
 
-def parse_seconds(value: Any, what: str, *, allow_zero: bool) -> float:
-    """Parse a duration in seconds; ``what`` names the source for the error message."""
+def parse_seconds(
+    value: Any, what: str, *, allow_zero: bool, high: float = MAX_SECONDS, unit: str = "seconds"
+) -> float:
+    """Parse a duration in seconds (or another ``unit``) up to ``high``; ``what`` names
+    the source for the error message."""
     bound = ">= 0" if allow_zero else "> 0"
-    problem = f"invalid value {value!r} for {what}: expected a number of seconds {bound}"
+    problem = f"invalid value {value!r} for {what}: expected a number of {unit} {bound}"
     if isinstance(value, bool):
         raise SpecError(problem)
     if isinstance(value, (int, float)):
-        seconds = float(value)
+        try:
+            seconds = float(value)
+        except OverflowError:  # an int too large for a float
+            seconds = math.inf
     elif isinstance(value, str):
         try:
             seconds = float(value.strip())
@@ -69,8 +79,10 @@ def parse_seconds(value: Any, what: str, *, allow_zero: bool) -> float:
             raise SpecError(problem) from None
     else:
         raise SpecError(problem)
-    if not math.isfinite(seconds) or seconds < 0 or (seconds == 0 and not allow_zero):
+    if math.isnan(seconds) or seconds < 0 or (seconds == 0 and not allow_zero):
         raise SpecError(problem)
+    if seconds > high or math.isinf(seconds):
+        raise SpecError(f"{problem}, at most {high:g}" if math.isfinite(high) else problem)
     return seconds
 
 
@@ -204,6 +216,27 @@ def parse_template_wait(value: str, what: str) -> float:
     return wait
 
 
+def check_output(value: str, what: str, base: str) -> None:
+    """Fail now, not at the session's end, when a report cannot be written at ``value``
+    (relative to ``base``): its folder (or the nearest one that exists: the writer makes
+    the rest) must be a directory in which a file can be created."""
+    path = os.path.normpath(os.path.join(base, value))
+    problem = f"invalid value {value!r} for {what}"
+    if os.path.isdir(path):
+        raise SpecError(f"{problem}: {path} is a directory")
+    folder = os.path.dirname(path)
+    while not os.path.lexists(folder):
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        raise SpecError(f"{problem}: {folder} is not a directory")
+    try:  # os.access() says yes to root, even where nothing can be created (/proc)
+        fd, probe = tempfile.mkstemp(prefix=".gpuiso-check-", dir=folder)
+    except OSError as exc:
+        raise SpecError(f"{problem}: cannot write in {folder} ({exc.strerror or exc})") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
 def _ini_bool(config: pytest.Config, name: str) -> bool:
     """An ini key of type bool; pytest's error on a bad value becomes one line naming it."""
     try:
@@ -273,9 +306,7 @@ class Settings:
         if grace is None:
             grace = DEFAULT_GRACE
         startup, _ = _option_or_ini(config, "gpu_isolate_startup_timeout", allow_zero=False)
-        report = (
-            config.getoption("gpu_isolate_report") or config.getini("gpu_isolate_report")
-        ).strip()
+        report, report_source = _text_option(config, "gpu_isolate_report")
         devices_text, devices_source = _text_option(config, "gpu_isolate_devices")
         devices = parse_devices(devices_text or "auto", devices_source or "--gpu-isolate-devices")
         slots_text, slots_source = _text_option(config, "gpu_isolate_slots")
@@ -283,8 +314,14 @@ class Settings:
         lease_timeout, _ = _option_or_ini(config, "gpu_isolate_lease_timeout", allow_zero=False)
         leaks_text, leaks_source = _text_option(config, "gpu_isolate_leaks")
         policy = parse_policy(leaks_text or "warn", leaks_source or "--gpu-isolate-leaks")
-        tolerance, _ = _option_or_ini(config, "gpu_isolate_gpu_tolerance", allow_zero=True)
-        summary = _text_option(config, "gpu_isolate_summary")[0]
+        tolerance, _ = _option_or_ini(
+            config, "gpu_isolate_gpu_tolerance", allow_zero=True, high=math.inf, unit="MiB"
+        )
+        summary, summary_source = _text_option(config, "gpu_isolate_summary")
+        if not hasattr(config, "workerinput"):  # under xdist, the controller writes them
+            for path, source in ((report, report_source), (summary, summary_source)):
+                if path.strip():
+                    check_output(path.strip(), source, str(config.invocation_params.dir))
         start_text, start_source = _text_option(config, "gpu_isolate_start")
         start = parse_start(start_text, start_source) if start_text else "spawn"
         template_wait = TEMPLATE_WAIT_DEFAULT
@@ -312,7 +349,7 @@ class Settings:
             cleanup=_flag(config, "gpu_isolate_cleanup"),
             gpu_tolerance_mib=DEFAULT_TOLERANCE_MIB if tolerance is None else tolerance,
             torch_check=_flag(config, "gpu_isolate_torch_check"),
-            summary_path=summary or None,
+            summary_path=summary.strip() or None,
             devices=devices,
             devices_source=devices_source or "auto",
             slots=slots,
@@ -322,7 +359,7 @@ class Settings:
             timeout_source=timeout_source,
             grace=grace,
             startup_timeout=DEFAULT_STARTUP_TIMEOUT if startup is None else startup,
-            report_path=report or None,
+            report_path=report.strip() or None,
         )
 
 
@@ -338,12 +375,12 @@ def _text_option(config: pytest.Config, dest: str) -> tuple[str, str]:
 
 
 def _option_or_ini(
-    config: pytest.Config, dest: str, *, allow_zero: bool
+    config: pytest.Config, dest: str, *, allow_zero: bool, **bounds: Any
 ) -> tuple[float | None, str]:
     text, what = _text_option(config, dest)
     if not what:
         return None, ""
-    return parse_seconds(text, what, allow_zero=allow_zero), what
+    return parse_seconds(text, what, allow_zero=allow_zero, **bounds), what
 
 
 @dataclass(frozen=True)
@@ -429,9 +466,9 @@ def pytest_timeout_value(item: pytest.Item) -> float | None:
         settings = pytest_timeout._get_item_settings(item)
     except Exception:  # a bad pytest-timeout marker is pytest-timeout's to report
         return None
-    if settings.timeout is None or settings.timeout <= 0:
+    if settings.timeout is None or not settings.timeout > 0:
         return None
-    return float(settings.timeout)
+    return min(float(settings.timeout), MAX_SECONDS)  # beyond it, as good as none
 
 
 def external_session_timeout(config: pytest.Config) -> tuple[float, str] | None:
