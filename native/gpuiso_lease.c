@@ -2,12 +2,24 @@
  * pytest_gpuiso._lease: GPU leases shared by every pytest process of a user.
  *
  * One memory-mapped region per user (a 0600 file in /dev/shm) holds a table of
- * devices x slots. Each taken slot records its owner as (pid, start time read
- * from /proc), so a reused pid never passes for a live owner. Everything in the
- * table is guarded by one robust, process-shared mutex: if a process dies
- * inside the (short) critical section, the next locker gets EOWNERDEAD, marks
- * the mutex consistent and carries on, because every entry is validated by its
- * owner's liveness anyway.
+ * devices x slots. Everything in the table is guarded by one robust,
+ * process-shared mutex: if a process dies inside the (short) critical section,
+ * the next locker gets EOWNERDEAD, marks the mutex consistent and carries on,
+ * because every entry is validated by its owner's liveness anyway.
+ *
+ * Liveness. A pid means nothing in another pid namespace (containers sharing
+ * /dev/shm with --ipc=host), so an owner is judged by a lock the kernel drops
+ * when the owner dies, in every namespace: before it records itself anywhere, a
+ * process takes an OFD write lock (fcntl F_OFD_SETLK) on one byte of the region
+ * file at LOCK_BASE + key, its key chosen under the mutex among the unlocked
+ * bytes; the lock lives as long as the open file description. An entry is live
+ * while its key's byte is locked. Entries also record (pid, start time from
+ * /proc, pid namespace): in our own namespace a dead pid, or a live pid with
+ * another start time, is dead even while the key is locked (an OFD lock is
+ * inherited by a fork() child that keeps the descriptor -- it is O_CLOEXEC, so
+ * exec drops it -- and such a child would otherwise keep its parent's entries
+ * alive); pidfd wake-ups and the "stopped" state are used only for owners in
+ * our namespace, owners elsewhere are re-checked every 100 ms while waited on.
  *
  * Leases themselves are held for a whole test, not under the mutex. A waiter
  * blocks in poll() on
@@ -25,9 +37,17 @@
  * never starved by a stream of single-GPU requests and never holds one GPU
  * while waiting for another.
  *
- * The region is created in a private temporary file and published with link(),
- * which fails if another process published first: a region is either absent or
- * complete, and a process killed while initialising leaves only its temp file.
+ * The region is created in an unnamed file (O_TMPFILE; a named temporary file
+ * where the file system lacks it), its whole size allocated first so that a full
+ * /dev/shm is an error (ENOSPC), not a SIGBUS at the first store, and published
+ * with link(), which fails if another process published first: a region is
+ * either absent or complete.
+ *
+ * A process stopped (SIGSTOP, Ctrl-Z) while it holds the mutex would block every
+ * other process: the mutex is taken in 100 ms slices, with Python's signals
+ * checked in between (Ctrl-C works), and a locker that has waited a few seconds
+ * for a stopped holder fails naming it. A stopped waiter keeps its place in the
+ * queue but does not hold back the waiters behind it.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -37,6 +57,7 @@
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -54,17 +75,22 @@
 #endif
 
 #define GPUISO_MAGIC 0x67707569736f6c31ULL /* "gpuisol1" */
-#define GPUISO_ABI 1
+#define GPUISO_ABI 2
 #define MAX_DEVICES 64
 #define MAX_SLOTS 16
 #define MAX_WAITERS 256
+#define MAX_KEYS 4096 /* processes attached as owners at once */
+#define LOCK_BASE (1LL << 30) /* first key byte: past the end of the file (allowed) */
 #define LABEL_LEN 192
 #define NAME_LEN 64
+#define LOCK_SLICE_NS 100000000L /* the mutex is waited for in slices of 100 ms */
+#define STUCK_S 3.0 /* a lock held this long by a stopped process is reported */
 
 typedef struct {
-    int32_t pid; /* 0: free */
-    uint32_t pad;
+    int32_t pid; /* 0: free; in the owner's pid namespace */
+    uint32_t key; /* its OFD lock byte: LOCK_BASE + key */
     uint64_t start; /* /proc/<pid>/stat field 22: clock ticks since boot */
+    uint64_t ns; /* inode of its /proc/self/ns/pid */
 } owner_t;
 
 typedef struct {
@@ -101,6 +127,8 @@ typedef struct {
     uint64_t next_lease;
     uint32_t ndevices;
     uint32_t generation; /* bumped by clear(): waiters re-resolve their rows */
+    uint32_t next_key; /* where the search for a free key starts */
+    uint32_t pad;
     device_t dev[MAX_DEVICES];
     waiter_t waiter[MAX_WAITERS];
 } region_t;
@@ -137,40 +165,68 @@ static int proc_start(pid_t pid, uint64_t *start, char *state)
     return 0;
 }
 
-static int owner_alive(const owner_t *o)
+/* The process's pid namespace, as the inode of /proc/self/ns/pid (0: unknown). */
+static uint64_t pid_namespace(void)
 {
-    uint64_t start;
-    char state;
-    if (o->pid <= 0)
-        return 0;
-    if (proc_start(o->pid, &start, &state) != 0) {
-        /* Only "no such process" proves death. When /proc cannot be read (out of file
-         * descriptors, say), the pid's existence decides, so a live holder is never robbed. */
-        if (errno == ENOENT || errno == ESRCH)
-            return 0;
-        return kill(o->pid, 0) == 0 || errno == EPERM;
-    }
-    return start == o->start && state != 'Z' && state != 'X';
+    struct stat st;
+    return stat("/proc/self/ns/pid", &st) == 0 ? (uint64_t)st.st_ino : 0;
 }
 
-static owner_t self_owner(void)
+/* This process as an owner, its key aside; recomputed after fork. */
+static owner_t self_identity(void)
 {
     static pid_t cached_pid;
-    static uint64_t cached_start;
+    static uint64_t cached_start, cached_ns;
     pid_t pid = getpid();
-    if (pid != cached_pid) { /* recomputed after fork */
+    if (pid != cached_pid) {
         uint64_t start = 0;
         proc_start(pid, &start, NULL);
         cached_pid = pid;
         cached_start = start;
+        cached_ns = pid_namespace();
     }
-    owner_t me = {.pid = pid, .start = cached_start};
+    owner_t me = {.pid = pid, .start = cached_start, .ns = cached_ns};
     return me;
 }
 
+/* Whether o's pid, start time and state can be read here: only in our own namespace. */
+static int in_our_namespace(const owner_t *o)
+{
+    return o->ns == self_identity().ns;
+}
+
+/* The same process (its key aside: a process may attach through several objects). */
 static int same_owner(const owner_t *a, const owner_t *b)
 {
-    return a->pid == b->pid && a->start == b->start;
+    return a->pid == b->pid && a->start == b->start && a->ns == b->ns;
+}
+
+/* Stopped (SIGSTOP, Ctrl-Z, a debugger): it can neither take nor release anything. */
+static int owner_stopped(const owner_t *o)
+{
+    uint64_t start;
+    char state;
+    if (o->pid <= 0 || !in_our_namespace(o) || proc_start(o->pid, &start, &state) != 0)
+        return 0;
+    return start == o->start && (state == 'T' || state == 't');
+}
+
+/* The process of thread `tid` when that thread is stopped, else 0. */
+static pid_t stopped_process_of(pid_t tid)
+{
+    uint64_t start;
+    char state, path[64], buf[2048];
+    if (tid <= 0 || proc_start(tid, &start, &state) != 0 || (state != 'T' && state != 't'))
+        return 0;
+    snprintf(path, sizeof path, "/proc/%d/status", (int)tid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return tid;
+    ssize_t n = read(fd, buf, sizeof buf - 1);
+    close(fd);
+    buf[n > 0 ? n : 0] = '\0';
+    char *tgid = strstr(buf, "\nTgid:");
+    return tgid ? (pid_t)strtol(tgid + 6, NULL, 10) : tid;
 }
 
 static int64_t realtime_ns(void)
@@ -187,15 +243,62 @@ static double monotonic_s(void)
     return (double)ts.tv_sec + ts.tv_nsec / 1e9;
 }
 
+/* Copy at most max - 1 bytes of src, cut at a UTF-8 character boundary so that the copy
+ * always decodes (a test id longer than a label is common: parametrized ids). */
+static void copy_text(char *dst, const char *src, size_t max)
+{
+    size_t n = strnlen(src, max);
+    if (n >= max) {
+        n = max - 1;
+        while (n > 0 && ((unsigned char)src[n] & 0xC0) == 0x80) /* src[n] continues a character */
+            n--;
+    }
+    memcpy(dst, src, n);
+    dst[n] = '\0';
+}
+
+/* A text field of the table as str; whatever a writer left there never fails to decode. */
+static PyObject *text_of(const char *buf, size_t size)
+{
+    return PyUnicode_DecodeUTF8(buf, (Py_ssize_t)strnlen(buf, size), "replace");
+}
+
 /* ------------------------------------------------------------------ the region */
 
 typedef struct {
     PyObject_HEAD
     region_t *r;
-    int fd;
+    int fd; /* the region file: mapping, bell, and this object's OFD lock */
     int inotify;
+    int key; /* our lock byte, -1 until we first record ourselves */
+    pid_t pid; /* the process that opened fd and inotify */
+    uint64_t abandoned; /* a waiter ticket we could not withdraw (lock held): withdraw later */
     char *path;
 } RegionObject;
+
+/* RegionError(message) with an `errno` attribute (0: not a system error). */
+static void region_error(int err, const char *format, ...)
+{
+    va_list vargs;
+    va_start(vargs, format);
+    PyObject *msg = PyUnicode_FromFormatV(format, vargs);
+    va_end(vargs);
+    if (msg == NULL)
+        return;
+    PyObject *exc = PyObject_CallOneArg(RegionError, msg);
+    Py_DECREF(msg);
+    if (exc == NULL)
+        return;
+    PyObject *code = PyLong_FromLong(err);
+    if (code == NULL || PyObject_SetAttrString(exc, "errno", code) < 0) {
+        Py_XDECREF(code);
+        Py_DECREF(exc);
+        return;
+    }
+    Py_DECREF(code);
+    PyErr_SetObject(RegionError, exc);
+    Py_DECREF(exc);
+}
 
 static void ring(RegionObject *self)
 {
@@ -205,28 +308,194 @@ static void ring(RegionObject *self)
         self->r->bell = bell;
 }
 
-static int lock_region(region_t *r)
+static struct flock key_byte(short type, uint32_t key)
 {
-    int rc = pthread_mutex_lock(&r->lock);
-    if (rc == EOWNERDEAD) {
-        /* Died inside the critical section: entries are validated by liveness. */
-        pthread_mutex_consistent(&r->lock);
-        rc = 0;
+    struct flock fl;
+    memset(&fl, 0, sizeof fl);
+    fl.l_type = type;
+    fl.l_whence = SEEK_SET;
+    fl.l_start = LOCK_BASE + key;
+    fl.l_len = 1;
+    return fl;
+}
+
+/* Whether someone holds `key`'s lock. F_OFD_GETLK does not report our own lock. */
+static int key_held(RegionObject *self, uint32_t key)
+{
+    if (key >= MAX_KEYS)
+        return 0;
+    if (self->key >= 0 && key == (uint32_t)self->key)
+        return 1;
+    struct flock fl = key_byte(F_WRLCK, key);
+    if (fcntl(self->fd, F_OFD_GETLK, &fl) != 0)
+        return 1; /* cannot tell: a live holder is never robbed */
+    return fl.l_type != F_UNLCK;
+}
+
+static int owner_alive(RegionObject *self, const owner_t *o)
+{
+    if (o->pid <= 0 || !key_held(self, o->key))
+        return 0;
+    if (!in_our_namespace(o))
+        return 1; /* its pid means another process here: only the lock can tell */
+    uint64_t start;
+    char state;
+    if (proc_start(o->pid, &start, &state) != 0) {
+        /* Only "no such process" proves death. When /proc cannot be read (out of file
+         * descriptors, say), the pid's existence decides, so a live holder is never robbed. */
+        if (errno == ENOENT || errno == ESRCH)
+            return 0;
+        return kill(o->pid, 0) == 0 || errno == EPERM;
     }
-    return rc;
+    return start == o->start && state != 'Z' && state != 'X';
+}
+
+/* Forget every entry recorded under `key`: its lock was free, so its owner is dead. */
+static void forget_key(region_t *r, uint32_t key)
+{
+    for (uint32_t d = 0; d < r->ndevices && d < MAX_DEVICES; d++)
+        for (uint32_t s = 0; s < MAX_SLOTS; s++)
+            if (r->dev[d].slot[s].owner.pid != 0 && r->dev[d].slot[s].owner.key == key)
+                memset(&r->dev[d].slot[s], 0, sizeof r->dev[d].slot[s]);
+    for (int w = 0; w < MAX_WAITERS; w++)
+        if (r->waiter[w].owner.pid != 0 && r->waiter[w].owner.key == key)
+            memset(&r->waiter[w], 0, sizeof r->waiter[w]);
+}
+
+/* Take a free key and lock it; under the mutex, so no two processes pick the same one.
+ * 0, or -1 with a message in err. */
+static int ensure_key(RegionObject *self, char *err, size_t errlen)
+{
+    if (self->key >= 0)
+        return 0;
+    region_t *r = self->r;
+    for (uint32_t i = 0; i < MAX_KEYS; i++) {
+        uint32_t key = (r->next_key + i) % MAX_KEYS;
+        struct flock fl = key_byte(F_WRLCK, key);
+        if (fcntl(self->fd, F_OFD_GETLK, &fl) != 0) {
+            snprintf(err, errlen, "cannot lock the lease region %s: %s", self->path,
+                     strerror(errno));
+            return -1;
+        }
+        if (fl.l_type != F_UNLCK)
+            continue;
+        fl = key_byte(F_WRLCK, key);
+        if (fcntl(self->fd, F_OFD_SETLK, &fl) != 0)
+            continue;
+        forget_key(r, key);
+        r->next_key = (key + 1) % MAX_KEYS;
+        self->key = (int)key;
+        return 0;
+    }
+    snprintf(err, errlen, "more than %d processes use the lease region %s", MAX_KEYS, self->path);
+    return -1;
+}
+
+/* This process, as recorded in the entries it owns (after ensure_key). */
+static owner_t self_owner(RegionObject *self)
+{
+    owner_t me = self_identity();
+    me.key = (uint32_t)self->key;
+    return me;
+}
+
+/* After fork() the child shares the parent's open file description, and with it the
+ * parent's key lock and inotify queue: give the child its own before it uses the table
+ * (reopened through /proc/self/fd, so it is the same file even if the path changed). */
+static int own_fds(RegionObject *self)
+{
+    if (self->pid == getpid())
+        return 0;
+    char proc[64];
+    snprintf(proc, sizeof proc, "/proc/self/fd/%d", self->fd);
+    int fd = open(proc, O_RDWR | O_CLOEXEC);
+    int in = fd >= 0 ? inotify_init1(IN_NONBLOCK | IN_CLOEXEC) : -1;
+    if (fd < 0 || in < 0 || inotify_add_watch(in, proc, IN_MODIFY) < 0 ||
+        dup3(fd, self->fd, O_CLOEXEC) < 0) {
+        int saved = errno;
+        if (fd >= 0)
+            close(fd);
+        if (in >= 0)
+            close(in);
+        region_error(saved, "cannot reopen the lease region %s after fork: %s", self->path,
+                     strerror(saved));
+        return -1;
+    }
+    close(fd);
+    close(self->inotify);
+    self->inotify = in;
+    self->key = -1;
+    self->abandoned = 0;
+    self->pid = getpid();
+    return 0;
 }
 
 static void unlock_region(region_t *r) { pthread_mutex_unlock(&r->lock); }
 
-/* Clear entries whose owner is gone. Returns how many. Called under the lock. */
-static int reap_dead(region_t *r)
+/* Take the mutex, GIL held on entry and return: in slices, so that Python's signal
+ * handlers (Ctrl-C) run while waiting. Fails naming the holder when it has been held
+ * for STUCK_S by a stopped process, or past `limit` seconds (< 0: none). */
+static int lock_region(RegionObject *self, double limit)
 {
+    region_t *r = self->r;
+    double began = monotonic_s();
+    for (;;) {
+        int rc;
+        Py_BEGIN_ALLOW_THREADS
+        struct timespec until;
+        clock_gettime(CLOCK_REALTIME, &until);
+        until.tv_nsec += LOCK_SLICE_NS;
+        if (until.tv_nsec >= 1000000000L) {
+            until.tv_sec++;
+            until.tv_nsec -= 1000000000L;
+        }
+        rc = pthread_mutex_timedlock(&r->lock, &until);
+        if (rc == EOWNERDEAD) {
+            /* Died inside the critical section: entries are validated by liveness. */
+            pthread_mutex_consistent(&r->lock);
+            rc = 0;
+        }
+        Py_END_ALLOW_THREADS
+        if (rc == 0)
+            return 0;
+        if (rc != ETIMEDOUT) {
+            region_error(rc, "the lease region %s has an unusable lock (%s); reset it with "
+                         "`python -m pytest_gpuiso reset --force`",
+                         self->path, strerror(rc));
+            return -1;
+        }
+        if (PyErr_CheckSignals() < 0)
+            return -1;
+        double waited = monotonic_s() - began;
+        /* glibc keeps the holder's thread id in the mutex. It names a thread of our
+         * namespace only if the holder is in it: a holder in another namespace is
+         * never found stopped here, and is waited for (Ctrl-C still works). */
+        pid_t stopped = waited >= STUCK_S ? stopped_process_of(r->lock.__data.__owner) : 0;
+        if (stopped > 0) {
+            region_error(0, "the lease region %s is locked by pid %d, which is stopped: resume "
+                         "it with `kill -CONT %d`, or reset the table with "
+                         "`python -m pytest_gpuiso reset --force`",
+                         self->path, (int)stopped, (int)stopped);
+            return -1;
+        }
+        if (limit >= 0 && waited >= limit) {
+            region_error(ETIMEDOUT, "the lease region %s has been locked for %.0f s by thread %d",
+                         self->path, waited, (int)r->lock.__data.__owner);
+            return -1;
+        }
+    }
+}
+
+/* Clear entries whose owner is gone. Returns how many. Called under the lock. */
+static int reap_dead(RegionObject *self)
+{
+    region_t *r = self->r;
     int freed = 0;
     for (uint32_t d = 0; d < r->ndevices && d < MAX_DEVICES; d++) {
         device_t *dev = &r->dev[d];
         for (uint32_t s = 0; s < dev->slots && s < MAX_SLOTS; s++) {
             slot_t *slot = &dev->slot[s];
-            if (slot->owner.pid != 0 && !owner_alive(&slot->owner)) {
+            if (slot->owner.pid != 0 && !owner_alive(self, &slot->owner)) {
                 memset(slot, 0, sizeof *slot);
                 freed++;
             }
@@ -234,7 +503,7 @@ static int reap_dead(region_t *r)
     }
     for (int w = 0; w < MAX_WAITERS; w++) {
         waiter_t *wt = &r->waiter[w];
-        if (wt->owner.pid != 0 && !owner_alive(&wt->owner)) {
+        if (wt->owner.pid != 0 && !owner_alive(self, &wt->owner)) {
             memset(wt, 0, sizeof *wt);
             freed++;
         }
@@ -264,28 +533,58 @@ static int init_region(region_t *r)
     return 0;
 }
 
-/* Create the region in a temp file and publish it with link(); 0, or -1 with errno. */
+/* Allocate, initialise and publish a region file at `path`; 0, or -1 with errno. The
+ * file is unnamed until complete (O_TMPFILE, linked through /proc/self/fd), so a
+ * failure or a kill leaves nothing behind; without O_TMPFILE a named temporary file
+ * is used and removed on every path out. */
 static int publish_region(const char *path)
 {
-    char tmp[4096];
-    snprintf(tmp, sizeof tmp, "%s.%d.init", path, (int)getpid());
-    unlink(tmp);
-    int fd = open(tmp, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    char dir[4096], tmp[4096], proc[64];
+    snprintf(dir, sizeof dir, "%s", path);
+    char *slash = strrchr(dir, '/');
+    if (slash == dir)
+        dir[1] = '\0';
+    else if (slash != NULL)
+        *slash = '\0';
+    else
+        snprintf(dir, sizeof dir, ".");
+    tmp[0] = '\0';
+    int fd = open(dir, O_RDWR | O_TMPFILE | O_CLOEXEC, 0600);
+    if (fd < 0 && (errno == EOPNOTSUPP || errno == EISDIR || errno == EINVAL)) {
+        snprintf(tmp, sizeof tmp, "%s.%d.init", path, (int)getpid());
+        unlink(tmp);
+        fd = open(tmp, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    }
     if (fd < 0)
         return -1;
-    int ok = ftruncate(fd, sizeof(region_t)) == 0;
-    region_t *r = ok ? mmap(NULL, sizeof(region_t), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
-                     : MAP_FAILED;
-    ok = r != MAP_FAILED && init_region(r) == 0;
+    /* Every page backed now: a full file system is ENOSPC here, never a SIGBUS later. */
+    int err = posix_fallocate(fd, 0, sizeof(region_t));
+    region_t *r = MAP_FAILED;
+    if (err == 0) {
+        r = mmap(NULL, sizeof(region_t), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+        if (r == MAP_FAILED)
+            err = errno;
+        else if (init_region(r) != 0)
+            err = EINVAL;
+    }
     if (r != MAP_FAILED)
         munmap(r, sizeof(region_t));
+    if (err == 0) {
+        int rc;
+        if (tmp[0]) {
+            rc = link(tmp, path);
+        } else {
+            snprintf(proc, sizeof proc, "/proc/self/fd/%d", fd);
+            rc = linkat(AT_FDCWD, proc, AT_FDCWD, path, AT_SYMLINK_FOLLOW);
+        }
+        if (rc != 0 && errno != EEXIST) /* EEXIST: another process published first */
+            err = errno;
+    }
     close(fd);
-    int saved = errno;
-    if (ok && link(tmp, path) != 0 && errno != EEXIST)
-        ok = 0, saved = errno; /* EEXIST: another process published first; use theirs */
-    unlink(tmp);
-    errno = saved;
-    return ok ? 0 : -1;
+    if (tmp[0])
+        unlink(tmp);
+    errno = err;
+    return err == 0 ? 0 : -1;
 }
 
 static int Region_init(RegionObject *self, PyObject *args, PyObject *kwds)
@@ -296,31 +595,33 @@ static int Region_init(RegionObject *self, PyObject *args, PyObject *kwds)
         return -1;
     self->fd = -1;
     self->inotify = -1;
+    self->key = -1;
+    self->pid = getpid();
     self->path = strdup(path);
     int fd = open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
     if (fd < 0 && errno == ENOENT) {
         if (publish_region(path) != 0) {
-            PyErr_Format(RegionError, "cannot create the lease region %s: %s", path, strerror(errno));
+            region_error(errno, "cannot create the lease region %s: %s", path, strerror(errno));
             return -1;
         }
         fd = open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
     }
     if (fd < 0) {
-        PyErr_Format(RegionError, "cannot open the lease region %s: %s", path, strerror(errno));
+        region_error(errno, "cannot open the lease region %s: %s", path, strerror(errno));
         return -1;
     }
     self->fd = fd;
     struct stat st;
     if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_uid != geteuid() ||
         (st.st_mode & 077) != 0) {
-        PyErr_Format(RegionError,
+        region_error(EPERM,
                      "lease region %s is not a private file of uid %d (mode 0600); "
                      "remove it",
                      path, (int)geteuid());
         return -1;
     }
     if ((size_t)st.st_size != sizeof(region_t)) {
-        PyErr_Format(RegionError,
+        region_error(0,
                      "lease region %s has %lld bytes, this pytest-gpuiso expects %zu "
                      "(another version?); reset it with `python -m pytest_gpuiso reset --force`",
                      path, (long long)st.st_size, sizeof(region_t));
@@ -328,20 +629,20 @@ static int Region_init(RegionObject *self, PyObject *args, PyObject *kwds)
     }
     region_t *r = mmap(NULL, sizeof(region_t), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (r == MAP_FAILED) {
-        PyErr_Format(RegionError, "cannot map the lease region %s: %s", path, strerror(errno));
+        region_error(errno, "cannot map the lease region %s: %s", path, strerror(errno));
         return -1;
     }
     self->r = r;
     if (__atomic_load_n(&r->magic, __ATOMIC_ACQUIRE) != GPUISO_MAGIC ||
         r->size != sizeof(region_t)) {
-        PyErr_Format(RegionError,
+        region_error(0,
                      "lease region %s is corrupted (bad header); reset it with "
                      "`python -m pytest_gpuiso reset --force`",
                      path);
         return -1;
     }
     if (r->abi != GPUISO_ABI) {
-        PyErr_Format(RegionError,
+        region_error(0,
                      "lease region %s has ABI version %u, this pytest-gpuiso expects %d; "
                      "reset it with `python -m pytest_gpuiso reset --force`",
                      path, r->abi, GPUISO_ABI);
@@ -349,7 +650,7 @@ static int Region_init(RegionObject *self, PyObject *args, PyObject *kwds)
     }
     self->inotify = inotify_init1(IN_NONBLOCK | IN_CLOEXEC);
     if (self->inotify < 0 || inotify_add_watch(self->inotify, path, IN_MODIFY) < 0) {
-        PyErr_Format(RegionError, "cannot watch the lease region %s: %s", path, strerror(errno));
+        region_error(errno, "cannot watch the lease region %s: %s", path, strerror(errno));
         return -1;
     }
     return 0;
@@ -360,11 +661,21 @@ static void Region_dealloc(RegionObject *self)
     if (self->r != NULL)
         munmap(self->r, sizeof(region_t));
     if (self->fd >= 0)
-        close(self->fd);
+        close(self->fd); /* drops our key's lock: entries left behind are dead */
     if (self->inotify >= 0)
         close(self->inotify);
     free(self->path);
     Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* Attached and usable by this process: 0, or -1 with an exception set. */
+static int ready(RegionObject *self)
+{
+    if (self->r == NULL) {
+        PyErr_SetString(RegionError, "the lease region is not open");
+        return -1;
+    }
+    return own_fds(self);
 }
 
 /* ------------------------------------------------------------------ acquire */
@@ -375,9 +686,10 @@ static uint32_t nslots(const device_t *dev)
 }
 
 /* Find or add the rows of `names`; -1 and a message on a slot-count conflict. */
-static int resolve_rows(region_t *r, char **names, int count, uint32_t slots, int *rows, char *err,
-                        size_t errlen)
+static int resolve_rows(RegionObject *self, char **names, int count, uint32_t slots, int *rows,
+                        char *err, size_t errlen)
 {
+    region_t *r = self->r;
     for (int i = 0; i < count; i++) {
         int row = -1;
         for (uint32_t d = 0; d < r->ndevices && d < MAX_DEVICES; d++)
@@ -397,11 +709,14 @@ static int resolve_rows(region_t *r, char **names, int count, uint32_t slots, in
         device_t *dev = &r->dev[row];
         if (dev->slots != slots) {
             for (uint32_t s = 0; s < nslots(dev); s++)
-                if (dev->slot[s].owner.pid != 0 && owner_alive(&dev->slot[s].owner)) {
+                if (dev->slot[s].owner.pid != 0 && owner_alive(self, &dev->slot[s].owner)) {
+                    char label[81];
+                    slot_t *held = &dev->slot[s];
+                    copy_text(label, held->label, sizeof label);
                     snprintf(err, errlen,
-                             "device %s is shared with %u slots by pid %d (%.80s); "
+                             "device %s is shared with %u slots by pid %d (%s); "
                              "this session asks for %u",
-                             names[i], dev->slots, dev->slot[s].owner.pid, dev->slot[s].label, slots);
+                             names[i], dev->slots, held->owner.pid, label, slots);
                     return -1;
                 }
             memset(dev->slot, 0, sizeof dev->slot);
@@ -450,7 +765,7 @@ static int try_take(region_t *r, const int *rows, int count, uint64_t allowed, u
                 slot_t *slot = &dev->slot[s];
                 slot->lease = *lease;
                 slot->since_ns = now;
-                snprintf(slot->label, LABEL_LEN, "%s", label);
+                copy_text(slot->label, label, LABEL_LEN);
                 slot->owner = me; /* last: a half-written entry never looks taken */
                 break;
             }
@@ -474,38 +789,62 @@ typedef struct {
     uint64_t ticket;
     uint64_t lease;
     int taken[MAX_DEVICES];
-    char err[256];
+    char err[512];
 } request_t;
+
+/* Withdraw our waiter entry with `ticket`, if it is still there. Under the lock. */
+static void withdraw(RegionObject *self, uint64_t ticket)
+{
+    owner_t me = self_owner(self);
+    for (int w = 0; ticket != 0 && w < MAX_WAITERS; w++) {
+        waiter_t *wt = &self->r->waiter[w];
+        if (wt->ticket == ticket && same_owner(&wt->owner, &me) && wt->owner.key == me.key)
+            memset(wt, 0, sizeof *wt);
+    }
+}
 
 static void leave_queue(RegionObject *self, request_t *q)
 {
     if (q->waiter >= 0) {
         waiter_t *w = &self->r->waiter[q->waiter];
-        owner_t me = self_owner();
+        owner_t me = self_owner(self);
         if (w->ticket == q->ticket && same_owner(&w->owner, &me))
             memset(w, 0, sizeof *w);
         q->waiter = -1;
     }
 }
 
-/* One attempt, GIL released: take the lease, or block until something changes. */
+/* One attempt, entered holding the lock (released here), GIL released: take the
+ * lease, or block until something changes. */
 static int attempt(RegionObject *self, request_t *q, const char *label, double deadline)
 {
     region_t *r = self->r;
-    owner_t me = self_owner();
     int pidfds[MAX_DEVICES * MAX_SLOTS + MAX_WAITERS + 1];
     owner_t watched[MAX_DEVICES * MAX_SLOTS + MAX_WAITERS + 1];
     int npid = 0, changed = 0, blind = 0; /* blind: a process we cannot watch */
 
-    if (lock_region(r) != 0) {
-        snprintf(q->err, sizeof q->err, "the lease region lock is unrecoverable; reset it");
+    struct stat st;
+    if (fstat(self->fd, &st) == 0 && st.st_nlink == 0) {
+        unlock_region(r);
+        snprintf(q->err, sizeof q->err,
+                 "the lease region %s was deleted while this process waited (reset --force?)",
+                 self->path);
         return FAILED;
+    }
+    if (ensure_key(self, q->err, sizeof q->err) != 0) {
+        unlock_region(r);
+        return FAILED;
+    }
+    owner_t me = self_owner(self);
+    if (self->abandoned != 0) { /* an interrupted wait left its entry: a stale ticket ahead */
+        withdraw(self, self->abandoned);
+        self->abandoned = 0;
     }
     if (q->generation != r->generation) { /* the table was cleared: rows and queue are gone */
         char *names[MAX_DEVICES];
         for (int i = 0; i < q->count; i++)
             names[i] = q->names[i];
-        if (resolve_rows(r, names, q->count, q->slots, q->rows, q->err, sizeof q->err) != 0) {
+        if (resolve_rows(self, names, q->count, q->slots, q->rows, q->err, sizeof q->err) != 0) {
             unlock_region(r);
             return FAILED;
         }
@@ -516,7 +855,7 @@ static int attempt(RegionObject *self, request_t *q, const char *label, double d
         q->generation = r->generation;
     }
     if (q->suspect) { /* a full liveness scan reads /proc for every owner: only when needed */
-        if (reap_dead(r) > 0)
+        if (reap_dead(self) > 0)
             ring(self);
         q->suspect = 0;
     }
@@ -537,15 +876,22 @@ static int attempt(RegionObject *self, request_t *q, const char *label, double d
         w->mask = q->mask;
         w->n = q->n;
         w->since_ns = realtime_ns();
-        snprintf(w->label, LABEL_LEN, "%s", label);
+        copy_text(w->label, label, LABEL_LEN);
         w->owner = me;
     }
-    /* Devices wanted by earlier waiters are theirs first. */
+    /* Devices wanted by earlier waiters are theirs first, unless that waiter is stopped
+     * (Ctrl-Z): it keeps its ticket but holds nobody back until it runs again. The waits
+     * below end at least once a second, so a waiter stopped meanwhile is seen then. */
     uint64_t blocked = 0;
     for (int w = 0; w < MAX_WAITERS; w++) {
         waiter_t *wt = &r->waiter[w];
-        if (wt->owner.pid != 0 && wt->ticket < q->ticket && (wt->mask & q->mask)) {
+        if (wt->owner.pid != 0 && wt->ticket < q->ticket && (wt->mask & q->mask) &&
+            !owner_stopped(&wt->owner)) {
             blocked |= wt->mask;
+            if (!in_our_namespace(&wt->owner)) {
+                blind = 1; /* its pid means nothing here: re-check every 100 ms */
+                continue;
+            }
             int fd = (int)syscall(SYS_pidfd_open, wt->owner.pid, 0);
             if (fd >= 0)
                 watched[npid] = wt->owner, pidfds[npid++] = fd;
@@ -567,6 +913,10 @@ static int attempt(RegionObject *self, request_t *q, const char *label, double d
         device_t *dev = &r->dev[q->rows[i]];
         for (uint32_t s = 0; s < nslots(dev); s++)
             if (dev->slot[s].owner.pid != 0) {
+                if (!in_our_namespace(&dev->slot[s].owner)) {
+                    blind = 1;
+                    continue;
+                }
                 int fd = (int)syscall(SYS_pidfd_open, dev->slot[s].owner.pid, 0);
                 if (fd >= 0)
                     watched[npid] = dev->slot[s].owner, pidfds[npid++] = fd;
@@ -579,7 +929,7 @@ static int attempt(RegionObject *self, request_t *q, const char *label, double d
     /* An owner that died before its pidfd was opened, its pid reused since, would be
      * watched in vain: check the watched ones now, and re-scan everything if one is gone. */
     for (int i = 0; i < npid && !changed; i++)
-        if (!owner_alive(&watched[i]))
+        if (!owner_alive(self, &watched[i]))
             changed = 1;
     if (changed)
         q->suspect = 1;
@@ -626,6 +976,27 @@ static int attempt(RegionObject *self, request_t *q, const char *label, double d
     return rc;
 }
 
+/* Leave the queue after a timeout or an error, keeping the pending exception. */
+static void give_up(RegionObject *self, request_t *q)
+{
+    if (q->waiter < 0)
+        return;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    if (lock_region(self, STUCK_S) == 0) {
+        Py_BEGIN_ALLOW_THREADS
+        leave_queue(self, q);
+        ring(self);
+        unlock_region(self->r);
+        Py_END_ALLOW_THREADS
+    } else {
+        PyErr_Clear();
+        self->abandoned = q->ticket; /* withdrawn by our next attempt: never a ticket ahead */
+        q->waiter = -1;
+    }
+    PyErr_Restore(type, value, tb);
+}
+
 static PyObject *Region_acquire(RegionObject *self, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"devices", "slots", "n", "label", "timeout", NULL};
@@ -635,6 +1006,8 @@ static PyObject *Region_acquire(RegionObject *self, PyObject *args, PyObject *kw
     PyObject *timeout_obj = Py_None;
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "OIIs|O", kwlist, &devices, &slots, &n, &label,
                                      &timeout_obj))
+        return NULL;
+    if (ready(self) < 0)
         return NULL;
     PyObject *seq = PySequence_Fast(devices, "devices must be a sequence of names");
     if (seq == NULL)
@@ -681,51 +1054,54 @@ static PyObject *Region_acquire(RegionObject *self, PyObject *args, PyObject *kw
     for (int i = 0; i < q.count; i++)
         snprintf(q.names[i], NAME_LEN, "%s", names[i]);
     q.n = n;
+    Py_DECREF(seq); /* names now live in q */
+    for (int i = 0; i < q.count; i++)
+        names[i] = q.names[i];
+    if (lock_region(self, -1) != 0)
+        return NULL;
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = lock_region(self->r);
-    if (rc == 0) {
-        rc = resolve_rows(self->r, names, q.count, slots, q.rows, q.err, sizeof q.err);
-        q.generation = self->r->generation;
-        unlock_region(self->r);
-    } else {
-        snprintf(q.err, sizeof q.err, "the lease region lock is unrecoverable; reset it");
-    }
+    rc = resolve_rows(self, names, q.count, slots, q.rows, q.err, sizeof q.err);
+    q.generation = self->r->generation;
+    unlock_region(self->r);
     Py_END_ALLOW_THREADS
-    Py_DECREF(seq);
     if (rc != 0)
         return PyErr_Format(RegionError, "%s", q.err);
     for (int i = 0; i < q.count; i++)
         q.mask |= 1ULL << q.rows[i];
 
     for (;;) {
-        Py_BEGIN_ALLOW_THREADS
-        rc = attempt(self, &q, label, deadline);
-        Py_END_ALLOW_THREADS
+        if (lock_region(self, -1) != 0) {
+            rc = FAILED; /* the exception is set */
+        } else {
+            Py_BEGIN_ALLOW_THREADS
+            rc = attempt(self, &q, label, deadline);
+            Py_END_ALLOW_THREADS
+        }
         if (rc == GOT)
             break;
-        if (PyErr_CheckSignals() < 0)
+        if (rc != FAILED && PyErr_CheckSignals() < 0)
             rc = FAILED; /* the exception (KeyboardInterrupt) is already set */
         if (rc == TIMED_OUT || rc == FAILED) {
-            Py_BEGIN_ALLOW_THREADS
-            if (lock_region(self->r) == 0) {
-                leave_queue(self, &q);
-                ring(self);
-                unlock_region(self->r);
-            }
-            Py_END_ALLOW_THREADS
+            if (rc == FAILED && !PyErr_Occurred())
+                PyErr_Format(RegionError, "%s", q.err);
+            give_up(self, &q);
             if (rc == TIMED_OUT)
                 Py_RETURN_NONE;
-            if (!PyErr_Occurred())
-                PyErr_Format(RegionError, "%s", q.err);
             return NULL;
         }
     }
     PyObject *names_out = PyList_New(n);
     if (names_out == NULL)
         return NULL;
-    for (unsigned int i = 0; i < n; i++)
-        PyList_SET_ITEM(names_out, i, PyUnicode_FromString(self->r->dev[q.taken[i]].name));
+    for (unsigned int i = 0; i < n; i++) {
+        PyObject *name = text_of(self->r->dev[q.taken[i]].name, NAME_LEN);
+        if (name == NULL) {
+            Py_DECREF(names_out);
+            return NULL;
+        }
+        PyList_SET_ITEM(names_out, i, name);
+    }
     return Py_BuildValue("(KN)", (unsigned long long)q.lease, names_out);
 }
 
@@ -734,115 +1110,138 @@ static PyObject *Region_release(RegionObject *self, PyObject *args)
     unsigned long long lease;
     if (!PyArg_ParseTuple(args, "K", &lease))
         return NULL;
-    int freed = 0, rc;
-    owner_t me = self_owner();
+    if (ready(self) < 0 || lock_region(self, -1) != 0)
+        return NULL;
+    int freed = 0;
+    owner_t me = self_identity();
     Py_BEGIN_ALLOW_THREADS
-    rc = lock_region(self->r);
-    if (rc == 0) {
-        region_t *r = self->r;
-        for (uint32_t d = 0; d < r->ndevices && d < MAX_DEVICES; d++)
-            for (uint32_t s = 0; s < r->dev[d].slots && s < MAX_SLOTS; s++) {
-                slot_t *slot = &r->dev[d].slot[s];
-                if (slot->lease == lease && same_owner(&slot->owner, &me)) {
-                    memset(slot, 0, sizeof *slot);
-                    freed++;
-                }
+    region_t *r = self->r;
+    for (uint32_t d = 0; d < r->ndevices && d < MAX_DEVICES; d++)
+        for (uint32_t s = 0; s < r->dev[d].slots && s < MAX_SLOTS; s++) {
+            slot_t *slot = &r->dev[d].slot[s];
+            if (slot->lease == lease && same_owner(&slot->owner, &me)) {
+                memset(slot, 0, sizeof *slot);
+                freed++;
             }
-        ring(self);
-        unlock_region(r);
-    }
+        }
+    ring(self);
+    unlock_region(r);
     Py_END_ALLOW_THREADS
-    if (rc != 0)
-        return PyErr_Format(RegionError, "the lease region lock is unrecoverable; reset it");
     return PyLong_FromLong(freed);
 }
 
 /* ------------------------------------------------------------------ inspection */
 
+static PyObject *owner_dict(RegionObject *self, const owner_t *o)
+{
+    return Py_BuildValue("{s:i,s:K,s:O,s:O,s:O}", "pid", o->pid, "start",
+                         (unsigned long long)o->start, "alive",
+                         owner_alive(self, o) ? Py_True : Py_False, "stopped",
+                         owner_stopped(o) ? Py_True : Py_False, "here",
+                         in_our_namespace(o) ? Py_True : Py_False);
+}
+
+/* owner_dict(o) updated with the pairs of `format` (a dict format). */
+static PyObject *entry(RegionObject *self, const owner_t *o, const char *format, ...)
+{
+    PyObject *d = owner_dict(self, o);
+    va_list vargs;
+    va_start(vargs, format);
+    PyObject *more = d ? Py_VaBuildValue(format, vargs) : NULL;
+    va_end(vargs);
+    if (more == NULL || PyDict_Update(d, more) < 0) {
+        Py_XDECREF(d);
+        d = NULL;
+    }
+    Py_XDECREF(more);
+    return d;
+}
+
 static PyObject *Region_snapshot(RegionObject *self, PyObject *Py_UNUSED(ignored))
 {
+    if (ready(self) < 0)
+        return NULL;
     region_t *copy = malloc(sizeof(region_t));
     if (copy == NULL)
         return PyErr_NoMemory();
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = lock_region(self->r);
-    if (rc == 0) {
-        memcpy(copy, self->r, sizeof(region_t));
-        unlock_region(self->r);
-    }
-    Py_END_ALLOW_THREADS
-    if (rc != 0) {
+    if (lock_region(self, -1) != 0) {
         free(copy);
-        return PyErr_Format(RegionError, "the lease region lock is unrecoverable; reset it");
+        return NULL;
     }
+    Py_BEGIN_ALLOW_THREADS
+    memcpy(copy, self->r, sizeof(region_t));
+    unlock_region(self->r);
+    Py_END_ALLOW_THREADS
     PyObject *devices = PyList_New(0), *holders = PyList_New(0), *waiters = PyList_New(0);
-    for (uint32_t d = 0; devices && holders && d < copy->ndevices && d < MAX_DEVICES; d++) {
+    PyObject *item = NULL;
+    if (devices == NULL || holders == NULL || waiters == NULL)
+        goto fail;
+    for (uint32_t d = 0; d < copy->ndevices && d < MAX_DEVICES; d++) {
         device_t *dev = &copy->dev[d];
-        PyObject *item = Py_BuildValue("(sI)", dev->name, dev->slots);
+        item = Py_BuildValue("(NI)", text_of(dev->name, NAME_LEN), dev->slots);
         if (item == NULL || PyList_Append(devices, item) < 0)
-            goto fail_item;
-        Py_DECREF(item);
+            goto fail;
+        Py_CLEAR(item);
         for (uint32_t s = 0; s < dev->slots && s < MAX_SLOTS; s++) {
             slot_t *slot = &dev->slot[s];
             if (slot->owner.pid == 0)
                 continue;
-            item = Py_BuildValue("{s:s,s:I,s:i,s:K,s:K,s:L,s:s,s:O}", "device", dev->name, "slot", s,
-                                 "pid", slot->owner.pid, "start", slot->owner.start, "lease",
-                                 slot->lease, "since_ns", slot->since_ns, "label", slot->label,
-                                 "alive", owner_alive(&slot->owner) ? Py_True : Py_False);
+            item = entry(self, &slot->owner, "{s:N,s:I,s:K,s:L,s:N}", "device",
+                         text_of(dev->name, NAME_LEN), "slot", s, "lease",
+                         (unsigned long long)slot->lease, "since_ns", (long long)slot->since_ns,
+                         "label", text_of(slot->label, LABEL_LEN));
             if (item == NULL || PyList_Append(holders, item) < 0)
-                goto fail_item;
-            Py_DECREF(item);
+                goto fail;
+            Py_CLEAR(item);
         }
-        continue;
-    fail_item:
-        Py_XDECREF(item);
-        Py_CLEAR(devices);
     }
-    for (int w = 0; devices && w < MAX_WAITERS; w++) {
+    for (int w = 0; w < MAX_WAITERS; w++) {
         waiter_t *wt = &copy->waiter[w];
         if (wt->owner.pid == 0)
             continue;
-        PyObject *item = Py_BuildValue(
-            "{s:i,s:K,s:I,s:K,s:L,s:s,s:O}", "pid", wt->owner.pid, "ticket", wt->ticket, "n", wt->n,
-            "mask", wt->mask, "since_ns", wt->since_ns, "label", wt->label, "alive",
-            owner_alive(&wt->owner) ? Py_True : Py_False);
-        if (item == NULL || PyList_Append(waiters, item) < 0) {
-            Py_XDECREF(item);
-            Py_CLEAR(devices);
-            break;
-        }
-        Py_DECREF(item);
+        item = entry(self, &wt->owner, "{s:K,s:I,s:K,s:L,s:N}", "ticket",
+                     (unsigned long long)wt->ticket, "n", wt->n, "mask",
+                     (unsigned long long)wt->mask, "since_ns", (long long)wt->since_ns, "label",
+                     text_of(wt->label, LABEL_LEN));
+        if (item == NULL || PyList_Append(waiters, item) < 0)
+            goto fail;
+        Py_CLEAR(item);
     }
     free(copy);
-    if (devices == NULL || holders == NULL || waiters == NULL) {
-        Py_XDECREF(devices);
-        Py_XDECREF(holders);
-        Py_XDECREF(waiters);
-        return NULL;
-    }
     return Py_BuildValue("{s:N,s:N,s:N}", "devices", devices, "holders", holders, "waiters",
                          waiters);
+fail:
+    free(copy);
+    Py_XDECREF(item);
+    Py_XDECREF(devices);
+    Py_XDECREF(holders);
+    Py_XDECREF(waiters);
+    return NULL;
 }
 
-static PyObject *Region_clear(RegionObject *self, PyObject *Py_UNUSED(ignored))
+static PyObject *Region_clear(RegionObject *self, PyObject *args, PyObject *kwds)
 {
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = lock_region(self->r);
-    if (rc == 0) {
-        region_t *r = self->r;
-        memset(r->dev, 0, sizeof r->dev);
-        memset(r->waiter, 0, sizeof r->waiter);
-        r->ndevices = 0;
-        r->generation++;
-        ring(self);
-        unlock_region(r);
+    static char *kwlist[] = {"timeout", NULL};
+    PyObject *timeout_obj = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O", kwlist, &timeout_obj))
+        return NULL;
+    double limit = -1;
+    if (timeout_obj != Py_None) {
+        limit = PyFloat_AsDouble(timeout_obj);
+        if (limit == -1 && PyErr_Occurred())
+            return NULL;
     }
+    if (ready(self) < 0 || lock_region(self, limit) != 0)
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    region_t *r = self->r;
+    memset(r->dev, 0, sizeof r->dev);
+    memset(r->waiter, 0, sizeof r->waiter);
+    r->ndevices = 0;
+    r->generation++;
+    ring(self);
+    unlock_region(r);
     Py_END_ALLOW_THREADS
-    if (rc != 0)
-        return PyErr_Format(RegionError, "the lease region lock is unrecoverable; reset it");
     Py_RETURN_NONE;
 }
 
@@ -858,8 +1257,11 @@ static PyMethodDef Region_methods[] = {
     {"release", (PyCFunction)Region_release, METH_VARARGS,
      "release(lease_id) -> number of slots freed"},
     {"snapshot", (PyCFunction)Region_snapshot, METH_NOARGS,
-     "snapshot() -> {'devices': [(name, slots)], 'holders': [...], 'waiters': [...]}"},
-    {"clear", (PyCFunction)Region_clear, METH_NOARGS, "clear() -> forget every holder and waiter"},
+     "snapshot() -> {'devices': [(name, slots)], 'holders': [...], 'waiters': [...]}; each "
+     "holder and waiter has pid, start, alive, stopped and here (in our pid namespace)"},
+    {"clear", (PyCFunction)(void (*)(void))Region_clear, METH_VARARGS | METH_KEYWORDS,
+     "clear(timeout=None) -> forget every holder and waiter; RegionError if the table's lock "
+     "is held longer than timeout seconds"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -899,7 +1301,8 @@ PyMODINIT_FUNC PyInit__lease(void)
         PyModule_AddIntConstant(m, "ABI_VERSION", GPUISO_ABI) < 0 ||
         PyModule_AddIntConstant(m, "REGION_SIZE", (long)sizeof(region_t)) < 0 ||
         PyModule_AddIntConstant(m, "MAX_DEVICES", MAX_DEVICES) < 0 ||
-        PyModule_AddIntConstant(m, "MAX_SLOTS", MAX_SLOTS) < 0) {
+        PyModule_AddIntConstant(m, "MAX_SLOTS", MAX_SLOTS) < 0 ||
+        PyModule_AddIntConstant(m, "LABEL_LEN", LABEL_LEN) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from . import __version__
-from .leases import REGION_ENV, open_region, region_path, status_table
+from .leases import CHOOSE_PATH, REGION_ENV, foreign_owner, open_region, region_path, status_table
 
 MERGE_HELP = """\
 merge the JSON reports (--gpu-isolate-report) of CI shards into one JSON report and/or
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     from ._lease import RegionError
 
     if opts.command == "status":
-        if not os.path.exists(path):
+        if not os.path.lexists(path):
             print(f"lease table {path}\nno lease table yet (created by the first GPU lease)")
             return 0
         try:
@@ -118,20 +118,37 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         return 0
 
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         print(f"nothing to reset: {path} does not exist")
         return 0
+    owner = foreign_owner(path)
+    if owner is not None:  # never deleted or changed here, even by root: not ours
+        print(
+            f"error: {path} belongs to {owner}, not to uid {os.geteuid()}: not reset; "
+            f"{CHOOSE_PATH} (or --region PATH here)",
+            file=sys.stderr,
+        )
+        return 1
     try:
         region = open_region(path)
     except RegionError as exc:
         if not opts.force:
             print(f"error: {exc}", file=sys.stderr)
             return 1
-        os.unlink(path)
-        print(f"deleted the unreadable lease table {path}")
+        return _delete(path, f"it is unusable ({exc})")
+    if opts.force:
+        try:  # never waits on a lock a stopped or wedged process holds: deletes instead
+            region.clear(timeout=FORCE_LOCK_WAIT)
+        except RegionError as exc:
+            return _delete(path, f"its lock was held for {FORCE_LOCK_WAIT:g} s ({exc})")
+        print(f"cleared {path}")
         return 0
-    live = [h for h in region.snapshot()["holders"] if h["alive"]]
-    if live and not opts.force:
+    try:
+        live = [h for h in region.snapshot()["holders"] if h["alive"]]
+    except RegionError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if live:
         held = "; ".join(f"GPU {h['device']} by pid {h['pid']} ({h['label']})" for h in live)
         print(
             f"error: refusing to reset {path}: live holders: {held} (use --force)", file=sys.stderr
@@ -139,6 +156,20 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     region.clear()
     print(f"cleared {path}")
+    return 0
+
+
+FORCE_LOCK_WAIT = 3.0  # seconds reset --force waits for the table's lock before deleting it
+
+
+def _delete(path: str, why: str) -> int:
+    """Delete our own table file that cannot be cleared; the next GPU lease creates one."""
+    try:
+        os.unlink(path)
+    except OSError as exc:
+        print(f"error: cannot delete the lease table {path}: {exc.strerror}", file=sys.stderr)
+        return 1
+    print(f"deleted the lease table {path}: {why}")
     return 0
 
 

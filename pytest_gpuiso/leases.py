@@ -12,16 +12,19 @@ Devices are found without ever creating a CUDA context here: from the user's
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import pwd
 import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from .settings import CUDA_ID
+from .settings import CUDA_ID, SpecError
 
 REGION_ENV = "PYTEST_GPUISO_LEASE_REGION"  # another table path (tests, or sharing across users)
 LEASED_ENV = "PYTEST_GPUISO_LEASED"  # set in an isolated child: the GPUs its test holds
+CHOOSE_PATH = f"choose another path with {REGION_ENV}=PATH"
 
 
 def region_path() -> str:
@@ -33,9 +36,48 @@ def region_path() -> str:
 
 
 def open_region(path: str | None = None) -> Any:
-    from ._lease import Region
+    """Attach to (or create) the table; ``RegionError`` with one line naming the problem."""
+    from ._lease import Region, RegionError
 
-    return Region(path or region_path())
+    path = path or region_path()
+    try:
+        return Region(path)
+    except RegionError as exc:
+        raise RegionError(_explain(exc, path)) from None
+
+
+def foreign_owner(path: str) -> str | None:
+    """The owner of ``path`` ("user NAME (uid N)") when it exists and is not ours, else None."""
+    try:
+        uid = os.lstat(path).st_uid
+    except OSError:
+        return None
+    if uid == os.geteuid():
+        return None
+    try:
+        return f"user {pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _explain(exc: Exception, path: str) -> str:
+    """The native message, or what to do about a name taken by another user or a full disk."""
+    owner = foreign_owner(path)
+    if owner is not None:
+        return f"lease table {path} belongs to {owner}, not to uid {os.geteuid()}: {CHOOSE_PATH}"
+    if getattr(exc, "errno", 0) == errno.ENOSPC:
+        where = os.path.dirname(path) or "."
+        return (
+            f"cannot create the lease table {path}: no space left in {where} (it needs "
+            f"{_region_size() // 1024} KiB); free some space there or {CHOOSE_PATH}"
+        )
+    return str(exc)
+
+
+def _region_size() -> int:
+    from ._lease import REGION_SIZE
+
+    return int(REGION_SIZE)
 
 
 @dataclass(frozen=True)
@@ -54,8 +96,9 @@ class Devices:
 
 
 def discover(setting: list[str] | None, what: str) -> Devices:
+    """The devices to lease; ``SpecError`` naming the source when the table cannot hold them."""
     if setting is not None:
-        return Devices(tuple(setting), what)
+        return _checked(Devices(tuple(setting), what))
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         names = []
@@ -64,8 +107,27 @@ def discover(setting: list[str] | None, what: str) -> Devices:
             if not CUDA_ID.match(part):
                 break
             names.append(part)
-        return Devices(tuple(names), "CUDA_VISIBLE_DEVICES")
-    return Devices(tuple(str(i) for i in range(_nvml_count())), "NVML", pci_order=True)
+        return _checked(Devices(tuple(names), "CUDA_VISIBLE_DEVICES"), visible)
+    return _checked(Devices(tuple(str(i) for i in range(_nvml_count())), "NVML", pci_order=True))
+
+
+def _checked(devices: Devices, value: str | None = None) -> Devices:
+    from ._lease import MAX_DEVICES
+
+    names = devices.names
+    where = devices.source if value is None else f"{devices.source}={value}"
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise SpecError(f"invalid device list {where}: device {twice[0]} is listed twice")
+    if len(names) > MAX_DEVICES:
+        raise SpecError(
+            f"{len(names)} devices from {devices.source}: the lease table holds at most "
+            f"{MAX_DEVICES}"
+        )
+    long = [name for name in names if len(name.encode()) >= 64]
+    if long:
+        raise SpecError(f"invalid device name {long[0]!r} from {devices.source}: over 63 bytes")
+    return devices
 
 
 def _nvml_count() -> int:
@@ -92,7 +154,11 @@ class Lease:
     waited: float  # seconds spent waiting (not charged to the test's timeout)
 
 
-class LeaseTimeout(Exception):
+class LeaseError(Exception):
+    """A lease could not be had: the one-line message says why (fails the test's setup)."""
+
+
+class LeaseTimeout(LeaseError):
     """Waited longer than the lease timeout; the message names the holders."""
 
 
@@ -111,8 +177,15 @@ class Leases:
         self.region = open_region(path)
 
     def acquire(self, n: int, label: str, timeout: float | None) -> Lease:
+        from ._lease import RegionError
+
+        label = label.encode("utf-8", "replace").decode()  # a nodeid may hold surrogates
         start = time.monotonic()
-        got = self.region.acquire(list(self.devices.names), self.slots, n, label, timeout)
+        try:
+            got = self.region.acquire(list(self.devices.names), self.slots, n, label, timeout)
+        except RegionError as exc:
+            hint = " (--gpu-isolate-slots)" if "this session asks for" in str(exc) else ""
+            raise LeaseError(f"{exc}{hint}") from None
         waited = time.monotonic() - start
         if got is None:
             raise LeaseTimeout(
@@ -127,10 +200,14 @@ class Leases:
         self.region.release(lease.lease_id)
 
     def holders_text(self) -> str:
-        holders = [
-            h for h in self.region.snapshot()["holders"] if h["device"] in self.devices.names
-        ]
-        return "; ".join(f"GPU {h['device']}: pid {h['pid']} ({h['label']})" for h in holders)
+        from ._lease import RegionError
+
+        try:
+            snapshot = self.region.snapshot()
+        except RegionError as exc:
+            return f"unknown ({exc})"
+        holders = [h for h in snapshot["holders"] if h["device"] in self.devices.names]
+        return "; ".join(f"GPU {h['device']}: {_who(h)} ({h['label']})" for h in holders)
 
     def child_env(self, lease: Lease | None) -> dict[str, str]:
         """What the isolated child must see: exactly its leased devices.
@@ -142,6 +219,11 @@ class Leases:
         if self.devices.pci_order and "CUDA_DEVICE_ORDER" not in os.environ:
             env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA numbers GPUs as NVML does
         return env
+
+
+def _who(entry: dict[str, Any]) -> str:
+    """The entry's pid, saying when it is of another pid namespace (another container)."""
+    return f"pid {entry['pid']}" + ("" if entry.get("here", True) else " (another pid namespace)")
 
 
 def status_table(snapshot: dict[str, Any], path: str) -> str:
@@ -159,6 +241,10 @@ def status_table(snapshot: dict[str, Any], path: str) -> str:
             else:
                 since = time.strftime("%H:%M:%S", time.localtime(h["since_ns"] / 1e9))
                 state = "held" if h["alive"] else "dead (freed on next use)"
+                if h["alive"] and h.get("stopped"):
+                    state = "held (stopped)"
+                elif h["alive"] and not h.get("here", True):
+                    state = "held (another pid namespace)"
                 rows.append((name, str(slot), str(h["pid"]), since, state, h["label"]))
     widths = [max(len(row[i]) for row in rows) for i in range(5)]
     for row in rows:
@@ -167,8 +253,9 @@ def status_table(snapshot: dict[str, Any], path: str) -> str:
         )
     for w in sorted(snapshot["waiters"], key=lambda w: w["ticket"]):
         since = time.strftime("%H:%M:%S", time.localtime(w["since_ns"] / 1e9))
+        stopped = " (stopped: not holding others back)" if w.get("stopped") else ""
         lines.append(
-            f"waiting: pid {w['pid']} for {w['n']} GPU(s) since {since} (ticket {w['ticket']}) "
+            f"waiting: {_who(w)} for {w['n']} GPU(s) since {since} (ticket {w['ticket']}){stopped} "
             f"{w['label']}"
         )
     return "\n".join(line.rstrip() for line in lines)

@@ -60,11 +60,11 @@ PROMPT = 2.0  # "at once", with room for a loaded CI machine; the design target 
 MUTEX_OFFSET = 24  # magic u64, abi u32, size u32, bell u64
 ABI_OFFSET = 8
 NDEVICES_OFFSET = 80  # ... lock, next_ticket u64, next_lease u64
-DEV_OFFSET = 88  # ... ndevices u32, pad u32
+DEV_OFFSET = 96  # ... ndevices u32, generation u32, next_key u32, pad u32
 SLOT_OFFSET = 72  # name[64], slots u32, pad u32
-SLOT_SIZE = 224  # owner {pid i32, pad u32, start u64}, lease u64, since_ns i64, label[192]
+SLOT_SIZE = 232  # owner {pid i32, key u32, start u64, ns u64}, lease u64, since_ns i64, label[192]
 DEVICE_SIZE = SLOT_OFFSET + MAX_SLOTS * SLOT_SIZE
-WAITER_SIZE = 240
+WAITER_SIZE = 248
 LAYOUT_KNOWN = REGION_SIZE == DEV_OFFSET + MAX_DEVICES * DEVICE_SIZE + 256 * WAITER_SIZE
 needs_layout = pytest.mark.skipif(
     not LAYOUT_KNOWN, reason="region_t layout changed; update the offsets in this test"
