@@ -806,10 +806,7 @@ static void withdraw(RegionObject *self, uint64_t ticket)
 static void leave_queue(RegionObject *self, request_t *q)
 {
     if (q->waiter >= 0) {
-        waiter_t *w = &self->r->waiter[q->waiter];
-        owner_t me = self_owner(self);
-        if (w->ticket == q->ticket && same_owner(&w->owner, &me))
-            memset(w, 0, sizeof *w);
+        withdraw(self, q->ticket);
         q->waiter = -1;
     }
 }
@@ -976,14 +973,15 @@ static int attempt(RegionObject *self, request_t *q, const char *label, double d
     return rc;
 }
 
-/* Leave the queue after a timeout or an error, keeping the pending exception. */
-static void give_up(RegionObject *self, request_t *q)
+/* Leave the queue after a timeout or an error, keeping the pending exception; when the
+ * lock cannot be had (it is what failed, or is stuck), our next attempt leaves it. */
+static void give_up(RegionObject *self, request_t *q, int lock_failed)
 {
     if (q->waiter < 0)
         return;
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
-    if (lock_region(self, STUCK_S) == 0) {
+    if (!lock_failed && lock_region(self, STUCK_S) == 0) {
         Py_BEGIN_ALLOW_THREADS
         leave_queue(self, q);
         ring(self);
@@ -1071,7 +1069,8 @@ static PyObject *Region_acquire(RegionObject *self, PyObject *args, PyObject *kw
         q.mask |= 1ULL << q.rows[i];
 
     for (;;) {
-        if (lock_region(self, -1) != 0) {
+        int lock_failed = lock_region(self, -1) != 0;
+        if (lock_failed) {
             rc = FAILED; /* the exception is set */
         } else {
             Py_BEGIN_ALLOW_THREADS
@@ -1085,7 +1084,7 @@ static PyObject *Region_acquire(RegionObject *self, PyObject *args, PyObject *kw
         if (rc == TIMED_OUT || rc == FAILED) {
             if (rc == FAILED && !PyErr_Occurred())
                 PyErr_Format(RegionError, "%s", q.err);
-            give_up(self, &q);
+            give_up(self, &q, lock_failed);
             if (rc == TIMED_OUT)
                 Py_RETURN_NONE;
             return NULL;

@@ -25,6 +25,7 @@ from .settings import CUDA_ID, SpecError
 REGION_ENV = "PYTEST_GPUISO_LEASE_REGION"  # another table path (tests, or sharing across users)
 LEASED_ENV = "PYTEST_GPUISO_LEASED"  # set in an isolated child: the GPUs its test holds
 CHOOSE_PATH = f"choose another path with {REGION_ENV}=PATH"
+EXHAUSTED = {errno.ENOSPC, errno.EDQUOT, errno.ENOMEM, errno.EMFILE, errno.ENFILE}
 
 
 def region_path() -> str:
@@ -43,7 +44,9 @@ def open_region(path: str | None = None) -> Any:
     try:
         return Region(path)
     except RegionError as exc:
-        raise RegionError(_explain(exc, path)) from None
+        error = RegionError(_explain(exc, path))
+        error.errno = getattr(exc, "errno", 0)
+        raise error from None
 
 
 def foreign_owner(path: str) -> str | None:
@@ -172,9 +175,26 @@ class Leases:
     """This process's view of the shared table for one set of devices."""
 
     def __init__(self, devices: Devices, slots: int, path: str | None = None) -> None:
+        """Attach to the table: ``RegionError`` when it is not usable (another user's, of
+        another version), except when the system is out of a resource (a full /dev/shm):
+        then every lease tries again, and fails its test with the reason until it works."""
         self.devices = devices
         self.slots = slots
-        self.region = open_region(path)
+        self.path = path
+        self.region: Any = None
+        self._unreleased: list[int] = []  # lease ids a stuck table lock kept us from releasing
+        self._attach(exhausted_ok=True)
+
+    def _attach(self, exhausted_ok: bool = False) -> Any:
+        from ._lease import RegionError
+
+        if self.region is None:
+            try:
+                self.region = open_region(self.path)
+            except RegionError as exc:
+                if not (exhausted_ok and getattr(exc, "errno", 0) in EXHAUSTED):
+                    raise
+        return self.region
 
     def acquire(self, n: int, label: str, timeout: float | None) -> Lease:
         from ._lease import RegionError
@@ -182,7 +202,9 @@ class Leases:
         label = label.encode("utf-8", "replace").decode()  # a nodeid may hold surrogates
         start = time.monotonic()
         try:
-            got = self.region.acquire(list(self.devices.names), self.slots, n, label, timeout)
+            region = self._attach()
+            self._release_pending()
+            got = region.acquire(list(self.devices.names), self.slots, n, label, timeout)
         except RegionError as exc:
             hint = " (--gpu-isolate-slots)" if "this session asks for" in str(exc) else ""
             raise LeaseError(f"{exc}{hint}") from None
@@ -197,13 +219,28 @@ class Leases:
         return Lease(lease_id, tuple(names), waited)
 
     def release(self, lease: Lease) -> None:
-        self.region.release(lease.lease_id)
+        """Release, or (the table's lock held by a stopped process) release at the next
+        acquire, which then fails naming that process if it is still stopped."""
+        self._unreleased.append(lease.lease_id)
+        self._release_pending(quiet=True)
+
+    def _release_pending(self, quiet: bool = False) -> None:
+        from ._lease import RegionError
+
+        while self._unreleased:
+            try:
+                self.region.release(self._unreleased[0])
+            except RegionError:
+                if quiet:
+                    return
+                raise
+            self._unreleased.pop(0)
 
     def holders_text(self) -> str:
         from ._lease import RegionError
 
         try:
-            snapshot = self.region.snapshot()
+            snapshot = self._attach().snapshot()
         except RegionError as exc:
             return f"unknown ({exc})"
         holders = [h for h in snapshot["holders"] if h["device"] in self.devices.names]
