@@ -8,17 +8,22 @@ level in an importable module.
 
 from __future__ import annotations
 
+import itertools
 import os
 import pickle
+import secrets
 from collections.abc import Callable
 from typing import Any
 
 from . import frames, workdir
 from .child import CallJob
+from .leaks.process import Mark
 from .leases import LEASED_ENV, Leases, discover, visible_env
 from .outcome import Outcome
 from .settings import DEFAULT_GRACE, parse_count, parse_seconds
 from .supervisor import Supervisor
+
+_CALLS = itertools.count(1)
 
 
 class IsolationError(RuntimeError):
@@ -102,8 +107,11 @@ def call_isolated(
             leases = Leases(devices, 1)
         lease = leases.acquire(gpus, f"run_isolated({name}) in pid {os.getpid()}", None)
         env = leases.child_env(lease)
-    supervisor = Supervisor(workdir.process_dir())
     try:
+        supervisor = Supervisor(workdir.process_dir())
+        # Its sweep takes only the call's own processes, not what the caller starts
+        # meanwhile (a helper, from a thread) or the session's (fork server, prewarmed).
+        supervisor.mark = Mark(f"{os.getpid()}-{next(_CALLS)}-{secrets.token_hex(4)}")
         outcome = supervisor.run(CallJob(func, args, kwargs), timeout=timeout, grace=grace, env=env)
     except Exception as exc:
         raise IsolationError(f"run_isolated({name}): {exc}") from None

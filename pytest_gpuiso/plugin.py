@@ -20,7 +20,14 @@ from .leases import Leases, discover
 from .options import add_options
 from .record import record_of
 from .runner import STATE, GpuIsoLeakWarning, GpuIsoStartWarning, State
-from .settings import DEFAULT_GRACE, DEFAULT_TIMEOUT, MARKER, Settings, external_session_timeout
+from .settings import (
+    DEFAULT_GRACE,
+    DEFAULT_TIMEOUT,
+    MARKER,
+    Settings,
+    SpecError,
+    external_session_timeout,
+)
 
 __all__ = ["GpuIsoLeakWarning", "GpuIsoStartWarning"]
 
@@ -51,15 +58,20 @@ def pytest_configure(config: pytest.Config) -> None:
         parallel=hasattr(config, "workerinput"),
     )
     if settings.mode != "off":
-        workdir.clean_stale()
-        state.devices = discover(settings.devices, settings.devices_source)
-        if state.devices.names:
-            from ._lease import RegionError
-
+        if settings.mode == "all":  # every test needs it: a taken name is the session's error
             try:
-                state.leases = Leases(state.devices, settings.slots)
-            except RegionError as exc:
+                workdir.root()
+            except workdir.WorkdirError as exc:
                 raise pytest.UsageError(f"gpu-isolate: {exc}") from None
+        workdir.clean_stale()
+        from ._lease import RegionError
+
+        try:
+            state.devices = discover(settings.devices, settings.devices_source)
+            if state.devices.names:
+                state.leases = Leases(state.devices, settings.slots)
+        except (RegionError, SpecError) as exc:  # a bad device list, a table not ours
+            raise pytest.UsageError(f"gpu-isolate: {exc}") from None
     config.stash[STATE] = state
     config.pluginmanager.register(Recorder(config, state), "gpuiso-recorder")
 
@@ -162,7 +174,7 @@ def pytest_collection(session: pytest.Session) -> None:
     """
     state = session.config.stash.get(STATE, None)
     if _wants_server(session.config, state) and state.settings.mode == "all":
-        runner.supervisor(session.config, state).start_server()
+        _start_server(session.config, state)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -173,12 +185,22 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     modules = {str(item.path) for item in session.items if runner.isolated(item)}
     if not modules:
         return
-    supervisor = runner.supervisor(session.config, state)
-    supervisor.start_server()
-    if supervisor.server is not None:
+    supervisor = _start_server(session.config, state)
+    if supervisor is not None and supervisor.server is not None:
         directories = {str(Path(module).parent) for module in modules}
         precollect = sorted(modules) if state.settings.precollect else []
         supervisor.server.collect(sorted(directories), precollect)
+
+
+def _start_server(config: pytest.Config, state: State) -> runner.Supervisor | None:
+    """Start the fork server; None when the work directory or a resource it needs is
+    missing (each isolated test then says why, as the failure of its own start)."""
+    try:
+        supervisor = runner.supervisor(config, state)
+        supervisor.start_server()
+    except (workdir.WorkdirError, OSError):
+        return None
+    return supervisor
 
 
 @pytest.hookimpl(trylast=True)

@@ -40,7 +40,7 @@ from .leaks import Probe, Verdict, judge
 from .leaks import torch as torch_check
 from .leaks.gpu_memory import GpuMemoryProbe, NvmlReader
 from .leaks.shm import ShmProbe, preload_env
-from .leases import Devices, Lease, Leases, LeaseTimeout
+from .leases import Devices, Lease, LeaseError, Leases
 from .outcome import Outcome
 from .prewarm import HIDDEN_GPUS, Prewarmer
 from .record import attach_record, build_record
@@ -115,7 +115,15 @@ def run_item(item: pytest.Item, nextitem: pytest.Item | None) -> Ran:
     except SpecError as exc:
         ran = Ran(setup_error_reports(item, str(exc)))
     else:
-        ran = _run(item, spec, state, started, prewarm)
+        try:
+            ran = _run(item, spec, state, started, prewarm)
+        except (StartError, workdir.WorkdirError) as exc:  # out of processes, files: this
+            ran = Ran(setup_error_reports(item, str(exc)), spec)  # test fails, the session goes on
+        except OSError as exc:
+            if exc.errno not in workdir.EXHAUSTED:
+                raise
+            why = f"could not watch the isolated process: {workdir.describe(exc)}"
+            ran = Ran(setup_error_reports(item, why), spec)
         started = None
     finally:
         if started is not None:
@@ -168,7 +176,7 @@ def _run(
                 started = _warm_while_waiting(job, state, runs)  # used from its first ms
             try:
                 lease = state.leases.acquire(n, item.nodeid, state.settings.lease_timeout)
-            except LeaseTimeout as exc:
+            except LeaseError as exc:  # a timeout, a slot-count conflict, a stuck table
                 return Ran(setup_error_reports(item, str(exc)))
         env = state.leases.child_env(lease) if state.leases is not None else None
         outcome, started = (
@@ -225,6 +233,7 @@ def supervisor(config: pytest.Config, state: State) -> Supervisor:
             capture_output=config.getoption("capture") not in ("no", "tee-sys"),
             start=s.start,
             exec_env=preload_env() if s.leak_level("shm") != "off" else {},
+            shm_cleanup=s.cleanup,
             server_boot=ServerBoot(
                 parent_pid=os.getpid(),
                 preload=s.preload,
@@ -276,7 +285,10 @@ _LOOKAHEAD = 64  # items scanned past nextitem for the next isolated ones
 
 def _prewarm(item: pytest.Item, nextitem: pytest.Item | None, state: State) -> None:
     """Have the processes of the next isolated tests started (see ``prewarm``)."""
-    supervisor(item.config, state)
+    try:
+        supervisor(item.config, state)
+    except workdir.WorkdirError:
+        return  # each test's own start says why
     prewarmer = state.prewarmer
     if prewarmer is None or prewarmer.disabled is not None:
         return

@@ -34,7 +34,7 @@ from typing import Any
 from . import child, frames
 from .forkserver import ForkServer, ServerBoot, Unavailable
 from .leaks import Leak, Probe, RunInfo
-from .leaks.process import ProcessProbe
+from .leaks.process import Mark, ProcessProbe
 from .leaks.shm import LOG_ENV, remove_created
 from .leaks.shm import scan as shm_scan
 from .outcome import OUTPUT_TAIL_LINES, Outcome
@@ -49,7 +49,7 @@ from .proctree import (
 )
 from .settings import DEFAULT_STARTUP_TIMEOUT
 from .watch import STACK_SIGNAL, Watch
-from .workdir import private_file, read_end, remove
+from .workdir import describe, private_file, read_end, remove
 
 OUTPUT_TAIL_BYTES = 8192
 OUTPUT_KEEP_BYTES = 1 << 20  # of what the child wrote outside pytest's capture
@@ -118,6 +118,9 @@ class Supervisor:
     good and says why once in ``notices``. Fork requests are answered in order
     and read only when needed, so a prewarm fork costs the running test nothing.
     """
+
+    # A call's (run_isolated): its processes carry it, and its sweep takes only them.
+    mark: Mark | None = None
 
     def __init__(
         self,
@@ -234,21 +237,57 @@ class Supervisor:
         ``env`` is applied first thing in the child. A ``warm`` child (prewarmed
         ahead of its turn) also imports the preload modules while it waits (the
         fork server has them already), and its fork may still be under way.
+        Raises ``StartError`` (one line) when it cannot: the job does not pickle,
+        or a resource ran out (processes, descriptors, disk), which fails only the
+        test (or call) that needed it.
         """
         tag = f"{os.getpid()}-{next(_RUNS)}"
-        output = private_file(self.workdir, f"out-{tag}.log") if self.capture_output else None
-        stack_file = private_file(self.workdir, f"stack-{tag}.txt")
+        made: list[Any] = []  # files and pipes to undo if the start fails
+        try:
+            started = self._start(job, dict(env or {}), warm, tag, made)
+        except Exception as exc:
+            for thing in reversed(made):
+                if isinstance(thing, Path):
+                    remove(thing)
+                else:
+                    with contextlib.suppress(OSError):
+                        thing.close()
+            detail = describe(exc) if isinstance(exc, OSError) else str(exc)
+            raise StartError(f"could not start the isolated process: {detail}") from exc
+        self.live[id(started)] = started
+        if not warm:
+            self._settle(started)
+            if started.failed is not None:  # refused: we use spawn from now on
+                self.discard(started)
+                return self.start(job, env)
+        return started
+
+    def _start(
+        self, job: Any, env: dict[str, str], warm: bool, tag: str, made: list[Any]
+    ) -> Started:
+        """``start``'s work; what it makes goes into ``made`` first, for ``start`` to undo."""
+
+        def private(name: str) -> Path:
+            path = private_file(self.workdir, name)
+            made.append(path)
+            return path
+
+        output = private(f"out-{tag}.log") if self.capture_output else None
+        stack_file = private(f"stack-{tag}.txt")
         capture_prefix = self.workdir / f"cap-{tag}-"
         if self.method == "forkserver":
             self.start_server()
         method = "forkserver" if self.server is not None else "spawn"
         shm_log = None
         shm_at_start: dict[str, int] = {}
-        env = dict(env or {})
         if self.exec_env:  # the shim is preloaded: it logs from the process's start on
-            shm_log = str(private_file(self.workdir, f"shm-{tag}.log"))
+            shm_log = str(private(f"shm-{tag}.log"))
             shm_at_start = shm_scan()
             env[LOG_ENV] = shm_log
+        exec_env = dict(self.exec_env)
+        if self.mark is not None:  # in the block it is exec'd with, which its forks share
+            exec_env.update(self.mark.env)
+            env.update(self.mark.env)  # a forked child's os.environ: what its execs inherit
         boot = child.Bootstrap(
             parent_pid=os.getpid(),
             output=str(output) if output else None,
@@ -261,7 +300,9 @@ class Supervisor:
             collect_ahead=warm and method == "spawn" and self.collect_ahead,
         )
         reader, writer = self._ctx.Pipe(duplex=False)
+        made += [reader, writer]
         go_reader, go_writer = self._ctx.Pipe(duplex=False)
+        made += [go_reader, go_writer]
         started = Started(
             job=job,
             reader=reader,
@@ -293,23 +334,13 @@ class Supervisor:
                 # live there (a script's), so only a call re-runs it, as multiprocessing does.
                 keep_main = isinstance(job, child.CallJob)
                 main = contextlib.nullcontext() if keep_main else main_not_rerun()
-                with _exec_environment(self.exec_env), main:
+                with _exec_environment(exec_env), main:
                     proc.start()
                 unlist(proc)
                 started.attach(proc)
-        except Exception as exc:
-            started.close()
-            remove(output, stack_file, Path(shm_log) if shm_log else None)
-            raise StartError(f"could not start the isolated process: {exc}") from exc
         finally:
             writer.close()
             go_reader.close()
-        self.live[id(started)] = started
-        if not warm:
-            self._settle(started)
-            if started.failed is not None:  # refused: we use spawn from now on
-                self.discard(started)
-                return self.start(job, env)
         return started
 
     def run(
@@ -378,7 +409,7 @@ class Supervisor:
         proc, reader, sentinel = started.proc, started.reader, started.sentinel
         # The test's own process is spared in the snapshot: what it started before its go
         # (plugins, conftests) is then new, and swept with the rest of its tree.
-        sweep = ProcessProbe(spare=self.spare())
+        sweep = ProcessProbe(spare=self.spare(), mark=self.mark)
         probes = (sweep, *probes)
         for probe in probes:
             use_log = getattr(probe, "use_log", None)

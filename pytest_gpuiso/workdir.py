@@ -1,79 +1,177 @@
 """Private per-process directories for spill files, child output and stack dumps.
 
-Layout: ``$TMPDIR/pytest-gpuiso-<uid>/<pid>-<start time>/``, the parent 0700 and
-owned by us. A directory whose process is gone (a crashed earlier session) is
-removed by the next session that starts.
+Layout: ``$TMPDIR/pytest-gpuiso-<uid>/<pid>-<random>/``, the parent 0700 and owned
+by us, made only when something needs it (an isolated test, ``run_isolated``, the
+fork server): a session without isolated tests never touches it, so a name taken
+by someone else costs it nothing. When it is taken (another owner, not a directory,
+open to others), ``WorkdirError`` says so in one line, with the way out (``TMPDIR``).
+
+Each process holds an ``flock`` on the ``lock`` file in its own directory for its
+lifetime; the kernel releases it when the process dies, in whatever pid namespace
+(a pid and a start time mean nothing in another one, and sessions in containers may
+share a TMPDIR). The lock file gets its name only once it is locked, so no one ever
+finds it unlocked while its process lives. A later session removes the directories
+whose lock it can take; anything else (no lock file, not a directory, another
+name) is kept.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
+import fcntl
 import os
+import pwd
+import re
 import shutil
 import stat
 import tempfile
 from pathlib import Path
 
-import psutil
-
-_mine: dict[int, Path] = {}
-
-
-def root() -> Path:
-    base = Path(tempfile.gettempdir()) / f"pytest-gpuiso-{os.getuid()}"
-    with contextlib.suppress(FileExistsError):
-        base.mkdir(mode=0o700)
-    st = os.lstat(base)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise RuntimeError(
-            f"gpu-isolate: {base} is not a private directory owned by uid {os.getuid()}; remove it"
-        )
-    return base
+LOCK = "lock"
+_NAME = re.compile(r"^\d+-[A-Za-z0-9_]+$")  # <pid>-<random>: a process's directory
+_mine: dict[int, tuple[Path, int]] = {}  # by pid: the directory and its lock's descriptor
 
 
-def _tag(pid: int) -> str:
-    return f"{pid}-{int(psutil.Process(pid).create_time() * 1000)}"
+class WorkdirError(RuntimeError):
+    """The work directory cannot be used; the message is one line with the way out."""
+
+
+def base() -> Path:
+    return Path(tempfile.gettempdir()) / f"pytest-gpuiso-{os.getuid()}"
+
+
+def _user(uid: int) -> str:
+    try:
+        return f"user {pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _refuse(path: Path, problem: str) -> WorkdirError:
+    return WorkdirError(
+        f"the work directory {path} {problem}; set TMPDIR to a directory of yours "
+        "to have pytest-gpuiso work there instead"
+    )
+
+
+def root(create: bool = True) -> Path:
+    """``base()``, made (0700) when ``create`` and missing; ``WorkdirError`` when it is
+    not a directory of ours that only we can enter."""
+    path = base()
+    if create:
+        try:
+            path.mkdir(mode=0o700)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise _refuse(path, f"cannot be created ({exc.strerror})") from None
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        raise _refuse(path, f"cannot be used ({exc.strerror})") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise _refuse(path, f"is a symbolic link (owned by {_user(st.st_uid)})")
+    if not stat.S_ISDIR(st.st_mode):
+        raise _refuse(path, f"is not a directory (owned by {_user(st.st_uid)})")
+    if st.st_uid != os.getuid():
+        raise _refuse(path, f"is owned by {_user(st.st_uid)}, not by {_user(os.getuid())}")
+    if st.st_mode & 0o077:
+        raise _refuse(path, f"is open to other users (mode {stat.S_IMODE(st.st_mode):04o})")
+    return path
 
 
 def process_dir() -> Path:
-    """This process's own directory, created on first use and removed at exit."""
+    """This process's own directory, created (locked) on first use and removed at exit.
+
+    Raises ``WorkdirError`` when it cannot be made (the name taken, no descriptor left).
+    """
     pid = os.getpid()
-    path = _mine.get(pid)
-    if path is None:
-        path = root() / _tag(pid)
-        path.mkdir(mode=0o700, exist_ok=True)
-        _mine[pid] = path
-        atexit.register(remove_process_dir)
+    mine = _mine.get(pid)
+    if mine is not None:
+        return mine[0]
+    top = root()
+    path = None
+    try:
+        path = Path(tempfile.mkdtemp(prefix=f"{pid}-", dir=top))
+        # Locked before it is given its name: no one ever finds it unlocked.
+        fd = os.open(path / ".lock-new", os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.rename(path / ".lock-new", path / LOCK)
+        except BaseException:
+            os.close(fd)
+            raise
+    except OSError as exc:
+        if path is not None:
+            shutil.rmtree(path, ignore_errors=True)
+        raise WorkdirError(
+            f"cannot make this process's work directory in {top}: {describe(exc)}"
+        ) from None
+    _mine[pid] = (path, fd)
+    atexit.register(remove_process_dir)
     return path
 
 
 def remove_process_dir() -> None:
-    path = _mine.pop(os.getpid(), None)
-    if path is not None:
+    mine = _mine.pop(os.getpid(), None)
+    if mine is not None:
+        path, fd = mine
         shutil.rmtree(path, ignore_errors=True)
+        os.close(fd)  # only now: until it is gone, no one else may take it
 
 
 def clean_stale() -> list[Path]:
-    """Remove directories left by processes that no longer exist; return them."""
-    removed = []
+    """Remove the directories of processes that are gone (their lock is free); return them.
+
+    Makes nothing, and says nothing when the work directory is missing or not ours.
+    """
+    removed: list[Path] = []
     try:
-        entries = list(root().iterdir())
-    except OSError:
+        entries = list(root(create=False).iterdir())
+    except (WorkdirError, OSError):
         return removed
     for entry in entries:
-        pid_text, _, _ = entry.name.partition("-")
-        if not pid_text.isdigit() or not entry.is_dir():
-            continue
-        pid = int(pid_text)
-        try:
-            alive = _tag(pid) == entry.name
-        except psutil.Error:
-            alive = False
-        if not alive:
-            shutil.rmtree(entry, ignore_errors=True)
+        if _NAME.match(entry.name) and _abandoned(entry):
             removed.append(entry)
     return removed
+
+
+def _abandoned(entry: Path) -> bool:
+    """Remove ``entry`` if its lock can be taken (its process is dead); whether it was."""
+    try:
+        fd = os.open(entry / LOCK, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False  # no lock file (half made, or not ours to judge): kept
+    try:
+        if not stat.S_ISDIR(os.lstat(entry).st_mode):
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False  # held: its process lives, in this pid namespace or another
+        shutil.rmtree(entry, ignore_errors=True)
+        return True
+    finally:
+        os.close(fd)
+
+
+def describe(exc: OSError) -> str:
+    """An ``OSError`` in one line, with what a resource limit error means."""
+    text = f"[Errno {exc.errno}] {exc.strerror}" if exc.strerror else str(exc)
+    hint = EXHAUSTED.get(exc.errno)
+    return f"{text}; {hint}" if hint else text
+
+
+EXHAUSTED = {  # errors of a resource that ran out, and what it means
+    errno.EAGAIN: "the process limit (ulimit -u, or the machine's) is reached",
+    errno.EMFILE: "this process's open file limit (ulimit -n) is reached",
+    errno.ENFILE: "the machine's open file limit is reached",
+    errno.ENOMEM: "out of memory",
+    errno.ENOSPC: "no space left on the device",
+    errno.EDQUOT: "the disk quota is reached",
+}
 
 
 def private_file(directory: Path, name: str) -> Path:

@@ -11,11 +11,21 @@ grace, KILL) and reaped; what the leftovers started meanwhile is stopped, listed
 until nothing new appears, and killed (see ``sweep``). Descendants that exit on
 their own within ``SETTLE`` seconds (a pool worker that notices its parent is
 gone) are not reported.
+
+A call (``run_isolated``) runs while its caller goes on: what the caller starts
+meanwhile (a helper server, from a thread) and the session's own processes are
+not the call's. Its process is started with a ``Mark`` in its environment, which
+its descendants inherit (``/proc/PID/environ``: the block a process was exec'd
+with, shared by its forks), and in its own process group; the sweep then takes
+only the descendants that carry the mark or are in that group, and leaves the
+rest alone (not signalled, not reaped).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+from dataclasses import dataclass
 from typing import Any
 
 import psutil
@@ -25,15 +35,49 @@ from . import Leak, RunInfo
 
 SETTLE = 0.1  # seconds a new descendant gets to exit by itself before it counts
 KILL_ROUNDS = 10  # stop-and-kill rounds, for what a kill woke (SIGCONT to an orphaned group)
+MARK_ENV = "PYTEST_GPUISO_CALL"  # the environment variable of a call's Mark
+
+
+@dataclass(frozen=True)
+class Mark:
+    """What sets one call's processes apart: ``MARK_ENV=token`` in their environment,
+    or the call's process group (``group``: its process's pid, once known)."""
+
+    token: str
+    group: int | None = None
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {MARK_ENV: self.token}
+
+    def carried_by(self, pid: int) -> bool:
+        if self.group is not None:
+            with contextlib.suppress(OSError):
+                if os.getpgid(pid) == self.group:
+                    return True
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environ = f.read()
+        except OSError:
+            return False  # gone, or not ours to read: not known to be the call's
+        return f"{MARK_ENV}={self.token}".encode() in environ.split(b"\0")
+
+
+def _marked(keys: set[tuple[int, float]], mark: Mark | None) -> set[tuple[int, float]]:
+    return keys if mark is None else {key for key in keys if mark.carried_by(key[0])}
 
 
 def sweep(
-    before: set[tuple[int, float]], grace: float, spare: frozenset[int] = frozenset()
+    before: set[tuple[int, float]],
+    grace: float,
+    spare: frozenset[int] = frozenset(),
+    mark: Mark | None = None,
 ) -> list[dict[str, Any]]:
     """Kill (TERM, grace, KILL) and reap descendants that appeared since ``before``.
 
     ``spare``: our own processes (the fork server, prewarmed children), whose
-    subtrees are not the test's. Returns the ones that were still running, as
+    subtrees are not the test's. ``mark``: only processes that carry it are taken
+    (a call's; see the module's docstring). Returns the ones that were still running, as
     ``{"pid", "cmdline"}``, with ``"not_killed"`` (why) for one that survived.
 
     A leftover may start processes while it is being killed (a pool refilling itself,
@@ -45,13 +89,13 @@ def sweep(
     over (killing a stopped process can wake its group with SIGCONT) until a listing
     after the kills finds nothing new.
     """
-    new_keys = descendant_keys(spare) - before
+    new_keys = _marked(descendant_keys(spare) - before, mark)
     if not new_keys:
         return []
     escaped = _end_leftovers(new_keys, grace)
     seen = before | new_keys
     for round_ in range(KILL_ROUNDS):
-        late, found, seen = _stop_late(seen, spare, settle=round_ == 0)
+        late, found, seen = _stop_late(seen, spare, settle=round_ == 0, mark=mark)
         for p in late:
             with contextlib.suppress(psutil.Error):
                 p.kill()
@@ -85,7 +129,7 @@ def _end_leftovers(new_keys: set[tuple[int, float]], grace: float) -> list[dict[
 
 
 def _stop_late(
-    seen: set[tuple[int, float]], spare: frozenset[int], *, settle: bool
+    seen: set[tuple[int, float]], spare: frozenset[int], *, settle: bool, mark: Mark | None = None
 ) -> tuple[list[psutil.Process], list[dict[str, Any]], set[tuple[int, float]]]:
     """Stop every descendant not in ``seen``, listing again until none is new.
 
@@ -96,7 +140,7 @@ def _stop_late(
     late: list[psutil.Process] = []
     found: list[dict[str, Any]] = []
     for _ in range(STOP_ROUNDS):
-        keys = descendant_keys(spare) - seen
+        keys = _marked(descendant_keys(spare) - seen, mark)
         if not keys:
             break
         seen = seen | keys
@@ -142,8 +186,9 @@ class ProcessProbe:
 
     kind = "process"
 
-    def __init__(self, spare: frozenset[int] = frozenset()) -> None:
+    def __init__(self, spare: frozenset[int] = frozenset(), mark: Mark | None = None) -> None:
         self.spare = spare  # our processes beside the test's: never its leftovers
+        self.mark = mark  # a call's: only what carries it is taken
 
     def snapshot(self) -> set[tuple[int, float]]:
         return descendant_keys(self.spare)
@@ -157,5 +202,11 @@ class ProcessProbe:
                 f"{e['cmdline']}",
                 {"pid": e["pid"], "cmdline": e["cmdline"]},
             )
-            for e in sweep(before, run.grace, self.spare)
+            for e in sweep(before, run.grace, self.spare, self._mark(run))
         ]
+
+    def _mark(self, run: RunInfo) -> Mark | None:
+        """The mark, with the call's process group (its own: ``child.bootstrap``)."""
+        if self.mark is None:
+            return None
+        return Mark(self.mark.token, run.pid)
