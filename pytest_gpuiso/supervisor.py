@@ -35,7 +35,7 @@ from . import child, frames
 from .forkserver import ForkServer, ServerBoot, Unavailable
 from .leaks import Leak, Probe, RunInfo
 from .leaks.process import Mark, ProcessProbe
-from .leaks.shm import LOG_ENV, remove_created
+from .leaks.shm import LOG_ENV, dispose_created
 from .leaks.shm import scan as shm_scan
 from .outcome import OUTPUT_TAIL_LINES, Outcome
 from .proctree import (
@@ -130,6 +130,7 @@ class Supervisor:
         start: str = "spawn",
         exec_env: dict[str, str] | None = None,
         server_boot: ServerBoot | None = None,
+        shm_cleanup: bool = False,
     ) -> None:
         self.workdir = workdir
         self.capture_output = capture_output
@@ -140,6 +141,8 @@ class Supervisor:
         self.preload = server_boot.preload if server_boot is not None else ()
         self.server: ForkServer | None = None
         self.notices: list[str] = []  # start-method problems, for the plugin to show once
+        self.shm_cleanup = shm_cleanup  # what a discarded process created: deleted, else said
+        self._told_shm_left = False
         # Why a prewarmed child had to be replaced, once seen (``child.Channel._stale``):
         # its plugins or conftests touched CUDA (prewarming is turned off) ...
         self.stale: str | None = None
@@ -206,8 +209,10 @@ class Supervisor:
             reap(started.proc, started.sentinel)
         started.close()
         shm_log = Path(started.shm_log) if started.shm_log else None
-        if shm_log is not None:  # what it created before its turn goes with it too
-            remove_created(str(shm_log), started.shm_at_start)
+        left = dispose_created(str(shm_log), self.shm_cleanup) if shm_log else ""
+        if left and not self._told_shm_left:  # what it created before its turn
+            self._told_shm_left = True
+            self.notices.append(f"a process started ahead of its test and not used {left}")
         remove(started.output, started.stack_file, shm_log, *started.capture_files())
 
     def close(self) -> None:
@@ -414,7 +419,7 @@ class Supervisor:
         for probe in probes:
             use_log = getattr(probe, "use_log", None)
             if use_log is not None and started.shm_log is not None:
-                use_log(started.shm_log, started.shm_at_start)
+                use_log(started.shm_log)
         snapshots = [probe.snapshot() for probe in probes]
         go_env = dict(env or {})
         for probe in probes:
@@ -432,10 +437,11 @@ class Supervisor:
         interrupted = False
         try:
             watched.run(go_at, timeout, startup, grace)
-        except BaseException:  # KeyboardInterrupt: take the child's tree down before leaving
+        except BaseException as exc:  # Ctrl-C: take the child's tree down before leaving
             interrupted = True
             watched.escalate(min(grace, 1.0))
-            raise
+            if not (isinstance(exc, KeyboardInterrupt) and isinstance(started.job, child.ItemJob)):
+                raise  # a test's Ctrl-C is its outcome; run_isolated's caller gets its own
         finally:
             duration = time.monotonic() - go_at
             reap(proc, sentinel)
@@ -443,9 +449,12 @@ class Supervisor:
             sweep.spare = self.spare(settle=True)  # children forked during the test included
             run = RunInfo(proc.pid, started.created, time.time(), grace, frozenset({proc.pid}))
             leaks: list[Leak] = []
-            # Interrupted: only the sweep, which must never be skipped.
+            # Interrupted: the sweep, which must never be skipped, and what the test left
+            # in /dev/shm; not the GPU memory, which its killed tree may still be releasing.
             checks = list(zip(probes, snapshots, strict=True))
-            for probe, before in checks[:1] if interrupted else checks:
+            for probe, before in checks:
+                if interrupted and probe.kind not in ("process", "shm"):
+                    continue
                 found = probe.check(before, run)
                 leaks += found
                 pids = {leak.fields["pid"] for leak in found if leak.kind == "process"}
@@ -455,8 +464,12 @@ class Supervisor:
             captures = started.capture_files()
             captured = [text for text in map(_tail, captures) if text.strip()]
             remove(started.output, started.stack_file, *captures)
+        received = list(watched.received)
+        if interrupted:  # a test's Ctrl-C: its leaks are reported, then the session ends
+            stop = {"interrupt": True, "message": "KeyboardInterrupt", "returncode": None}
+            received.append((frames.EXIT, stop))
         return Outcome(
-            frames=watched.received,
+            frames=received,
             pid=proc.pid,
             exitcode=proc.exitcode,
             expired=watched.expired,

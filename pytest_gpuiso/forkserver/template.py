@@ -9,7 +9,9 @@ The template serves only if configuring and collecting left nothing outside its
 memory that its forks would share (``left_outside``), and only while it has not
 touched CUDA and has one thread (``fork.unsafe_to_fork``); otherwise it says why and
 exits, and the server forks the tests from its parsed configuration, each of which
-configures and collects itself.
+configures and collects itself. The processes it started go with it; the /dev/shm
+entries it created (as the shim logged them, still the same inode and ours) are
+deleted only under ``--gpu-isolate-cleanup``, and otherwise left and named in its reason.
 """
 
 from __future__ import annotations
@@ -181,8 +183,15 @@ def _template_main(server: Server, sock: socket.socket, modules: list[str] | Non
             for pid in live_descendants():
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
-            if shm_log is not None:
-                remove_created(shm_log)
+            if shm_log is not None:  # only what the shim saw it create, still that inode
+                if _cleanup_wanted(config):
+                    remove_created(shm_log)
+                elif left := created_entries(shm_log):
+                    entry, how = f"/dev/shm/{left[0]}", "--gpu-isolate-cleanup deletes it"
+                    if entry in problem:
+                        problem += f" (left in place: {how})"
+                    else:
+                        problem += f"; it created {entry} too, left in place ({how})"
             conn.send(("unusable", f"after configuring and collecting: {problem}"))
             os._exit(0)
         gc.freeze()
@@ -198,6 +207,14 @@ def _template_main(server: Server, sock: socket.socket, modules: list[str] | Non
         traceback.print_exc()
         with contextlib.suppress(OSError):
             conn.send(("unusable", f"the template failed: {one_line(exc)}"))
+
+
+def _cleanup_wanted(config: Any) -> bool:
+    """--gpu-isolate-cleanup (or its ini key): what the template created may be deleted."""
+    with contextlib.suppress(Exception):  # a bad ini value: the session reports it
+        value = config.getoption("gpu_isolate_cleanup")
+        return bool(config.getini("gpu_isolate_cleanup") if value is None else value)
+    return False
 
 
 def _serve_forks(
