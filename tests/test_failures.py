@@ -7,6 +7,7 @@ JSON record and the processes left (or not left) behind.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import signal
@@ -569,27 +570,26 @@ def test_escaped_processes_are_killed_and_listed(gpuiso, tmp_path: Path, monkeyp
 
 
 def test_stale_private_directories_are_removed(gpuiso, private_tmpdir: Path) -> None:
-    """A session removes private directories of processes that no longer exist (or whose
-    pid was reused) and keeps those of live processes; its own is gone at the end."""
+    """A session removes the private directories whose lock nobody holds (their process
+    is gone) and keeps those whose lock is held (a live process, in whatever pid
+    namespace) and those without a lock file; its own is gone at the end."""
     gpuiso.copy("test_crashes.py")
     private_tmpdir.mkdir(mode=0o700)
-    dead_pid = 999_999
-    while psutil.pid_exists(dead_pid):
-        dead_pid += 1
-    me = psutil.Process()
-    live = private_tmpdir / f"{me.pid}-{int(me.create_time() * 1000)}"
-    stale = [private_tmpdir / f"{dead_pid}-1", private_tmpdir / f"{me.pid}-1"]
-    for path in [*stale, live]:
+    stale, live, unknown = (private_tmpdir / n for n in ("999999-dead", "1-live", "42-nolock"))
+    for path in (stale, live, unknown):
         path.mkdir(mode=0o700)
         (path / "spill-x.pickle").write_bytes(b"x")
-
-    result = gpuiso.run(
-        "--gpu-isolate", "--gpu-isolate-timeout=60", "test_crashes.py::test_after_crashes"
-    )
+    (stale / "lock").write_text("")
+    (live / "lock").write_text("")
+    with open(live / "lock") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        result = gpuiso.run(
+            "--gpu-isolate", "--gpu-isolate-timeout=60", "test_crashes.py::test_after_crashes"
+        )
     result.assert_outcomes(passed=1)
-    assert [p for p in stale if p.exists()] == []
+    assert not stale.exists()
     assert (live / "spill-x.pickle").exists()
-    assert list(private_tmpdir.iterdir()) == [live]
+    assert sorted(private_tmpdir.iterdir()) == sorted([live, unknown])
 
 
 # --------------------------------------------------------------------------- pytest-timeout

@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 
 from pytest_gpuiso import frames
 from pytest_gpuiso.results import trim_stack
-from pytest_gpuiso.settings import SpecError, parse_count, parse_seconds
+from pytest_gpuiso.settings import MAX_SECONDS, SpecError, parse_count, parse_seconds
 
 
-@given(st.floats(min_value=1e-6, max_value=1e9, allow_nan=False))
+@given(st.floats(min_value=1e-6, max_value=MAX_SECONDS, allow_nan=False))
 def test_positive_seconds_round_trip_through_text(value):
     assert parse_seconds(repr(value), "--x", allow_zero=False) == value
     assert parse_seconds(value, "--x", allow_zero=False) == value
