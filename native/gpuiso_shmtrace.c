@@ -15,12 +15,14 @@
  *
  * Created means: the entry did not exist before the call. An open with O_CREAT
  * and without O_EXCL also opens an existing entry (the open-or-create idiom of
- * shm_open, sem_open and open), so it is first tried with O_EXCL added; on EEXIST
- * the existing entry is opened without O_CREAT (same other flags), and that open
- * is not logged. If the entry vanishes in between (ENOENT), the pair is retried a
- * few times, then the caller's own call is made, unlogged. fopen's "w" and "a"
- * modes are tried with glibc's "x" (O_EXCL) flag first; on EEXIST the caller's
- * own fopen follows, unlogged. An unlogged entry is never the test's to delete.
+ * shm_open, sem_open and open), so it is first tried with O_EXCL added (fopen's
+ * "w" and "a" with glibc's "x"): success is a creation, logged. On EEXIST the
+ * caller's own call follows, unchanged and unlogged: an open of what is there,
+ * with every check the kernel makes of an O_CREAT open (fs.protected_regular
+ * refuses to open another user's file in sticky /dev/shm with O_CREAT; opening it
+ * without O_CREAT instead would not be refused). Should the entry vanish between
+ * the two calls, that call creates it, unlogged. An unlogged entry is never the
+ * test's to delete.
  *
  * <name> is relative to /dev/shm, subdirectories included ("dir/name"; a
  * semaphore is "sem.<name>"), with bytes <= 0x20, '%' and 0x7f written as %XX, so
@@ -56,7 +58,6 @@
 #define LOG_ENV "PYTEST_GPUISO_SHM_LOG"
 #define SHM_DIR "/dev/shm"
 #define SHM_PREFIX SHM_DIR "/"
-#define RETRIES 8 /* create-or-open rounds lost to a concurrent unlink before giving up */
 #define NAME_CAP 1024 /* longer paths under /dev/shm are not logged (the stack stays small) */
 
 static const char *log_path(void)
@@ -224,31 +225,16 @@ static int traced_open(const struct opener *o, int flags, const char *rel)
         log_path() == NULL)
         return call(o, flags);
     int saved = errno;
-    if (flags & O_EXCL) {
-        int fd = call(o, flags);
-        if (fd >= 0)
-            note_fd(rel, fd);
+    int fd = call(o, flags | O_EXCL);
+    if (fd >= 0) {
+        note_fd(rel, fd);
+        errno = saved;
         return fd;
     }
-    for (int round = 0; round < RETRIES; round++) {
-        int fd = call(o, flags | O_EXCL);
-        if (fd >= 0) {
-            note_fd(rel, fd);
-            errno = saved;
-            return fd;
-        }
-        if (errno != EEXIST)
-            return -1; /* what the caller's call fails with too (no entry was there) */
-        fd = call(o, flags & ~O_CREAT);
-        if (fd >= 0) {
-            errno = saved;
-            return fd;
-        }
-        if (errno != ENOENT)
-            return -1;
-    }
+    if ((flags & O_EXCL) || errno != EEXIST)
+        return -1; /* what the caller's call fails with too: no entry was there */
     errno = saved;
-    return call(o, flags); /* unlinked and re-made under our feet each time: unlogged */
+    return call(o, flags); /* it is there: the caller's own open, unlogged */
 }
 
 int shm_open(const char *name, int oflag, mode_t mode)
@@ -283,81 +269,75 @@ sem_t *sem_open(const char *name, int oflag, ...)
     if (n <= 4 || (size_t)n >= sizeof rel || log_path() == NULL)
         return next(name, oflag, mode, value);
     int saved = errno;
-    if (oflag & O_EXCL) {
-        sem_t *sem = next(name, oflag, mode, value);
-        if (sem != SEM_FAILED)
-            note_path(rel);
+    sem_t *sem = next(name, oflag | O_EXCL, mode, value);
+    if (sem != SEM_FAILED) {
+        note_path(rel);
+        errno = saved;
         return sem;
     }
-    for (int round = 0; round < RETRIES; round++) {
-        sem_t *sem = next(name, oflag | O_EXCL, mode, value);
-        if (sem != SEM_FAILED) {
-            note_path(rel);
-            errno = saved;
-            return sem;
-        }
-        if (errno != EEXIST)
-            return SEM_FAILED;
-        sem = next(name, oflag & ~O_CREAT);
-        if (sem != SEM_FAILED) {
-            errno = saved;
-            return sem;
-        }
-        if (errno != ENOENT)
-            return SEM_FAILED;
-    }
+    if ((oflag & O_EXCL) || errno != EEXIST)
+        return SEM_FAILED;
     errno = saved;
     return next(name, oflag, mode, value);
 }
 
 /* The optional mode argument exists only with O_CREAT / O_TMPFILE. */
-#define MODE_ARG(flags, mode)                                                     \
-    do {                                                                          \
-        (mode) = 0;                                                               \
-        if ((flags) & (O_CREAT | __O_TMPFILE)) {                                  \
-            va_list ap;                                                           \
-            va_start(ap, flags);                                                  \
-            (mode) = (mode_t)va_arg(ap, unsigned int);                            \
-            va_end(ap);                                                           \
-        }                                                                         \
+#define MODE_ARG(flags, mode)                                                      \
+    do {                                                                           \
+        (mode) = 0;                                                                \
+        if ((flags) & (O_CREAT | __O_TMPFILE)) {                                   \
+            va_list ap;                                                            \
+            va_start(ap, flags);                                                   \
+            (mode) = (mode_t)va_arg(ap, unsigned int);                             \
+            va_end(ap);                                                            \
+        }                                                                          \
     } while (0)
 
-#define OPEN_LIKE(fn)                                                                        \
-    int fn(const char *path, int flags, ...)                                                 \
-    {                                                                                        \
-        static int (*next)(const char *, int, ...);                                          \
-        mode_t mode;                                                                         \
-        MODE_ARG(flags, mode);                                                               \
-        if (!resolve((void **)&next, #fn))                                                   \
-            return -1;                                                                       \
-        char buf[NAME_CAP];                                                                  \
-        struct opener o = {NULL, next, AT_FDCWD, path, mode};                                \
-        return traced_open(&o, flags, (flags & O_CREAT) && log_path() ? shm_rel(AT_FDCWD, path, buf) : NULL); \
+/* The name under /dev/shm of a path opened with these flags, when it is traced. */
+static const char *traced_rel(int dirfd, const char *path, int flags, char *buf)
+{
+    if (!(flags & O_CREAT) || log_path() == NULL)
+        return NULL;
+    return shm_rel(dirfd, path, buf);
+}
+
+#define OPEN_LIKE(fn)                                                              \
+    int fn(const char *path, int flags, ...)                                       \
+    {                                                                              \
+        static int (*next)(const char *, int, ...);                                \
+        mode_t mode;                                                               \
+        MODE_ARG(flags, mode);                                                     \
+        if (!resolve((void **)&next, #fn))                                         \
+            return -1;                                                             \
+        char buf[NAME_CAP];                                                        \
+        struct opener o = {NULL, next, AT_FDCWD, path, mode};                      \
+        return traced_open(&o, flags, traced_rel(AT_FDCWD, path, flags, buf));     \
     }
 
-#define OPENAT_LIKE(fn)                                                                      \
-    int fn(int dirfd, const char *path, int flags, ...)                                      \
-    {                                                                                        \
-        static int (*next)(int, const char *, int, ...);                                     \
-        mode_t mode;                                                                         \
-        MODE_ARG(flags, mode);                                                               \
-        if (!resolve((void **)&next, #fn))                                                   \
-            return -1;                                                                       \
-        char buf[NAME_CAP];                                                                  \
-        struct opener o = {next, NULL, dirfd, path, mode};                                   \
-        return traced_open(&o, flags, (flags & O_CREAT) && log_path() ? shm_rel(dirfd, path, buf) : NULL);  \
+#define OPENAT_LIKE(fn)                                                            \
+    int fn(int dirfd, const char *path, int flags, ...)                            \
+    {                                                                              \
+        static int (*next)(int, const char *, int, ...);                           \
+        mode_t mode;                                                               \
+        MODE_ARG(flags, mode);                                                     \
+        if (!resolve((void **)&next, #fn))                                         \
+            return -1;                                                             \
+        char buf[NAME_CAP];                                                        \
+        struct opener o = {next, NULL, dirfd, path, mode};                         \
+        return traced_open(&o, flags, traced_rel(dirfd, path, flags, buf));        \
     }
 
-#define CREAT_LIKE(fn, open_fn)                                                              \
-    int fn(const char *path, mode_t mode)                                                    \
-    {                                                                                        \
-        static int (*next)(const char *, int, ...);                                          \
-        if (!resolve((void **)&next, open_fn))                                               \
-            return -1;                                                                       \
-        char buf[NAME_CAP];                                                                  \
-        int flags = O_CREAT | O_WRONLY | O_TRUNC;                                            \
-        struct opener o = {NULL, next, AT_FDCWD, path, mode};                                \
-        return traced_open(&o, flags, log_path() ? shm_rel(AT_FDCWD, path, buf) : NULL);                         \
+/* creat(path, mode) is open(path, O_CREAT | O_WRONLY | O_TRUNC, mode). */
+#define CREAT_LIKE(fn, open_fn)                                                    \
+    int fn(const char *path, mode_t mode)                                          \
+    {                                                                              \
+        static int (*next)(const char *, int, ...);                                \
+        if (!resolve((void **)&next, open_fn))                                     \
+            return -1;                                                             \
+        char buf[NAME_CAP];                                                        \
+        int flags = O_CREAT | O_WRONLY | O_TRUNC;                                  \
+        struct opener o = {NULL, next, AT_FDCWD, path, mode};                      \
+        return traced_open(&o, flags, traced_rel(AT_FDCWD, path, flags, buf));     \
     }
 
 OPEN_LIKE(open)
