@@ -19,6 +19,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_gpuiso.leaks.shm import LOG_ENV, preload_env, read_log, shim_path
+from pytest_gpuiso.leaks.shm import LOG_ENV, dispose_created, preload_env, read_log, shim_path
 from tests.helpers import kill_quietly, make_gpuiso, pid_alive, wait_for_file
 
 REPORT = "--gpu-isolate-report=report.json"
@@ -267,10 +268,47 @@ def test_the_log_escapes_names_and_records_inodes(tmp_path: Path, name):
     odd = f"{name}-a b%c\nd\x7f"
     code = f"open('/dev/shm/' + {odd!r}, 'w').close()"
     env = {**os.environ, **preload_env(), LOG_ENV: str(log)}
-    subprocess.run([os.sys.executable, "-c", code], env=env, check=True)
+    subprocess.run([sys.executable, "-c", code], env=env, check=True)
     assert b"\n" not in log.read_bytes().rstrip(b"\n")
     [(logged, entry)] = read_log(str(log)).items()
     assert logged == odd and entry.inode == inode(SHM / odd)
+
+
+def test_only_what_the_log_says_was_created_is_deleted(tmp_path: Path, name):
+    """``dispose_created`` (a discarded process, the template giving up) deletes nothing
+    without cleanup and says what it left; with it, only a logged entry that still has
+    the logged inode and is ours, reached without following a symlink."""
+    made = SHM / f"{name}-made"
+    made.write_text("m")
+    replaced = SHM / f"{name}-replaced"
+    replaced.write_text("r")
+    outside_dir = tmp_path / "elsewhere"
+    outside_dir.mkdir()
+    (outside_dir / "x").write_text("x")
+    link = SHM / f"{name}-link"
+    link.symlink_to(outside_dir)
+    log = tmp_path / "shm.log"
+    lines = [
+        f"1 {inode(made)} {made.name}",
+        f"1 {inode(replaced) + 1000} {replaced.name}",  # another inode: made again since
+        f"1 {inode(outside_dir / 'x')} {link.name}/x",  # through a symlink
+    ]
+    theirs = SHM / f"{name}-theirs"
+    if os.geteuid() == 0:
+        theirs.write_text("t")
+        os.chown(theirs, 65534, 65534)
+        lines.append(f"1 {inode(theirs)} {theirs.name}")
+    log.write_text("".join(line + "\n" for line in lines))
+    left = dispose_created(str(log), cleanup=False)
+    assert left == f"created /dev/shm/{made.name}; left in place " + (
+        "(--gpu-isolate-cleanup deletes it)"
+    )
+    assert made.exists()
+    assert dispose_created(str(log), cleanup=True) == ""
+    assert not made.exists()
+    assert replaced.exists() and (outside_dir / "x").exists() and link.is_symlink()
+    if os.geteuid() == 0:
+        assert theirs.exists()
 
 
 # --------------------------------------------------------------------------- other users
