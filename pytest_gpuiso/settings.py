@@ -207,7 +207,7 @@ def parse_allowed(value: Any, what: str) -> frozenset[str]:
 
 def parse_template_wait(value: str, what: str) -> float:
     """Seconds a fork request waits for the template: from 0 to ``TEMPLATE_WAIT_MAX``."""
-    wait = parse_seconds(value, what, allow_zero=True)
+    wait = parse_seconds(value, what, allow_zero=True, high=math.inf)
     if wait > TEMPLATE_WAIT_MAX:
         raise SpecError(
             f"invalid value {value!r} for {what}: expected a number of seconds "
