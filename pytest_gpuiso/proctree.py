@@ -288,3 +288,30 @@ def dump_stack(pid: int, signum: int, stack_file: Path, timeout: float = 2.0) ->
             break
         size = len(text)
     return text.strip()
+
+
+@contextlib.contextmanager
+def exec_environment(extra: dict[str, str]) -> Iterator[None]:
+    """Variables the new process must have when it is exec'd (LD_PRELOAD of a probe).
+
+    ``spawn`` execs the interpreter with this process's environment, and setting
+    them later, in the child, would be too late for the dynamic linker.
+    """
+    saved = {name: os.environ.get(name) for name in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def ensure_resource_tracker() -> None:
+    """multiprocessing's resource tracker, started now: a long-lived helper of ours."""
+    with contextlib.suppress(Exception):
+        from multiprocessing import resource_tracker
+
+        resource_tracker.ensure_running()

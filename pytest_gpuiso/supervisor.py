@@ -25,7 +25,7 @@ import multiprocessing
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -40,6 +40,8 @@ from .leaks.shm import scan as shm_scan
 from .outcome import OUTPUT_TAIL_LINES, Outcome
 from .proctree import (
     Child,
+    ensure_resource_tracker,
+    exec_environment,
     kill_tree,
     main_not_rerun,
     pidfd,
@@ -162,9 +164,9 @@ class Supervisor:
                 return
             log = private_file(self.workdir, f"forkserver-{next(_RUNS)}.log")
             boot = dataclasses.replace(self.server_boot, log=str(log))
-            _ensure_resource_tracker()
+            ensure_resource_tracker()
             try:
-                with _exec_environment(self.exec_env):
+                with exec_environment(self.exec_env):
                     self.server = ForkServer(self._ctx, boot)
             except Exception as exc:
                 self._fall_back(f"the fork server could not be started: {exc}")
@@ -242,21 +244,17 @@ class Supervisor:
         ``env`` is applied first thing in the child. A ``warm`` child (prewarmed
         ahead of its turn) also imports the preload modules while it waits (the
         fork server has them already), and its fork may still be under way.
-        Raises ``StartError`` (one line) when it cannot: the job does not pickle,
-        or a resource ran out (processes, descriptors, disk), which fails only the
-        test (or call) that needed it.
+        ``StartError`` (one line) when it cannot: the job does not pickle, or a resource
+        ran out (processes, descriptors, disk), which fails only the test that needed it.
         """
         tag = f"{os.getpid()}-{next(_RUNS)}"
         made: list[Any] = []  # files and pipes to undo if the start fails
         try:
             started = self._start(job, dict(env or {}), warm, tag, made)
         except Exception as exc:
-            for thing in reversed(made):
-                if isinstance(thing, Path):
-                    remove(thing)
-                else:
-                    with contextlib.suppress(OSError):
-                        thing.close()
+            remove(*[thing for thing in made if isinstance(thing, Path)])
+            for conn in (thing for thing in made if not isinstance(thing, Path)):
+                conn.close()  # a Connection: closing it twice is harmless
             detail = describe(exc) if isinstance(exc, OSError) else str(exc)
             raise StartError(f"could not start the isolated process: {detail}") from exc
         self.live[id(started)] = started
@@ -321,7 +319,7 @@ class Supervisor:
             shm_at_start=shm_at_start,
         )
         # The tracker is a long-lived helper of ours, not something the test left behind.
-        _ensure_resource_tracker()
+        ensure_resource_tracker()
         try:
             if self.server is not None:
                 try:
@@ -339,7 +337,7 @@ class Supervisor:
                 # live there (a script's), so only a call re-runs it, as multiprocessing does.
                 keep_main = isinstance(job, child.CallJob)
                 main = contextlib.nullcontext() if keep_main else main_not_rerun()
-                with _exec_environment(exec_env), main:
+                with exec_environment(exec_env), main:
                     proc.start()
                 unlist(proc)
                 started.attach(proc)
@@ -484,32 +482,6 @@ class Supervisor:
             collected=started.collected or any(k == frames.AHEAD for k, _ in watched.received),
             uncollected=started.uncollected,
         )
-
-
-@contextlib.contextmanager
-def _exec_environment(extra: dict[str, str]) -> Iterator[None]:
-    """Variables the new process must have when it is exec'd (LD_PRELOAD of a probe).
-
-    ``spawn`` execs the interpreter with this process's environment, and setting
-    them later, in the child, would be too late for the dynamic linker.
-    """
-    saved = {name: os.environ.get(name) for name in extra}
-    os.environ.update(extra)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-
-
-def _ensure_resource_tracker() -> None:
-    with contextlib.suppress(Exception):
-        from multiprocessing import resource_tracker
-
-        resource_tracker.ensure_running()
 
 
 def _read_output(path: Path) -> str:
