@@ -83,6 +83,11 @@ class Outcome:
         except ValueError:
             return f"signal {-self.exitcode}"
 
+    @property
+    def interrupted(self) -> bool:
+        """Ctrl-C (or a ``KeyboardInterrupt`` the test raised) ended the session in this test."""
+        return any(stop.get("interrupt") for stop in self.frames_of(frames.EXIT))
+
     def frames_of(self, kind: str) -> list[Any]:
         """Payloads of one kind; after a timeout, only what arrived before the deadline."""
         if kind not in frames.KINDS:

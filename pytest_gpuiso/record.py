@@ -55,9 +55,11 @@ def build_record(
 
     ``outcome`` is None when no process ran (a bad marker, a lease timeout, a skip).
     """
+    # Interrupted before its call was reported: it neither passed nor failed.
+    stopped = outcome is not None and outcome.interrupted and all(r.when != "call" for r in reports)
     record: dict[str, Any] = {
         "nodeid": nodeid,
-        "outcome": final_outcome(reports),
+        "outcome": "interrupted" if stopped else final_outcome(reports),
         # What the test ran (setup, call, teardown), as pytest and junit count it; a
         # timeout or crash counts until the process was stopped or ended.
         "duration": round(sum(r.duration for r in reports), 6) if outcome else 0.0,

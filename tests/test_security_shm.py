@@ -432,6 +432,7 @@ def test_an_interrupted_tests_shm_entry_is_reported_and_cleaned(gpuiso, name, tm
         records = {
             t["nodeid"]: t for t in json.loads((gpuiso.path / "report.json").read_text())["tests"]
         }
+        assert records[f"{PROGRAM}::test_interrupted"]["outcome"] == "interrupted"
         [leak] = records[f"{PROGRAM}::test_interrupted"]["leaks"]
         assert leak["path"] == f"/dev/shm/{name}-int" and leak["cleaned"] is True, leak
         assert f"{PROGRAM}::test_interrupted: 1 shm" in text
