@@ -19,7 +19,9 @@ from. The Markdown summary is also appended to $GITHUB_STEP_SUMMARY when that is
 exit status: 0 when the outputs were written; 1 when an input report cannot be read
 or used (missing, not JSON, another version, a malformed record: nothing is written
 then) or an output cannot be written, with one line on stderr: "error: PATH: problem";
-2 for a usage error (no REPORT, neither --markdown nor --json)."""
+2 for a usage error (no REPORT, neither --markdown nor --json). A test found in more
+than one shard (overlapping shards) is merged anyway, with one "warning: NODEID is in
+N shards: ..." line on stderr for each such test."""
 
 
 def _merge(opts: argparse.Namespace) -> int:
@@ -30,6 +32,8 @@ def _merge(opts: argparse.Namespace) -> int:
     except report.ReportError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    for line in report.duplicates(records):  # overlapping shards: counted twice
+        print(f"warning: {line}", file=sys.stderr)
     shards = f"{len(records)} tests from {len(opts.reports)} reports"
     text = report.markdown(records)
     outputs = [

@@ -15,6 +15,7 @@ from typing import Any
 import _pytest.capture as _capture
 from _pytest import tmpdir as _tmpdir
 from _pytest.config import _prepareconfig as prepare_config  # noqa: F401 - re-exported
+from _pytest.config import apply_warning_filters, create_terminal_writer
 from _pytest.faulthandler import fault_handler_stderr_fd_key  # noqa: F401 - re-exported
 from _pytest.junitxml import _check_record_param_type as check_record_param_type  # noqa: F401
 from _pytest.junitxml import xml_key  # noqa: F401 - re-exported
@@ -67,3 +68,17 @@ def load_conftests(config: Any, directory: Path) -> None:
 def setup_state(session: Any) -> Any:
     """The session's SetupState (the stack of set-up nodes), or None."""
     return getattr(session, "_setupstate", None)
+
+
+def apply_session_filters(config: Any) -> None:
+    """Apply the ini ``filterwarnings`` and ``-W`` filters, as pytest does for its own
+    warnings outside a test (``Config.issue_config_time_warning``)."""
+    cmdline = getattr(config.known_args_namespace, "pythonwarnings", None) or []
+    apply_warning_filters(config.getini("filterwarnings"), cmdline)
+
+
+def show_setup_on(config: Any, file: Any) -> None:
+    """Have ``--setup-show`` (and ``show_test_item``) write to ``file``: they write
+    through ``config.get_terminal_writer()``, the terminal reporter's writer."""
+    writer = create_terminal_writer(config, file)
+    config.get_terminal_writer = lambda: writer

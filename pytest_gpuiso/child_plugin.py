@@ -14,6 +14,7 @@ from __future__ import annotations
 import gc
 import itertools
 import os
+import sys
 from typing import Any
 
 import pytest
@@ -108,6 +109,8 @@ class ChildPlugin:
             config.pluginmanager.unregister(reporter)
             quiet = QuietReporter(config, open(os.devnull, "w"))  # noqa: SIM115
             config.pluginmanager.register(quiet, "terminalreporter")
+        if config.option.setupshow:  # to the output the parent echoes (as outside capture)
+            _compat.show_setup_on(config, sys.stdout)
 
     def _record_junit(self, config: Any) -> None:
         if self.job.junit_family is not None:

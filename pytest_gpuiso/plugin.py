@@ -7,6 +7,7 @@ side), ``record`` and ``report`` make the JSON record and the summaries.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -19,15 +20,17 @@ from .child_plugin import CHILD_PLUGIN
 from .leases import Leases, discover
 from .options import add_options
 from .record import record_of
-from .runner import STATE, GpuIsoLeakWarning, GpuIsoStartWarning, State
+from .runner import STATE, State
 from .settings import (
     DEFAULT_GRACE,
     DEFAULT_TIMEOUT,
     MARKER,
     Settings,
     SpecError,
+    check_output,
     external_session_timeout,
 )
+from .warning_types import GpuIsoLeakWarning, GpuIsoStartWarning, warn_session
 
 __all__ = ["GpuIsoLeakWarning", "GpuIsoStartWarning"]
 
@@ -50,11 +53,17 @@ def pytest_configure(config: pytest.Config) -> None:
     if _is_child(config):
         return
     settings = Settings.from_config(config)
-    here = config.invocation_params.dir
+    debugger = _debugger(config)
+    if debugger and settings.mode != "off":
+        text = f"gpu-isolate: {debugger}: every test runs in-process, so the debugger reaches it"
+        if not warn_session(config, GpuIsoStartWarning(text)):
+            raise pytest.UsageError(f"{text} (GpuIsoStartWarning is an error by -W/filterwarnings)")
+        settings = dataclasses.replace(settings, mode="off")
+    report_from, summary_from = settings.outputs_from
     state = State(
         settings=settings,
-        report_path=Path(here, settings.report_path).resolve() if settings.report_path else None,
-        summary_path=Path(here, settings.summary_path).resolve() if settings.summary_path else None,
+        report_path=_output_path(config, settings.report_path, report_from),
+        summary_path=_output_path(config, settings.summary_path, summary_from),
         parallel=hasattr(config, "workerinput"),
     )
     if settings.mode != "off":
@@ -76,6 +85,30 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(Recorder(config, state), "gpuiso-recorder")
 
 
+def _debugger(config: pytest.Config) -> str:
+    """``--pdb`` or ``--trace`` when given: the debugger cannot reach into a test's process."""
+    return "--trace" if config.option.trace else "--pdb" if config.option.usepdb else ""
+
+
+def _output_path(config: pytest.Config, value: str | None, source: str) -> Path | None:
+    """A report's path, checked now (not at the session's end) where it is written.
+
+    Relative to the ini file's folder (the rootdir without one) when it comes from the
+    ini file, to the invocation directory when from the command line, as --junitxml.
+    """
+    if value is None:
+        return None
+    base = config.invocation_params.dir
+    if source.startswith("ini "):
+        base = config.inipath.parent if config.inipath else config.rootpath
+    if not hasattr(config, "workerinput"):  # under xdist, the controller writes them
+        try:
+            check_output(value, source, str(base))
+        except SpecError as exc:
+            raise pytest.UsageError(f"gpu-isolate: {exc}") from None
+    return Path(base, value).resolve()
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     state = config.stash.get(STATE, None)
     if state is not None:
@@ -89,7 +122,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         return []
     s = state.settings
     if s.mode == "off":
-        return ["gpu-isolate: off (--no-gpu-isolate): every test runs in-process"]
+        why = _debugger(config) or "--no-gpu-isolate"
+        return [f"gpu-isolate: off ({why}): every test runs in-process"]
     scope = "every test" if s.mode == "all" else f"tests marked {MARKER}"
     seconds, source = s.timeout, s.timeout_source
     if seconds is None:  # markers aside, pytest-timeout's value applies, else ours
@@ -109,8 +143,6 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     else:
         lines.append(f"gpu-isolate: no GPUs to lease (from {d.source})")
     lines.append(_leak_header(s, state))
-    if config.option.usepdb:
-        lines.append("gpu-isolate: --pdb cannot reach into isolated tests; use --no-gpu-isolate")
     return lines
 
 
@@ -260,10 +292,13 @@ class Recorder:
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         state = self.state
-        if state.records:
+        quiet = self.config.get_verbosity() <= -2  # -qq: only what needs attention
+        if state.records and not (quiet and not report.notable(state.records)):
             failed = any(p.startswith("--gpu-isolate-report") for p in self.unwritten)
             written = None if failed else state.report_path
             report.terminal_summary(terminalreporter, state.records, written)
+        if state.records and self.config.option.durations is not None:
+            report.startup_durations(terminalreporter, state.records, self.config)
         for problem in self.unwritten:
             terminalreporter.write_line(f"gpu-isolate: ERROR: could not write {problem}", red=True)
         if self.summaries:

@@ -112,6 +112,34 @@ def terminal_summary(tr: Any, records: list[dict[str, Any]], path: Path | None) 
         leak_summary(tr, records)
 
 
+def notable(records: list[dict[str, Any]]) -> bool:
+    """Whether the records hold something to look at: a timeout, a crash, an escaped
+    process or a reported leak (``-qq`` shows the gpu-isolate summary only then)."""
+    return any(
+        r["exit"]["timed_out"] or r["exit"]["signal"] or r.get("escaped") or _reported(r)
+        for r in records
+    )
+
+
+def startup_durations(tr: Any, records: list[dict[str, Any]], config: Any) -> None:
+    """With ``--durations``: each isolated test's start-up (its turn until it began: the
+    process, plugins, the module's import), which the durations table (setup, call,
+    teardown, the test's own time) leaves out; slowest first, with its wall time."""
+    count, minimum = config.option.durations, config.option.durations_min
+    if minimum is None:
+        minimum = 0.005 if config.get_verbosity() < 2 else 0.0
+    timed = [r for r in records if _is_number(r.get("startup"))]
+    timed.sort(key=lambda r: -r["startup"])
+    if count > 0:
+        timed = timed[:count]
+    tr.write_sep("=", f"slowest {count or ''} isolated start-ups".replace("  ", " "))
+    for n, r in enumerate(timed):
+        if r["startup"] < minimum:
+            tr.write_line(f"({len(timed) - n} start-ups < {minimum:g}s hidden.)")
+            break
+        tr.write_line(f"{r['startup']:.2f}s startup {r['nodeid']} (wall {r['wall']:.2f}s)")
+
+
 def start_counts(records: list[dict[str, Any]]) -> str:
     """How the isolated processes started, e.g. "38 forkserver, 2 spawn; 39 prewarmed".
 
@@ -369,6 +397,20 @@ def load(path: str) -> list[dict[str, Any]]:
         if problem:
             raise ReportError(f"{path}: test record {n} is malformed: {problem}")
     return document["tests"]
+
+
+def duplicates(records: list[dict[str, Any]]) -> list[str]:
+    """One line for each test found in more than one shard (sharding that overlaps)."""
+    shards: dict[str, list[str]] = {}
+    for r in records:
+        seen = shards.setdefault(r["nodeid"], [])
+        if r.get("shard") not in seen:
+            seen.append(r.get("shard"))
+    return [
+        f"{nodeid} is in {len(found)} shards: {', '.join(map(str, found))}"
+        for nodeid, found in shards.items()
+        if len(found) > 1
+    ]
 
 
 def merge(paths: list[str]) -> list[dict[str, Any]]:

@@ -26,7 +26,7 @@ import sys
 import tempfile
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,14 +47,7 @@ from .record import attach_record, build_record
 from .results import apply_xfail, item_reports, setup_error_reports, skip_reports
 from .settings import MARKER, IsolationSpec, Settings, SpecError, spec_for_item, wants_isolation
 from .supervisor import Started, StartError, Supervisor
-
-
-class GpuIsoLeakWarning(UserWarning):
-    """An isolated test left something behind (``--gpu-isolate-leaks=warn``)."""
-
-
-class GpuIsoStartWarning(UserWarning):
-    """The fork server or prewarming could not be used; isolation itself is unaffected."""
+from .warning_types import GpuIsoLeakWarning, GpuIsoStartWarning, warn_for_test, warn_session
 
 
 @dataclass
@@ -197,17 +190,17 @@ def _run(
             runs.discard(started)
         if lease is not None:
             state.leases.release(lease)
-    _tell_start_problems(item, state, runs)
+    start_error = _tell_start_problems(item, state, runs)
     leaks = outcome.leaks + [
         torch_check.leak(data) for data in outcome.frames_of(frames.TORCH_LEAK)
     ]
     verdict = judge(leaks, dict(state.settings.leaks), spec.allow_leaks)
     _replay_warnings(item.config, outcome.frames_of(frames.WARNING))
-    _warn_leaks(item, verdict)
+    verdict = _warn_leaks(item, verdict)
     _replay_junit(item.config, outcome.frames_of(frames.JUNIT))
     if outcome.finished and outcome.output:
         _echo(item.config, outcome.output)
-    stop = outcome.frames_of(frames.EXIT)
+    stop = outcome.frames_of(frames.EXIT) or start_error
     reports = item_reports(item, spec, outcome, verdict)
     return Ran(reports, spec, outcome, lease, verdict, stop[0] if stop else None)
 
@@ -321,28 +314,40 @@ def _prepare_warm(item: pytest.Item, state: State) -> tuple[ItemJob, dict[str, s
     return _item_job(item, state.settings), env
 
 
-def _tell_start_problems(item: pytest.Item, state: State, runs: Supervisor) -> None:
+def _tell_start_problems(item: pytest.Item, state: State, runs: Supervisor) -> list[dict]:
     """Say once (as a warning of the session) that the fork server or prewarming is not
-    used, and why."""
+    used, and why. A filter that makes ``GpuIsoStartWarning`` an error ends the session
+    after this test, as a usage error (returned as the stop of ``Ran``)."""
     messages = runs.notices[state.told :]
     state.told = len(runs.notices)
     prewarmer = state.prewarmer
     if runs.stale and prewarmer is not None and prewarmer.disabled is None:
         prewarmer.disable(runs.stale)  # runs.notices says why
     for text in messages:  # the session's, not this test's: no test location
-        message = GpuIsoStartWarning(f"gpu-isolate: {text}")
-        _record_warning(item.config, message, GpuIsoStartWarning, "", "gpu-isolate", 0)
+        if not warn_session(item.config, GpuIsoStartWarning(f"gpu-isolate: {text}")):
+            message = f"gpu-isolate: {text} (GpuIsoStartWarning is an error by -W/filterwarnings)"
+            return [dict(interrupt=False, message=message, returncode=pytest.ExitCode.USAGE_ERROR)]
+    return []
 
 
-def _warn_leaks(item: pytest.Item, verdict: Verdict) -> None:
-    """``warn`` leaks reach pytest's warnings summary, like any warning of the test."""
-    for leak in verdict.warning:
-        _warn_at(item, GpuIsoLeakWarning(f"{leak.kind}: {leak.detail}"))
-
-
-def _warn_at(item: pytest.Item, message: Warning) -> None:
+def _warn_leaks(item: pytest.Item, verdict: Verdict) -> Verdict:
+    """``warn`` leaks reach pytest's warnings summary, like any warning of the test,
+    through the test's warning filters: ``ignore`` drops one; one that ``error`` turns
+    into an exception fails the test's teardown, as the ``fail`` level does."""
     lineno = (item.location[1] or 0) + 1
-    _record_warning(item.config, message, type(message), item.nodeid, str(item.path), lineno)
+    warned: list = []
+    errors: list = []
+    for leak in verdict.warning:
+        warning = GpuIsoLeakWarning(f"{leak.kind}: {leak.detail}")
+        (warned if warn_for_test(warning, str(item.path), lineno) else errors).append(leak)
+    if not errors:
+        return verdict
+    return replace(
+        verdict,
+        failing=verdict.failing + errors,
+        warning=warned,
+        policy_text=f"{verdict.policy_text}; GpuIsoLeakWarning is an error by -W/filterwarnings",
+    )
 
 
 def _item_job(item: pytest.Item, settings: Settings) -> ItemJob:
@@ -401,26 +406,18 @@ def _echo(config: pytest.Config, text: str) -> None:
 
 
 def _replay_warnings(config: pytest.Config, payloads: list[dict[str, Any]]) -> None:
+    """Hand the child's warnings to pytest's warnings summary, as in-process (the child's
+    filters already applied to them)."""
     for data in payloads:
         message, category = frames.decode_warning(data)
-        _record_warning(config, message, category, data["nodeid"], data["filename"], data["lineno"])
-
-
-def _record_warning(
-    config: pytest.Config,
-    message: Warning,
-    category: type[Warning],
-    nodeid: str,
-    filename: str,
-    lineno: int,
-) -> None:
-    """Hand a warning of an isolated test to pytest's warnings summary, as in-process."""
-    record = warnings.WarningMessage(
-        message=message, category=category, filename=filename, lineno=lineno
-    )
-    config.hook.pytest_warning_recorded.call_historic(
-        kwargs=dict(warning_message=record, when="runtest", nodeid=nodeid, location=None)
-    )
+        record = warnings.WarningMessage(
+            message=message, category=category, filename=data["filename"], lineno=data["lineno"]
+        )
+        config.hook.pytest_warning_recorded.call_historic(
+            kwargs=dict(
+                warning_message=record, when="runtest", nodeid=data["nodeid"], location=None
+            )
+        )
 
 
 def _teardown_parent_stack(item: pytest.Item, nextitem: pytest.Item | None, reports: list) -> None:

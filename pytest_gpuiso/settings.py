@@ -277,6 +277,7 @@ class Settings:
     gpu_tolerance_mib: float = DEFAULT_TOLERANCE_MIB
     torch_check: bool = False
     summary_path: str | None = None
+    outputs_from: tuple[str, str] = ("", "")  # where report_path and summary_path were set
     start: str = "spawn"  # how isolated processes start: spawn or forkserver
     precollect: bool = True  # forkserver: fork tests from a configured, collected template
     preload: tuple[str, ...] = ()  # imported by the fork server and by prewarmed children
@@ -318,10 +319,6 @@ class Settings:
             config, "gpu_isolate_gpu_tolerance", allow_zero=True, high=math.inf, unit="MiB"
         )
         summary, summary_source = _text_option(config, "gpu_isolate_summary")
-        if not hasattr(config, "workerinput"):  # under xdist, the controller writes them
-            for path, source in ((report, report_source), (summary, summary_source)):
-                if path.strip():
-                    check_output(path.strip(), source, str(config.invocation_params.dir))
         start_text, start_source = _text_option(config, "gpu_isolate_start")
         start = parse_start(start_text, start_source) if start_text else "spawn"
         template_wait = TEMPLATE_WAIT_DEFAULT
@@ -360,6 +357,7 @@ class Settings:
             grace=grace,
             startup_timeout=DEFAULT_STARTUP_TIMEOUT if startup is None else startup,
             report_path=report.strip() or None,
+            outputs_from=(report_source, summary_source),
         )
 
 

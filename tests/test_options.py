@@ -120,9 +120,10 @@ def test_report_header_describes_settings(gpuiso_settings):
 
 
 def test_pdb_note_in_header(gpuiso_settings):
+    """--pdb turns isolation off (tests/test_pytest_semantics.py checks the runs)."""
     gpuiso_settings.copy("test_where.py")
-    result = gpuiso_settings.run("--pdb", "-k", "marked")
-    result.stdout.fnmatch_lines(["gpu-isolate: --pdb cannot reach into isolated tests*"])
+    result = gpuiso_settings.run("--pdb", "-k", "unmarked")
+    result.stdout.fnmatch_lines(["gpu-isolate: off (--pdb): every test runs in-process"])
 
 
 def _timeout_line(result: pytest.RunResult) -> str:

@@ -1,0 +1,53 @@
+"""pytest-gpuiso's warning categories, and how its own warnings are issued.
+
+They go through Python's ``warnings`` machinery with pytest's filters in force, so
+``-W``, ini ``filterwarnings`` and ``@pytest.mark.filterwarnings`` treat them as any
+pytest warning: ``ignore`` drops one, ``error`` turns it into an exception (which
+the caller makes a failure of the test, or a usage error of the session).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from . import _compat
+
+
+class GpuIsoLeakWarning(pytest.PytestWarning):
+    """An isolated test left something behind (``--gpu-isolate-leaks=warn``)."""
+
+
+class GpuIsoStartWarning(pytest.PytestWarning):
+    """The fork server or prewarming could not be used, or isolation is off for a debugger."""
+
+
+def warn_for_test(warning: Warning, filename: str, lineno: int) -> bool:
+    """Issue a warning of the running test; False when a filter made it an error.
+
+    Called inside pytest's ``pytest_runtest_protocol`` wrapper, which applies the
+    item's filters (ini, ``-W``, its ``filterwarnings`` marks) and records what passes.
+    """
+    try:
+        warnings.warn_explicit(warning, type(warning), filename, lineno)
+    except type(warning):
+        return False
+    return True
+
+
+def warn_session(config: pytest.Config, warning: Warning) -> bool:
+    """Issue a warning of the session (no test's marks apply); False when a filter made
+    it an error. It shows in pytest's warnings summary as ``gpu-isolate:0``."""
+    with warnings.catch_warnings(record=True) as log:
+        warnings.simplefilter("always", type(warning))
+        _compat.apply_session_filters(config)
+        try:
+            warnings.warn_explicit(warning, type(warning), "gpu-isolate", 0)
+        except type(warning):
+            return False
+    for record in log:
+        config.hook.pytest_warning_recorded.call_historic(
+            kwargs=dict(warning_message=record, when="runtest", nodeid="", location=None)
+        )
+    return True

@@ -1,0 +1,248 @@
+"""pytest's own semantics for isolated tests: warning filters on our warnings, --setup-show,
+--durations, --pdb/--trace, ini report paths, -qq, --help's ini types, overlapping shards.
+Each test runs the programs in fixtures/programs/ (sem17_*) through a real pytest session."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+import pytest_gpuiso
+
+LEAKS = "sem17_leaks.py"
+FIXTURES = "sem17_fixtures.py"
+LEAK_ERROR = "-W error::pytest_gpuiso.GpuIsoLeakWarning"
+SHM = Path("/dev/shm")
+
+
+@pytest.fixture
+def shm_name(monkeypatch: pytest.MonkeyPatch):
+    """A unique prefix for the files the program leaves; whatever is left is removed."""
+    name = f"gpuiso-sem17-{uuid.uuid4().hex[:10]}"
+    monkeypatch.setenv("GPUISO_SHM_NAME", name)
+    yield name
+    for path in SHM.glob(f"*{name}*"):
+        path.unlink(missing_ok=True)
+
+
+def _warning_lines(result: pytest.RunResult, category: str) -> list[str]:
+    return [line for line in result.outlines if f"{category}: " in line]
+
+
+# --------------------------------------------------------------------------- warnings
+
+
+def test_the_warning_classes_are_pytest_warnings_exported_by_the_package() -> None:
+    assert issubclass(pytest_gpuiso.GpuIsoLeakWarning, pytest.PytestWarning)
+    assert issubclass(pytest_gpuiso.GpuIsoStartWarning, pytest.PytestWarning)
+    assert {"GpuIsoLeakWarning", "GpuIsoStartWarning"} <= set(pytest_gpuiso.__all__)
+
+
+def test_leak_warnings_obey_the_tests_filterwarnings_mark(gpuiso, shm_name) -> None:
+    gpuiso.copy(LEAKS)
+    result = gpuiso.run("--gpu-isolate-cleanup", "-rA", LEAKS)
+    result.assert_outcomes(passed=3)
+    warned = _warning_lines(result, "GpuIsoLeakWarning")
+    assert len(warned) == 1, result.stdout.str()
+    assert f"{shm_name}-plain" in warned[0]
+    result.stdout.fnmatch_lines(["*sem17_leaks.py::test_leaks_file", "*GpuIsoLeakWarning: shm:*"])
+
+
+def test_a_leak_warning_turned_error_fails_the_leaking_test(gpuiso, shm_name) -> None:
+    """Not a crash of pytest: the leaking test gets an error in teardown (as the ``fail``
+    level gives it); the test whose mark ignores the warning, and the clean one, pass."""
+    gpuiso.copy(LEAKS)
+    result = gpuiso.run("--gpu-isolate-cleanup", *LEAK_ERROR.split(), LEAKS)
+    result.assert_outcomes(passed=3, errors=1)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()
+    result.stdout.fnmatch_lines(
+        [
+            "*ERROR at teardown of test_leaks_file*",
+            "*the test left 1 leak behind*GpuIsoLeakWarning is an error by -W/filterwarnings*",
+            f"*shm: *{shm_name}-plain-*",
+            "ERROR sem17_leaks.py::test_leaks_file - *",
+        ]
+    )
+    assert _warning_lines(result, "GpuIsoLeakWarning") == []  # an error, not also a warning
+
+
+def test_ini_filterwarnings_ignore_drops_the_leak_warning(gpuiso_settings, shm_name) -> None:
+    gpuiso_settings.copy(LEAKS)
+    gpuiso_settings.pytester.makeini(
+        "[pytest]\nfilterwarnings =\n    ignore::pytest_gpuiso.GpuIsoLeakWarning\n"
+    )
+    result = gpuiso_settings.run("--gpu-isolate-cleanup", LEAKS)
+    result.assert_outcomes(passed=3)
+    assert _warning_lines(result, "GpuIsoLeakWarning") == []
+    assert "warnings summary" not in result.stdout.str()
+    # The leak is still checked and recorded: only the warning is dropped.
+    result.stdout.fnmatch_lines(["gpu-isolate: 2 leaks in 2 tests (2 shm, 0 process, *"])
+
+
+def test_a_start_warning_turned_error_is_a_usage_error(gpuiso_settings) -> None:
+    gpuiso_settings.copy(FIXTURES)
+    result = gpuiso_settings.run("--pdb", "-W", "error::pytest_gpuiso.GpuIsoStartWarning", FIXTURES)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(
+        ["ERROR: gpu-isolate: --pdb: every test runs in-process*(GpuIsoStartWarning is an error*"]
+    )
+    ignored = gpuiso_settings.run(
+        "--pdb", "-W", "ignore::pytest_gpuiso.GpuIsoStartWarning", FIXTURES
+    )
+    ignored.assert_outcomes(passed=2)
+    assert _warning_lines(ignored, "GpuIsoStartWarning") == []
+
+
+# --------------------------------------------------------------------------- setup-show, durations
+
+
+def test_setup_show_shows_the_isolated_tests_fixtures(gpuiso) -> None:
+    gpuiso.copy(FIXTURES)
+    result = gpuiso.run("--setup-show", "-q", f"{FIXTURES}::test_uses_resource")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*SETUP    F resource",
+            f"*{FIXTURES}::test_uses_resource (fixtures used: *resource*)*",
+            "*TEARDOWN F resource*",
+        ]
+    )
+
+
+def test_durations_list_isolated_tests_and_their_start_up(gpuiso_settings) -> None:
+    gpuiso_settings.copy(FIXTURES)
+    result = gpuiso_settings.run("--durations=0", "--durations-min=0", FIXTURES)
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(
+        [
+            "*= slowest isolated start-ups =*",
+            f"*s startup {FIXTURES}::test_* (wall *s)",
+            f"*s startup {FIXTURES}::test_* (wall *s)",
+            "*= slowest durations =*",
+        ]
+    )
+    for phase in ("setup", "call", "teardown"):
+        result.stdout.fnmatch_lines([f"*s {phase} *{FIXTURES}::test_uses_resource"])
+
+
+# --------------------------------------------------------------------------- --pdb, --trace
+
+
+@pytest.mark.parametrize("debugger", ["--pdb", "--trace"])
+def test_a_debugger_runs_the_tests_in_process_and_says_so_under_q(
+    gpuiso_settings, tmp_path, monkeypatch, debugger
+) -> None:
+    gpuiso_settings.copy(FIXTURES)
+    where = tmp_path / "where"
+    monkeypatch.setenv("SEM17_WHERE", str(where))
+    pytester = gpuiso_settings.pytester
+    result = pytester.run(
+        sys.executable,
+        "-m",
+        "pytest",
+        "-p",
+        "no:cacheprovider",
+        *gpuiso_settings.start_options,
+        "-q",
+        debugger,
+        f"{FIXTURES}::test_where",
+        stdin=b"c\n" * 4,  # --trace stops at the test's start: continue
+        timeout=120,
+    )
+    assert result.ret == 0, result.stdout.str()
+    assert where.read_text() == "pytest"
+    result.stdout.fnmatch_lines(
+        [
+            f"*GpuIsoStartWarning: gpu-isolate: {debugger}: every test runs in-process, "
+            "so the debugger reaches it"
+        ]
+    )
+
+
+# --------------------------------------------------------------------------- report paths, -qq
+
+
+def test_ini_report_paths_are_relative_to_the_inifile_cli_paths_to_the_cwd(
+    gpuiso_settings, monkeypatch
+) -> None:
+    pytester = gpuiso_settings.pytester
+    sub = pytester.path / "sub"
+    sub.mkdir()
+    (sub / FIXTURES).write_text(
+        (Path(__file__).parent.parent / "fixtures/programs" / FIXTURES).read_text()
+    )
+    pytester.makeini("[pytest]\ngpu_isolate_report = out/gpu.json\n")
+    monkeypatch.chdir(sub)
+    result = gpuiso_settings.run("--gpu-isolate-summary=summary.md", FIXTURES)
+    result.assert_outcomes(passed=2)
+    records = json.loads((pytester.path / "out" / "gpu.json").read_text())["tests"]
+    assert len(records) == 2
+    assert not (sub / "out").exists()
+    assert (sub / "summary.md").exists()
+    assert not (pytester.path / "summary.md").exists()
+
+
+def test_qq_prints_the_summary_only_when_there_is_something_to_report(
+    gpuiso_settings, shm_name
+) -> None:
+    gpuiso_settings.copy(FIXTURES, LEAKS)
+    clean = gpuiso_settings.run("-qq", FIXTURES)
+    assert clean.ret == 0
+    assert "gpu-isolate" not in clean.stdout.str()
+    quiet = gpuiso_settings.run("-q", FIXTURES)
+    quiet.stdout.fnmatch_lines(["gpu-isolate: 2 isolated, 0 timed out, 0 crashed"])
+    leaky = gpuiso_settings.run("-qq", "--gpu-isolate-cleanup", LEAKS)
+    leaky.stdout.fnmatch_lines(["*- gpu-isolate leak summary -*"])
+
+
+# --------------------------------------------------------------------------- --help, merge
+
+
+def test_help_shows_the_ini_keys_types(pytester: pytest.Pytester) -> None:
+    result = pytester.runpytest_subprocess("--help")
+    for key in ("gpu_isolate", "gpu_isolate_torch_check", "gpu_isolate_cleanup"):
+        result.stdout.fnmatch_lines([f"  {key} (bool):*"])
+    result.stdout.fnmatch_lines(["  gpu_isolate_precollect (bool):*"])
+    result.stdout.fnmatch_lines(["  gpu_isolate_timeout (string):*"])
+    result.stdout.fnmatch_lines(["  gpu_isolate_shm_ignore (args):*"])
+
+
+def test_merge_warns_about_a_test_in_two_shards(gpuiso_settings) -> None:
+    """Shards from sessions without xdist merge; a test in both is named on stderr."""
+    gpuiso_settings.copy(FIXTURES)
+    one = gpuiso_settings.run("--gpu-isolate-report=one.json", "-k", "resource", FIXTURES)
+    one.assert_outcomes(passed=1)
+    two = gpuiso_settings.run("--gpu-isolate-report=two.json", FIXTURES)
+    two.assert_outcomes(passed=2)
+    merged = subprocess.run(
+        [sys.executable, "-m", "pytest_gpuiso", "merge", "one.json", "two.json"]
+        + ["--json", "all.json"],
+        cwd=gpuiso_settings.path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert merged.returncode == 0, merged.stderr
+    assert merged.stderr.splitlines() == [
+        f"warning: {FIXTURES}::test_uses_resource is in 2 shards: one.json, two.json"
+    ]
+    records = json.loads((gpuiso_settings.path / "all.json").read_text())["tests"]
+    assert sorted((r["nodeid"], r["shard"]) for r in records) == [
+        (f"{FIXTURES}::test_uses_resource", "one.json"),
+        (f"{FIXTURES}::test_uses_resource", "two.json"),
+        (f"{FIXTURES}::test_where", "two.json"),
+    ]
+    alone = subprocess.run(
+        [sys.executable, "-m", "pytest_gpuiso", "merge", "two.json", "--json", "b.json"],
+        cwd=gpuiso_settings.path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert alone.returncode == 0 and alone.stderr == ""
