@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, NoReturn
 
-from . import _compat, cuda_state, frames
+from . import _compat, cuda_state, frames, workdir
 from ._linux import die_with_parent, set_child_subreaper
 from .child_plugin import (
     ChildPlugin,
@@ -112,6 +112,10 @@ def flush_and_exit(status: int) -> NoReturn:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
+    # os._exit() runs no atexit handler: the directory a run_isolated call of the test
+    # made for itself goes now, not at the next session's clean-up.
+    with contextlib.suppress(Exception):
+        workdir.remove_process_dir()
     os._exit(status)
 
 

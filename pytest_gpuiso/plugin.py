@@ -27,7 +27,6 @@ from .settings import (
     MARKER,
     Settings,
     SpecError,
-    check_output,
     external_session_timeout,
 )
 from .warning_types import GpuIsoLeakWarning, GpuIsoStartWarning, warn_session
@@ -103,10 +102,11 @@ def _output_path(config: pytest.Config, value: str | None, source: str) -> Path 
         base = config.inipath.parent if config.inipath else config.rootpath
     if not hasattr(config, "workerinput"):  # under xdist, the controller writes them
         try:
-            check_output(value, source, str(base))
+            report.check_output(value, source, str(base))
         except SpecError as exc:
             raise pytest.UsageError(f"gpu-isolate: {exc}") from None
-    return Path(base, value).resolve()
+    # Absolute, but links kept: /dev/stdout must not become /proc/<pid>/fd/pipe:[...]
+    return Path(os.path.abspath(os.path.join(base, value)))
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

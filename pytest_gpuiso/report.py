@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .record import SCHEMA_VERSION
-from .settings import KINDS
+from .settings import KINDS, SpecError
 
 MARKDOWN_ROWS = 200  # leak rows in the Markdown table; GitHub truncates huge summaries
 WORST = 5  # tests listed as worst offenders in the terminal
@@ -36,7 +36,68 @@ def write_json(path: Path, records: list[dict[str, Any]]) -> None:
     _write_atomic(path, json.dumps(document, indent=2, ensure_ascii=False) + "\n")
 
 
+def check_output(value: str, what: str, base: str) -> None:
+    """Fail now, not at the session's end, when a report cannot be written at ``value``
+    (relative to ``base``): its folder (or the nearest one that exists: the writer makes
+    the rest) must be a directory in which a file can be created."""
+    path = os.path.normpath(os.path.join(base, value))
+    problem = f"invalid value {value!r} for {what}"
+    if os.path.isdir(path):
+        raise SpecError(f"{problem}: {path} is a directory")
+    if written_in_place(path):  # /dev/null, /dev/stdout, a FIFO: appended to
+        if not os.access(path, os.W_OK):
+            raise SpecError(f"{problem}: {path} cannot be written")
+        return  # its folder needs no room
+    path = os.path.realpath(path)  # a link to a file: the file is replaced, in its folder
+    folder = os.path.dirname(path)
+    while not os.path.lexists(folder):
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        raise SpecError(f"{problem}: {folder} is not a directory")
+    try:  # os.access() says yes to root, even where nothing can be created (/proc)
+        fd, probe = tempfile.mkstemp(prefix=".gpuiso-check-", dir=folder)
+    except OSError as exc:
+        raise SpecError(f"{problem}: cannot write in {folder} ({exc.strerror or exc})") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+def written_in_place(path: str | os.PathLike) -> bool:
+    """Whether an output file at ``path`` must be written into, not replaced: a device, a
+    FIFO, a socket, or one of a process's descriptors (``/dev/stdout`` links to
+    ``/proc/self/fd/1``, which may be the file pytest's output is redirected to).
+    Renaming a new file over any of those would replace the node (or the ``/dev`` link)
+    itself. False for a path that does not exist, a regular file, or a link to one."""
+    current = os.fspath(path)
+    for _ in range(40):  # the kernel's own limit on links followed
+        try:
+            st = os.lstat(current)
+        except OSError:
+            return False
+        if not stat.S_ISLNK(st.st_mode):
+            return not stat.S_ISREG(st.st_mode)
+        try:
+            target = os.readlink(current)
+        except OSError:
+            return False
+        current = os.path.normpath(os.path.join(os.path.dirname(current), target))
+        if current == "/proc" or current.startswith("/proc/"):
+            return True
+    return False
+
+
 def _write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all (a temporary file renamed over it).
+
+    A device, a FIFO or a descriptor (``/dev/null``, ``/dev/stdout``) is appended to
+    instead (``written_in_place``); for a link to a regular file, the file is
+    replaced and the link kept.
+    """
+    if written_in_place(path):
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(text)
+        return
+    path = Path(os.path.realpath(path))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except FileExistsError:  # a file where the folder should be: say that, not "File exists"

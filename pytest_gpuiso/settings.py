@@ -18,7 +18,6 @@ import importlib.util
 import math
 import os
 import re
-import tempfile
 from dataclasses import dataclass
 from typing import Any
 
@@ -214,27 +213,6 @@ def parse_template_wait(value: str, what: str) -> float:
             f"from 0 to {TEMPLATE_WAIT_MAX:g}"
         )
     return wait
-
-
-def check_output(value: str, what: str, base: str) -> None:
-    """Fail now, not at the session's end, when a report cannot be written at ``value``
-    (relative to ``base``): its folder (or the nearest one that exists: the writer makes
-    the rest) must be a directory in which a file can be created."""
-    path = os.path.normpath(os.path.join(base, value))
-    problem = f"invalid value {value!r} for {what}"
-    if os.path.isdir(path):
-        raise SpecError(f"{problem}: {path} is a directory")
-    folder = os.path.dirname(path)
-    while not os.path.lexists(folder):
-        folder = os.path.dirname(folder)
-    if not os.path.isdir(folder):
-        raise SpecError(f"{problem}: {folder} is not a directory")
-    try:  # os.access() says yes to root, even where nothing can be created (/proc)
-        fd, probe = tempfile.mkstemp(prefix=".gpuiso-check-", dir=folder)
-    except OSError as exc:
-        raise SpecError(f"{problem}: cannot write in {folder} ({exc.strerror or exc})") from None
-    os.close(fd)
-    os.unlink(probe)
 
 
 def _ini_bool(config: pytest.Config, name: str) -> bool:

@@ -9,8 +9,10 @@ alone; out-of-range values are one line naming the option, ini key or argument.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import time
@@ -18,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_gpuiso import run_isolated
+from pytest_gpuiso import report, run_isolated
 from tests.helpers import PROGRAMS
 
 USAGE_ERROR = 4
@@ -449,3 +451,78 @@ def test_merge_refuses_what_is_not_a_report_file(tmp_path, source):
     assert result.returncode == 1
     assert result.stderr == f"error: {source}: {problem}\n"
     assert not (tmp_path / "o").exists()
+
+
+# -- report paths that are not regular files --------------------------------------------
+
+
+def test_a_report_path_that_is_a_device_is_written_into_not_replaced(gpuiso_settings):
+    """``--gpu-isolate-report=/dev/null``-like paths: written into; renaming a temporary
+    file over one would turn root's device node into a regular file."""
+    _need_root()
+    gpuiso_settings.pytester.makepyfile(test_one="def test_one():\n    pass\n")
+    null = gpuiso_settings.path / "null"
+    try:
+        os.mknod(null, 0o666 | stat.S_IFCHR, os.makedev(1, 3))  # a /dev/null of our own
+    except OSError as exc:
+        pytest.skip(f"cannot make a device node here: {exc}")
+    result = gpuiso_settings.run(
+        "--gpu-isolate", f"--gpu-isolate-report={null}", f"--gpu-isolate-summary={null}"
+    )
+    assert result.ret == 0, result.stdout.str()
+    assert stat.S_ISCHR(os.stat(null).st_mode)
+    assert "could not write" not in result.stdout.str()
+
+
+def test_the_report_can_go_to_stdout(gpuiso_settings):
+    """``/dev/stdout`` (here a pipe) is checked at configure and written into at the end,
+    not resolved into /proc/<pid>/fd/pipe:[...] nor replaced. (Where stdout is a regular
+    file opened without O_APPEND, pytest's later output may overwrite the report.)"""
+    gpuiso_settings.pytester.makepyfile(test_one="def test_one():\n    pass\n")
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:randomly"]
+    command += [*gpuiso_settings.start_options, "--gpu-isolate"]
+    command += ["--gpu-isolate-report=/dev/stdout"]
+    done = subprocess.run(
+        command, cwd=gpuiso_settings.path, stdout=subprocess.PIPE, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stdout
+    assert '"nodeid": "test_one.py::test_one"' in done.stdout
+    assert "JSON report written to /dev/stdout" in done.stdout
+    assert os.path.islink("/dev/stdout")
+
+
+CALL_INSIDE = """
+import os
+
+import pytest
+
+
+@pytest.mark.gpu_isolated
+def test_calls(gpu_isolated_run):
+    assert gpu_isolated_run(os.getpid) != os.getpid()
+"""
+
+
+def test_a_call_inside_an_isolated_test_leaves_no_work_directory(gpuiso, tmp_path, monkeypatch):
+    """The test's process made a directory for its run_isolated call; it ends with
+    os._exit(), which runs no atexit handler, so it removes the directory itself."""
+    gpuiso.pytester.makepyfile(test_call_inside=CALL_INSIDE)
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmpdir))
+    result = gpuiso.run("test_call_inside.py")
+    result.assert_outcomes(passed=1)
+    work = tmpdir / f"pytest-gpuiso-{os.getuid()}"
+    assert not work.exists() or list(work.iterdir()) == []
+
+
+def test_a_report_path_linked_to_a_file_replaces_the_file_and_keeps_the_link(tmp_path):
+    """The rename goes to the link's target, in the target's folder: the link stays."""
+    target = tmp_path / "reports" / "gpu.json"
+    target.parent.mkdir()
+    target.write_text("old")
+    link = tmp_path / "gpu.json"
+    link.symlink_to(target)
+    report.write_json(link, [])
+    assert link.is_symlink() and os.readlink(link) == str(target)
+    assert json.loads(target.read_text()) == {"version": report.SCHEMA_VERSION, "tests": []}
