@@ -132,23 +132,9 @@ def _walk(directory: str, name: str) -> tuple[int, str]:
     return fd, last
 
 
-def _still_created(directory: str, name: str, logged: Logged, uid: int) -> bool:
-    """Whether ``name`` still holds the logged inode and is ours (no symlink followed)."""
-    try:
-        fd, last = _walk(directory, name)
-    except OSError:
-        return False
-    try:
-        st = os.stat(last, dir_fd=fd, follow_symlinks=False)
-        return st.st_ino == logged.inode and st.st_dev == os.fstat(fd).st_dev and st.st_uid == uid
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-
-
-def _remove(directory: str, name: str, inode: int, uid: int) -> bool:
-    """Delete ``name`` if it is still ``inode`` and ours; a directory only when empty."""
+def _same_entry(directory: str, name: str, inode: int, uid: int, remove: bool = False) -> bool:
+    """Whether ``name`` still holds ``inode`` and is ours (no symlink followed on the way);
+    ``remove``: then delete it too (a directory only when empty), and say whether it went."""
     try:
         fd, last = _walk(directory, name)
     except OSError:
@@ -157,15 +143,23 @@ def _remove(directory: str, name: str, inode: int, uid: int) -> bool:
         st = os.stat(last, dir_fd=fd, follow_symlinks=False)
         if st.st_ino != inode or st.st_uid != uid or st.st_dev != os.fstat(fd).st_dev:
             return False
-        if stat.S_ISDIR(st.st_mode):
+        if remove and stat.S_ISDIR(st.st_mode):
             os.rmdir(last, dir_fd=fd)
-        else:
+        elif remove:
             os.unlink(last, dir_fd=fd)
         return True
     except OSError:
         return False
     finally:
         os.close(fd)
+
+
+def _still_created(directory: str, name: str, logged: Logged, uid: int) -> bool:
+    return _same_entry(directory, name, logged.inode, uid)
+
+
+def _remove(directory: str, name: str, inode: int, uid: int) -> bool:
+    return _same_entry(directory, name, inode, uid, remove=True)
 
 
 def _deepest_first(names: list[str]) -> list[str]:
