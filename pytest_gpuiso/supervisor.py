@@ -26,7 +26,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
@@ -36,7 +36,6 @@ from .forkserver import ForkServer, ServerBoot, Unavailable
 from .leaks import Leak, Probe, RunInfo
 from .leaks.process import Mark, ProcessProbe
 from .leaks.shm import LOG_ENV, dispose_created
-from .leaks.shm import scan as shm_scan
 from .outcome import OUTPUT_TAIL_LINES, Outcome
 from .proctree import (
     Child,
@@ -78,7 +77,6 @@ class Started:
     capture_prefix: Path
     created: float = 0.0  # time.time() when it was started
     shm_log: str | None = None  # the /dev/shm shim's log, given to the child at its start
-    shm_at_start: dict[str, int] = field(default_factory=dict)  # /dev/shm when it started
     # multiprocessing's Process (spawn) or a ``Forked``; None until the fork server answers
     proc: Any = None
     sentinel: Any = None  # readable once the child has exited
@@ -282,10 +280,8 @@ class Supervisor:
             self.start_server()
         method = "forkserver" if self.server is not None else "spawn"
         shm_log = None
-        shm_at_start: dict[str, int] = {}
         if self.exec_env:  # the shim is preloaded: it logs from the process's start on
             shm_log = str(private(f"shm-{tag}.log"))
-            shm_at_start = shm_scan()
             env[LOG_ENV] = shm_log
         exec_env = dict(self.exec_env)
         if self.mark is not None:  # in the block it is exec'd with, which its forks share
@@ -316,7 +312,6 @@ class Supervisor:
             capture_prefix=capture_prefix,
             created=time.time(),
             shm_log=shm_log,
-            shm_at_start=shm_at_start,
         )
         # The tracker is a long-lived helper of ours, not something the test left behind.
         ensure_resource_tracker()
