@@ -14,13 +14,13 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import pwd
 import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from .settings import CUDA_ID, SpecError
+from .workdir import user_name
 
 REGION_ENV = "PYTEST_GPUISO_LEASE_REGION"  # another table path (tests, or sharing across users)
 LEASED_ENV = "PYTEST_GPUISO_LEASED"  # set in an isolated child: the GPUs its test holds
@@ -55,12 +55,7 @@ def foreign_owner(path: str) -> str | None:
         uid = os.lstat(path).st_uid
     except OSError:
         return None
-    if uid == os.geteuid():
-        return None
-    try:
-        return f"user {pwd.getpwuid(uid).pw_name} (uid {uid})"
-    except KeyError:
-        return f"uid {uid}"
+    return None if uid == os.geteuid() else user_name(uid)
 
 
 def _explain(exc: Exception, path: str) -> str:

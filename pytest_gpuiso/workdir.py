@@ -42,7 +42,8 @@ def base() -> Path:
     return Path(tempfile.gettempdir()) / f"pytest-gpuiso-{os.getuid()}"
 
 
-def _user(uid: int) -> str:
+def user_name(uid: int) -> str:
+    """ "user NAME (uid N)", or "uid N" when the uid has no name here."""
     try:
         return f"user {pwd.getpwuid(uid).pw_name} (uid {uid})"
     except KeyError:
@@ -72,11 +73,11 @@ def root(create: bool = True) -> Path:
     except OSError as exc:
         raise _refuse(path, f"cannot be used ({exc.strerror})") from None
     if stat.S_ISLNK(st.st_mode):
-        raise _refuse(path, f"is a symbolic link (owned by {_user(st.st_uid)})")
+        raise _refuse(path, f"is a symbolic link (owned by {user_name(st.st_uid)})")
     if not stat.S_ISDIR(st.st_mode):
-        raise _refuse(path, f"is not a directory (owned by {_user(st.st_uid)})")
+        raise _refuse(path, f"is not a directory (owned by {user_name(st.st_uid)})")
     if st.st_uid != os.getuid():
-        raise _refuse(path, f"is owned by {_user(st.st_uid)}, not by {_user(os.getuid())}")
+        raise _refuse(path, f"is owned by {user_name(st.st_uid)}, not by {user_name(os.getuid())}")
     if st.st_mode & 0o077:
         raise _refuse(path, f"is open to other users (mode {stat.S_IMODE(st.st_mode):04o})")
     return path
