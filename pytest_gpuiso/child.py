@@ -368,6 +368,7 @@ class ItemJob:
     basetemp: str
     junit_family: str | None = None  # the parent writes junitxml with this family
     torch_check: bool = False  # compare torch's CUDA allocator before and after the test
+    options: tuple[tuple[str, Any], ...] = ()  # pytest_gpuiso_child_options: (dest, value)
 
     def run(self, channel: Channel, boot: Bootstrap, config: Any = None) -> None:
         name_capture_files(boot.capture_prefix)
@@ -383,6 +384,6 @@ class ItemJob:
         else:
             config.pluginmanager.register(plugin)
             restart_capture(config)
-        override_options(config.option, self.basetemp)
+        override_options(config.option, self.basetemp, self.options)
         status = config.hook.pytest_cmdline_main(config=config)
         channel.send(frames.DONE, int(status))

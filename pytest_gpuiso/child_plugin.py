@@ -14,7 +14,9 @@ from __future__ import annotations
 import gc
 import itertools
 import os
+import pickle
 import sys
+import warnings
 from typing import Any
 
 import pytest
@@ -74,10 +76,14 @@ _CHILD_OVERRIDES: dict[str, Any] = {
 }
 
 
-def override_options(option: Any, basetemp: str) -> None:
+def override_options(option: Any, basetemp: str, extra: tuple = ()) -> None:
+    """Set the child's options: ours, then what plugins asked for through
+    ``pytest_gpuiso_child_options`` (``extra``: (dest, value) pairs), then basetemp."""
     for name, value in _CHILD_OVERRIDES.items():
         if hasattr(option, name):
             setattr(option, name, value)
+    for name, value in extra:
+        setattr(option, name, value)
     option.basetemp = basetemp
 
 
@@ -92,6 +98,7 @@ class ChildPlugin:
         self.channel = channel
         self.collect_errors: list[str] = []
         self.config: Any = None
+        self.ran: Any = None  # the item, once its protocol ran here
 
     @pytest.hookimpl(trylast=True)
     def pytest_configure(self, config: Any) -> None:
@@ -172,6 +179,7 @@ class ChildPlugin:
     def _run(self, item: Any) -> None:
         before = torch_check.allocated() if self.job.torch_check else {}
         self.channel.send(frames.BEGIN, item.nodeid)  # the test's timeout counts from here
+        self.ran = item
         try:
             item.config.hook.pytest_runtest_protocol(item=item, nextitem=None)
         except (pytest.exit.Exception, KeyboardInterrupt) as exc:
@@ -189,6 +197,34 @@ class ChildPlugin:
         if self.job.torch_check:
             for device, grown in torch_check.growth(before).items():
                 self.channel.send(frames.TORCH_LEAK, {"device": device, "bytes": grown})
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_sessionfinish(self, session: Any) -> None:
+        """Send what other plugins put in ``pytest_gpuiso_child_payload`` (after their own
+        session ends); a failing implementation becomes a warning, the result stands."""
+        item = self.ran
+        if item is None:  # nothing ran here (the template itself, a collection error)
+            return
+        payload: dict[str, Any] = {}
+        try:
+            item.config.hook.pytest_gpuiso_child_payload(item=item, payload=payload)
+        except Exception as exc:  # noqa: BLE001 - a plugin's bug must not cost the result
+            self._warn(item, f"pytest_gpuiso_child_payload failed: {type(exc).__name__}: {exc}")
+        for key, value in list(payload.items()):  # a key that won't pickle: only it is lost
+            try:
+                pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as exc:  # noqa: BLE001 - whatever a plugin put there
+                del payload[key]
+                self._warn(item, f"pytest_gpuiso_child_payload: {key!r} not sent: {exc!r}")
+        if payload:
+            self.channel.send(frames.PAYLOAD, payload)
+
+    def _warn(self, item: Any, text: str) -> None:
+        """A warning of the test, sent as its warnings are (the parent replays it)."""
+        message = warnings.WarningMessage(
+            pytest.PytestWarning(text), pytest.PytestWarning, str(item.path), 0
+        )
+        self.channel.send(frames.WARNING, frames.encode_warning(message, item.nodeid))
 
     def pytest_runtest_logreport(self, report: Any) -> None:
         data = self.config.hook.pytest_report_to_serializable(config=self.config, report=report)

@@ -35,6 +35,7 @@ EXIT = "exit"  # pytest.exit() or Ctrl-C in the test: the session ends ({interru
 ERROR = "error"  # why the process could not run its test (text)
 RESULT = "result"  # run_isolated: the function's value
 EXCEPTION = "exception"  # run_isolated: the exception it raised (``describe_exception``)
+PAYLOAD = "payload"  # other plugins' data from the test's process (pytest_gpuiso_child_payload)
 DONE = "done"  # the last frame: the job finished (its exit status)
 KINDS = frozenset(
     {
@@ -52,6 +53,7 @@ KINDS = frozenset(
         ERROR,
         RESULT,
         EXCEPTION,
+        PAYLOAD,
         DONE,
     }
 )

@@ -43,6 +43,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     add_options(parser)
 
 
+def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
+    from . import adapters, hookspecs
+
+    pluginmanager.add_hookspecs(hookspecs)
+    adapters.register(pluginmanager)
+
+
 def _is_child(config: pytest.Config) -> bool:
     return config.pluginmanager.has_plugin(CHILD_PLUGIN)
 

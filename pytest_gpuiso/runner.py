@@ -64,6 +64,7 @@ class State:
     nvml: NvmlReader = field(default_factory=NvmlReader)
     parallel: bool = False  # an xdist worker: other isolated tests run at the same time
     prewarmer: Prewarmer | None = None
+    child_options: tuple[tuple[str, Any], ...] | None = None  # pytest_gpuiso_child_options
     positions: dict[int, int] | None = None  # id(item) -> index in session.items
     told: int = 0  # how many of the supervisor's notices were shown
 
@@ -81,6 +82,7 @@ class Ran:
     lease: Lease | None = None
     verdict: Verdict | None = None
     stop: dict[str, Any] | None = None  # pytest.exit() or Ctrl-C in the test: end the session
+    payload: dict[str, Any] = field(default_factory=dict)  # pytest_gpuiso_child_payload's
 
     def record(self, nodeid: str) -> dict[str, Any]:
         return build_record(nodeid, self.reports, self.outcome, self.spec, self.lease, self.verdict)
@@ -202,7 +204,11 @@ def _run(
         _echo(item.config, outcome.output)
     stop = outcome.frames_of(frames.EXIT) or start_error
     reports = item_reports(item, spec, outcome, verdict)
-    return Ran(reports, spec, outcome, lease, verdict, stop[0] if stop else None)
+    payload: dict[str, Any] = {}
+    for sent in outcome.frames_of(frames.PAYLOAD):  # one, unless a plugin misbehaved
+        payload.update(sent)
+        item.config.hook.pytest_gpuiso_parent_payload(item=item, payload=sent, reports=reports)
+    return Ran(reports, spec, outcome, lease, verdict, stop[0] if stop else None, payload)
 
 
 def _warm_while_waiting(job: ItemJob, state: State, runs: Supervisor) -> Started | None:
@@ -234,6 +240,7 @@ def supervisor(config: pytest.Config, state: State) -> Supervisor:
                 invocation_dir=str(config.invocation_params.dir),
                 collect_all=s.precollect and s.mode == "all",  # the template collects the args
                 template_wait=s.template_wait,
+                options=child_options(config, state),
             ),
         )
         if s.start == "forkserver" and not reaper:
@@ -245,6 +252,17 @@ def supervisor(config: pytest.Config, state: State) -> Supervisor:
         if s.prewarm:
             state.prewarmer = Prewarmer(state.supervisor, s.prewarm)
     return state.supervisor
+
+
+def child_options(config: pytest.Config, state: State) -> tuple[tuple[str, Any], ...]:
+    """What plugins want set in the tests' processes (``pytest_gpuiso_child_options``),
+    asked once a session."""
+    if state.child_options is None:
+        merged: dict[str, Any] = {}
+        for answer in config.hook.pytest_gpuiso_child_options(config=config):
+            merged.update(answer or {})  # in call order: a later answer wins
+        state.child_options = tuple(merged.items())
+    return state.child_options
 
 
 def close(state: State) -> None:
@@ -363,6 +381,7 @@ def _item_job(item: pytest.Item, settings: Settings) -> ItemJob:
         basetemp=tempfile.mkdtemp(prefix="isolated-", dir=parent),
         junit_family=getattr(xml, "family", None),
         torch_check=settings.torch_check,
+        options=child_options(config, config.stash[STATE]),
     )
 
 

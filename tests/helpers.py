@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PROGRAMS = ROOT / "fixtures" / "programs"
 
 
-_FAST = ("-p", "no:hypothesispytest")
+# pytest-randomly (a test extra) would shuffle every run's tests: only its own tests use it.
+_FAST = ("-p", "no:hypothesispytest", "-p", "no:randomly")
 
 
 class GpuIso:

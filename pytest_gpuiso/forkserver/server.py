@@ -45,6 +45,7 @@ class ServerBoot:
     collect_all: bool = False  # every test is isolated: the template collects the args at once
     template_wait: float = TEMPLATE_WAIT_DEFAULT  # seconds a fork request waits for it
     log: str = ""  # the server's log file (the supervisor makes it)
+    options: tuple[tuple[str, Any], ...] = ()  # pytest_gpuiso_child_options, for the template
 
 
 def main(boot: ServerBoot, conn: Connection) -> None:

@@ -202,7 +202,7 @@ def _template_main(server: Server, sock: socket.socket, modules: list[str] | Non
         return forked
 
     try:
-        run_session(config, modules, await_fork)
+        run_session(config, modules, await_fork, boot.options)
     except BaseException as exc:  # noqa: BLE001 - the server then forks every test itself
         traceback.print_exc()
         with contextlib.suppress(OSError):
@@ -351,7 +351,7 @@ class TemplatePlugin(child_plugin.ChildPlugin):
         self._record_junit(config)
         child_plugin.name_capture_files(boot.capture_prefix)
         child_plugin.restart_capture(config)
-        child_plugin.override_options(config.option, job.basetemp)
+        child_plugin.override_options(config.option, job.basetemp, job.options)
         # The session's factory was made in the template: this test's basetemp instead.
         _compat.retarget_basetemp(config, job.basetemp)
         _restore_random_states(self.seeded)
@@ -369,13 +369,16 @@ class TemplatePlugin(child_plugin.ChildPlugin):
 
 
 def run_session(
-    config: Any, modules: list[str] | None, await_fork: Callable[[list[str]], Forked]
+    config: Any,
+    modules: list[str] | None,
+    await_fork: Callable[[list[str]], Forked],
+    options: tuple = (),
 ) -> None:
     """The template's pytest session; in a test's process forked from it, the test's end."""
     plugin = TemplatePlugin(modules, await_fork)
     config.pluginmanager.register(plugin, child_plugin.CHILD_PLUGIN)
     child_plugin.restart_capture(config)
-    child_plugin.override_options(config.option, config.option.basetemp)
+    child_plugin.override_options(config.option, config.option.basetemp, options)
     try:
         status = int(config.hook.pytest_cmdline_main(config=config))
     except BaseException:
