@@ -114,6 +114,19 @@ def test_delay_and_fail_on_flaky(gpuiso) -> None:
     assert all(b - a >= 0.5 for a, b in zip(times, times[1:], strict=False))
 
 
+@pytest.mark.skipif(RERUNFAILURES < (16, 5), reason="--max-suite-reruns: 16.5")
+def test_max_suite_reruns(gpuiso_settings) -> None:
+    """The session's reruns are counted with isolated tests' attempts."""
+    gpuiso_settings.copy(PROGRAM)
+    result = gpuiso_settings.run(
+        "--reruns=2", "--max-suite-reruns=1", "-k", "test_flaky or test_abort", MODULE
+    )
+    outcomes = result.parseoutcomes()
+    assert (outcomes.get("failed"), outcomes.get("rerun")) == (2, 1), result.stdout.str()
+    assert len(_attempts(gpuiso_settings, "flaky")) == 2
+    assert len(_attempts(gpuiso_settings, "abort")) == 1
+
+
 @installed
 def test_in_process_fixture_teardown_after_an_isolated_test(gpuiso_settings) -> None:
     """pytest tears down what an in-process test left up after the isolated test that

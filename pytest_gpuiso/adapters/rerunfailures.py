@@ -110,9 +110,11 @@ class RerunAdapter:
         if any(hasattr(r, "wasxfail") for r in reports):
             return False
         if complete:  # else a crash or a timeout: rerun like a failure
-            decided = payload.get(KEY, {}).get("rerun")
-            if decided is None:  # its process could not tell (a plugin's payload hook failed)
-                self._warn(config, f"{item.nodeid} not rerun: its process did not say if it may be")
+            # No payload: its test never ran there (a collection error), or a plugin's
+            # payload hook failed (a warning of the test says so).
+            decided = payload.get(KEY, {"rerun": False})["rerun"]
+            if decided is None:  # a release whose makereport keeps no _terminal_errors
+                self._warn(config, f"{item.nodeid} not rerun: its process could not tell")
             if not decided:
                 return False
         if not _suite_rerun_left(config):
@@ -180,17 +182,9 @@ def _may_rerun(rf: Any, item: Any) -> bool | None:
 
 
 def _suite_rerun_left(config: Any) -> bool:
-    """--max-suite-reruns: take one of the session's reruns (shared under xdist)."""
+    """--max-suite-reruns (16.5): take one of the session's reruns (shared under xdist)."""
     cap = getattr(config.option, "max_suite_reruns", None)
-    if cap is None:
-        return True
-    db = config.failures_db
-    if hasattr(db, "try_increment_suite_reruns"):
-        return bool(db.try_increment_suite_reruns(cap))
-    if db.get_suite_reruns() >= cap:
-        return False
-    db.increment_suite_reruns()
-    return True
+    return cap is None or bool(config.failures_db.try_increment_suite_reruns(cap))
 
 
 @functools.lru_cache(maxsize=1)
