@@ -77,6 +77,22 @@ def test_every_test_isolated(gpuiso) -> None:
     _check_all_counted(gpuiso, result, isolated=6)
 
 
+def test_branches_without_precollection(gpuiso) -> None:
+    """--cov-branch: the tests' processes measure arcs too (lines and arcs do not mix);
+    forked from the fork server's parsed configuration rather than its template."""
+    gpuiso.copy(PROGRAM)
+    result = gpuiso.run(
+        "--gpu-isolate-no-precollect",
+        CALC,
+        "--cov-branch",
+        "--cov-report=term-missing",
+        f"{PROGRAM}/test_calc.py",
+    )
+    result.assert_outcomes(passed=6)
+    assert _row(result, "calc")[1:6] == ["18", "0", "0", "0", "100%"], result.stdout.str()
+    assert _data_files(gpuiso) == [".coverage"]
+
+
 def test_no_report_no_files(gpuiso) -> None:
     """--cov-report= writes no report; the data file is pytest-cov's .coverage only."""
     gpuiso.copy(PROGRAM)

@@ -14,14 +14,19 @@ stand-in controller, so that ``@pytest.mark.no_cover``, the ``cov`` fixture and
 ``--cov-context=test`` work in the test's process as in pytest.
 
 pytest-cov's and coverage's private names used: ``pytest_cov.plugin._prepare_cov_source``,
-``TestContextPlugin``, ``CovPlugin.cov_controller`` (checked on pytest-cov 7.1.0,
-coverage 7.17.4). Without them, one ``GpuIsoStartWarning`` says isolated tests are not
-measured, and the plugin stays parked in the tests' processes.
+``CovPlugin.cov_controller`` and ``.pid``, ``pytest_cov.embed._active_cov`` (before 7),
+``Coverage._warn_*`` and ``._auto_save`` (checked on pytest-cov 7.1.0, coverage 7.17.4).
+Without the first, one ``GpuIsoStartWarning`` says isolated tests are not measured, and
+the plugin stays parked in the tests' processes.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
 import sys
+import tempfile
 from typing import Any
 
 import pytest
@@ -45,7 +50,7 @@ def missing_internals() -> list[str]:
         return [str(exc)]
     wanted = {
         "pytest_cov.plugin._prepare_cov_source": hasattr(cov_plugin, "_prepare_cov_source"),
-        "pytest_cov.plugin.TestContextPlugin": hasattr(cov_plugin, "TestContextPlugin"),
+        "pytest_cov.plugin.CovPlugin": hasattr(cov_plugin, "CovPlugin"),
         "coverage.Coverage.switch_context": hasattr(Coverage, "switch_context"),
         "coverage.CoverageData.dumps/loads/update": all(
             hasattr(CoverageData, name) for name in ("dumps", "loads", "update")
@@ -74,6 +79,27 @@ class StandIn:
             self.started = True
 
 
+class TestContexts:
+    """``--cov-context=test`` in a test's process: the contexts pytest-cov's own
+    ``TestContextPlugin`` names (``<nodeid>|setup``, ``|run``, ``|teardown``)."""
+
+    def __init__(self, controller: StandIn) -> None:
+        self.controller = controller
+
+    def pytest_runtest_setup(self, item: Any) -> None:
+        self._switch(item, "setup")
+
+    def pytest_runtest_call(self, item: Any) -> None:
+        self._switch(item, "run")
+
+    def pytest_runtest_teardown(self, item: Any) -> None:
+        self._switch(item, "teardown")
+
+    def _switch(self, item: Any, when: str) -> None:
+        if self.controller.started:
+            self.controller.cov.switch_context(f"{item.nodeid}|{when}")
+
+
 class CovAdapter:
     """Parks pytest-cov where it must not run, measures the test in its process and
     hands the data to pytest's controller."""
@@ -81,7 +107,8 @@ class CovAdapter:
     def __init__(self) -> None:
         self.measure = False  # parked here, and the session asked for coverage
         self.cov: Any = None  # the test's Coverage, in a test's process
-        self.received: Any = None  # pytest: the tests' data, a CoverageData without disk
+        self.received: Any = None  # pytest: the tests' data so far, a CoverageData
+        self.scratch: str | None = None  # pytest: the private directory it is kept in
         self.missing: list[str] | None = None  # missing_internals(), once asked
 
     def _missing(self) -> list[str]:
@@ -107,12 +134,16 @@ class CovAdapter:
         if not self.measure or not manager.has_plugin(HOSTS[0]):
             return (yield)
         plugin = manager.get_plugin(COV_PLUGIN)
+        if plugin is not None:
+            # pytest-cov < 7 starts coverage at each test's setup in a process other than
+            # its session's (``self.pid``, None when parked), and saves it at teardown.
+            plugin.pid = os.getpid()
         if self._missing():  # not measured (pytest warned); no_cover still finds a controller
             if plugin is not None:
                 plugin.cov_controller = StandIn(None)
             return (yield)
         import coverage
-        from pytest_cov.plugin import TestContextPlugin, _prepare_cov_source
+        from pytest_cov.plugin import _prepare_cov_source
 
         option = item.config.option
         cov = coverage.Coverage(
@@ -130,8 +161,8 @@ class CovAdapter:
         stand_in = StandIn(cov)
         if plugin is not None:
             plugin.cov_controller = stand_in
-        if option.cov_context == "test":
-            manager.register(TestContextPlugin(stand_in), "_cov_contexts")
+        if getattr(option, "cov_context", None) == "test":
+            manager.register(TestContexts(stand_in), "_cov_contexts")
         cov.start()
         try:
             return (yield)
@@ -176,40 +207,59 @@ class CovAdapter:
         data = CoverageData(no_disk=True)
         data.loads(blob)
         if self.received is None:
-            self.received = CoverageData(no_disk=True)
+            # On disk, in a directory of ours: a diskless CoverageData updated twice fails
+            # on coverage 7.10 (the other database stays attached to its connection).
+            self.scratch = tempfile.mkdtemp(prefix="gpuiso-cov-")
+            self.received = CoverageData(basename=os.path.join(self.scratch, "received"))
         self.received.update(data)
 
     @pytest.hookimpl(wrapper=True, trylast=True)  # inside pytest-cov's: before it saves
     def pytest_runtestloop(self, session: Any) -> Any:
-        result = yield
-        received, self.received = self.received, None
-        plugin = session.config.pluginmanager.get_plugin(COV_PLUGIN)
-        controller = getattr(plugin, "cov_controller", None)
-        if received is not None and getattr(controller, "cov", None) is not None:
-            controller.cov.get_data().update(received)
+        try:
+            result = yield
+            received = self.received
+            plugin = session.config.pluginmanager.get_plugin(COV_PLUGIN)
+            controller = getattr(plugin, "cov_controller", None)
+            if received is not None and getattr(controller, "cov", None) is not None:
+                controller.cov.get_data().update(received)
+        finally:
+            self.received = None
+            if self.scratch is not None:
+                shutil.rmtree(self.scratch, ignore_errors=True)
+                self.scratch = None
         return result
 
 
 def _stop_auto_started() -> None:
-    """Coverage's ``patch = subprocess`` starts a Coverage when a spawned interpreter
-    starts (this process, inheriting pytest's environment): stop it, and never save it."""
+    """Coverage's ``patch = subprocess`` (pytest-cov before 7: its ``.pth`` file) starts a
+    Coverage when a spawned interpreter starts (this process, inheriting pytest's
+    environment): stop it, and never save it."""
     control = sys.modules.get("coverage.control")
-    auto = getattr(getattr(control, "process_startup", None), "coverage", None)
-    if auto is not None:
-        auto._auto_save = False
-        auto.stop()
+    embed = sys.modules.get("pytest_cov.embed")
+    # The last started first: coverage stops only its current collector. pytest-cov's
+    # .pth file (pytest-cov.pth) runs after coverage's (a1_coverage.pth).
+    for auto in (
+        getattr(embed, "_active_cov", None),
+        getattr(getattr(control, "process_startup", None), "coverage", None),
+    ):
+        if auto is not None:
+            auto._auto_save = False
+            with contextlib.suppress(Exception):  # measured along with ours, then
+                auto.stop()
+    if embed is not None:  # its cleanup() at each test's teardown would save it
+        embed._active_cov = None
 
 
 def _start_resource_tracker_unmeasured() -> None:
     """Start multiprocessing's resource tracker (spawning a test's process would) without
-    coverage's ``patch = subprocess`` variables: it would measure itself, and save an empty
-    ``.coverage.<host>.<pid>`` file when it exits, after pytest-cov combined the data."""
-    import os
-
-    names = [name for name in _AUTO_START_VARIABLES if name in os.environ]
-    if not names:
-        return
+    the variables that start coverage in a new interpreter: it would measure itself, and
+    save an empty ``.coverage.<host>.<pid>`` file when it exits, after pytest-cov combined
+    the data."""
     from multiprocessing import resource_tracker
+
+    # Even without them now: pytest-cov < 7 sets its variables at session start
+    # (under xdist, in the worker), after which the tracker would start with them.
+    names = [name for name in os.environ if name.startswith(_AUTO_START_VARIABLES)]
 
     saved = {name: os.environ.pop(name) for name in names}
     try:
@@ -218,7 +268,8 @@ def _start_resource_tracker_unmeasured() -> None:
         os.environ.update(saved)
 
 
-_AUTO_START_VARIABLES = ("COVERAGE_PROCESS_START", "COVERAGE_PROCESS_CONFIG")
+# coverage's patch = subprocess; pytest-cov's COV_CORE_SOURCE, _CONFIG, _DATAFILE (< 7)
+_AUTO_START_VARIABLES = ("COVERAGE_PROCESS_START", "COVERAGE_PROCESS_CONFIG", "COV_CORE_")
 
 
 def _version(distribution: str) -> str:
