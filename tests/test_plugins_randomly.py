@@ -84,6 +84,7 @@ def test_last_seed_is_the_cached_one(gpuiso: GpuIso) -> None:
 def test_no_resolved_seed_is_one_warning(pytester: pytest.Pytester) -> None:
     """Should pytest-randomly keep no int seed on the option (another version), the
     session gets one warning and the tests' processes their own seeds, as before."""
+    from pytest_gpuiso import GpuIsoStartWarning
     from pytest_gpuiso.adapters.randomly import RandomlyAdapter
 
     config = pytester.parseconfigure("-p", "randomly", "-p", "no:hypothesispytest")
@@ -91,7 +92,8 @@ def test_no_resolved_seed_is_one_warning(pytester: pytest.Pytester) -> None:
 
     class Recorder:
         def pytest_warning_recorded(self, warning_message, when, nodeid, location):
-            recorded.append(str(warning_message.message))
+            if warning_message.category is GpuIsoStartWarning:
+                recorded.append(str(warning_message.message))
 
     config.pluginmanager.register(Recorder())
     config.option.randomly_seed = "default"

@@ -15,7 +15,8 @@ assertions, would delete theirs. So:
   Under xdist the worker's report carries them to the controller, as syrupy does.
 
 syrupy's internals used (checked once; without them one warning, and pytest's unused
-detection is turned off rather than deleting the isolated tests' snapshots):
+detection is turned off rather than deleting the isolated tests' snapshots; syrupy < 6.0,
+without ``--snapshot-disable-unused``, gets a warning too):
 ``config._syrupy`` (``SnapshotSession``: ``_assertions``, ``_written_snapshot_locations``),
 ``SnapshotAssertion(session, extension_class, test_location, update_snapshots)`` and its
 ``executions``, ``AssertionResult``, ``PyTestLocation``.
@@ -68,19 +69,21 @@ def missing_internals() -> list[str]:
     return [name for name, there in needs.items() if not there]
 
 
-def _unsupported(config: Any, reason: str) -> None:
-    """One warning a session; pytest's unused detection off, so that nothing an isolated
-    test used is deleted as unused."""
-    config.option.disable_unused_snapshots = True
+def _warn_once(config: Any, text: str) -> None:
     if not config.stash.get(_warned, False):
         config.stash[_warned] = True
-        warn_session(
-            config,
-            GpuIsoStartWarning(
-                f"syrupy {plugin_version('syrupy')}: {reason}; isolated tests' snapshots "
-                "not reported, unused snapshot detection turned off"
-            ),
-        )
+        warn_session(config, GpuIsoStartWarning(f"syrupy {plugin_version('syrupy')}: {text}"))
+
+
+def _unsupported(config: Any, reason: str) -> None:
+    """Isolated tests' snapshots cannot be reported: pytest's unused detection off, so
+    that nothing they used is deleted as unused (syrupy >= 6.0 has the option)."""
+    if hasattr(config.option, "disable_unused_snapshots"):
+        config.option.disable_unused_snapshots = True
+        effect = "unused snapshot detection turned off"
+    else:
+        effect = "--snapshot-update deletes them as unused"
+    _warn_once(config, f"{reason}; isolated tests' snapshots not reported, {effect}")
 
 
 def _import(path: tuple[str, str]) -> type:
@@ -100,6 +103,12 @@ class SyrupyAdapter:
         missing = missing_internals()
         if missing:
             _unsupported(config, "no " + ", ".join(missing))
+        elif not hasattr(config.option, "disable_unused_snapshots"):
+            _warn_once(
+                config,
+                "no --snapshot-disable-unused (syrupy < 6.0); with --snapshot-update each "
+                "isolated test's process deletes the snapshots its test did not use",
+            )
         return {"disable_unused_snapshots": True}
 
     def pytest_gpuiso_child_payload(self, item: Any, payload: dict[str, Any]) -> None:
