@@ -1,8 +1,9 @@
 """syrupy with isolated tests: their snapshots are written, counted and kept as in-process.
 
 fixtures/programs/plug17_syrupy has two isolated tests (one asserting twice, once with a
-named snapshot) and one in-process test sharing one .ambr file: four snapshots. The
-snapshot report must count all four, ``--snapshot-update`` must keep all four (a test's
+named snapshot) and one in-process test sharing one .ambr file, and an isolated test whose
+JSON snapshot is a file of its own: five snapshots. The snapshot report must count all
+five, ``--snapshot-update`` must keep all five (a test's
 process, running one test, must not delete the others', and pytest must know the
 isolated tests used theirs) while still deleting a snapshot no test uses. Under both
 start methods, and under xdist (where syrupy locks the file its workers share).
@@ -20,11 +21,14 @@ pytest.importorskip("syrupy")
 
 PROGRAM = "plug17_syrupy"
 AMBR = f"{PROGRAM}/__snapshots__/test_snapshots.ambr"
+JSON = f"{PROGRAM}/__snapshots__/test_snapshots/test_isolated_json.json"
 NAMES = ["test_in_process", "test_isolated_one", "test_isolated_two", "test_isolated_two[named]"]
 STALE = "# name: test_stale\n  'no test asserts this'\n# ---\n"
 
 
 def _names(gpuiso: GpuIso) -> list[str]:
+    """The .ambr file's snapshots; the JSON snapshot's file must be there too."""
+    assert (gpuiso.path / JSON).is_file()
     return re.findall(r"^# name: (.*)$", (gpuiso.path / AMBR).read_text(), re.MULTILINE)
 
 
@@ -43,19 +47,21 @@ def _summary(result: pytest.RunResult) -> str:
 def test_update_keeps_every_snapshot_and_a_plain_run_passes(gpuiso: GpuIso, workers: int) -> None:
     gpuiso.copy(PROGRAM)
     result = _run(gpuiso, workers, "--snapshot-update")
-    result.assert_outcomes(passed=3)
-    assert _summary(result) == "4 snapshots generated."
+    result.assert_outcomes(passed=4)
+    assert _summary(result) == "5 snapshots generated."
     assert _names(gpuiso) == NAMES
     written = (gpuiso.path / AMBR).read_text()
     result = _run(gpuiso, workers, "--snapshot-update")  # stable: nothing changes
     assert result.ret == 0
-    assert _summary(result) == "4 snapshots passed."
+    assert _summary(result) == "5 snapshots passed."
     assert (gpuiso.path / AMBR).read_text() == written
     result = _run(gpuiso, workers)
     assert result.ret == 0
-    assert _summary(result) == "4 snapshots passed."
+    assert _summary(result) == "5 snapshots passed."
     # the lock files syrupy uses under xdist were cleaned up, those of the tests' processes too
-    assert sorted(p.name for p in (gpuiso.path / AMBR).parent.iterdir()) == ["test_snapshots.ambr"]
+    snapshots = (gpuiso.path / AMBR).parent.rglob("*")
+    files = {str(p.relative_to(gpuiso.path)) for p in snapshots if p.is_file()}
+    assert files == {AMBR, JSON}
 
 
 @pytest.mark.parametrize("workers", [0, 2], ids=["serial", "xdist"])
@@ -64,14 +70,16 @@ def test_unused_snapshots_are_still_found(gpuiso: GpuIso, workers: int) -> None:
     assert _run(gpuiso, workers, "--snapshot-update").ret == 0
     with open(gpuiso.path / AMBR, "a") as f:
         f.write(STALE)
+    stale_json = gpuiso.path / JSON.replace("test_isolated_json", "test_gone")
+    stale_json.write_text("{}\n")
     result = _run(gpuiso, workers)
     assert result.ret != 0  # syrupy fails a session with unused snapshots, as in-process
-    assert _summary(result) == "4 snapshots passed. 1 snapshot unused."
+    assert _summary(result) == "5 snapshots passed. 2 snapshots unused."
     result = _run(gpuiso, workers, "--snapshot-update")
     assert result.ret == 0
-    assert _summary(result) == "4 snapshots passed. 1 unused snapshot deleted."
-    result.stdout.fnmatch_lines([f"Deleted test_stale ({AMBR})"])
-    assert _names(gpuiso) == NAMES
+    assert _summary(result) == "5 snapshots passed. 2 unused snapshots deleted."
+    result.stdout.fnmatch_lines([f"Deleted test_stale ({AMBR})"], consecutive=False)
+    assert _names(gpuiso) == NAMES and not stale_json.exists()
 
 
 def test_a_changed_snapshot_fails_then_updates(gpuiso: GpuIso) -> None:
@@ -85,15 +93,15 @@ def test_a_changed_snapshot_fails_then_updates(gpuiso: GpuIso) -> None:
     for mode in ((), ("--no-gpu-isolate",)):
         path.write_text(changed)
         result = _run(gpuiso, 0, *mode)
-        result.assert_outcomes(passed=2, failed=1)
+        result.assert_outcomes(passed=3, failed=1)
         result.stdout.fnmatch_lines(["FAILED *test_isolated_two*"])
         summaries.append(_summary(result))
         result = _run(gpuiso, 0, *mode, "--snapshot-update")
-        result.assert_outcomes(passed=3)
+        result.assert_outcomes(passed=4)
         summaries.append(_summary(result))
         assert _names(gpuiso) == NAMES and "'isolated two'" in path.read_text()
-    expected = ["1 snapshot failed. 2 snapshots passed. 1 snapshot unused."]
-    expected.append("3 snapshots passed. 1 snapshot updated.")
+    expected = ["1 snapshot failed. 3 snapshots passed. 1 snapshot unused."]
+    expected.append("4 snapshots passed. 1 snapshot updated.")
     assert summaries == expected * 2
 
 
@@ -107,7 +115,7 @@ def test_missing_internals_are_one_warning_and_delete_nothing(gpuiso: GpuIso) ->
         "adapter.missing_internals = lambda: ['SnapshotSession._assertions']\n"
     )
     result = _run(gpuiso, 0, "--snapshot-update", "-W", "always")
-    result.assert_outcomes(passed=3)
+    result.assert_outcomes(passed=4)
     warning = (
         "*GpuIsoStartWarning: syrupy *: no SnapshotSession._assertions; isolated tests' "
         "snapshots not reported, unused snapshot detection turned off"
