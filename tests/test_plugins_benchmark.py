@@ -56,6 +56,16 @@ def test_table_json_and_save_list_every_benchmark(gpuiso: GpuIso) -> None:
     assert [p.name for p in gpuiso.path.rglob("*.json")] == ["out.json", saved.name]
 
 
+def test_only_isolated_benchmarks(gpuiso: GpuIso) -> None:
+    """pytest ran no benchmark itself: it still reports and writes those of its tests' processes."""
+    gpuiso.copy(PROGRAM)
+    result = _run(gpuiso, "-k", "isolated", "--benchmark-json=out.json")
+    result.assert_outcomes(passed=2)
+    assert "no benchmarks have been run" not in result.stdout.str() + result.stderr.str()
+    benchmarks = json.loads((gpuiso.path / "out.json").read_text())["benchmarks"]
+    assert {b["name"] for b in benchmarks} == NAMES - {"test_in_process_sum"}
+
+
 def test_cprofile_of_isolated_benchmarks(gpuiso: GpuIso) -> None:
     gpuiso.copy(PROGRAM)
     result = _run(
