@@ -139,6 +139,9 @@ def test_coverage_subprocess_patch(gpuiso) -> None:
     """coverage's ``patch = subprocess`` starts coverage in every spawned interpreter (the
     tests' processes, the fork server, multiprocessing's resource tracker): none of them
     leaves a data file of its own."""
+    coverage = pytest.importorskip("coverage")
+    if coverage.version_info < (7, 10):
+        pytest.skip(f"coverage {coverage.__version__} has no [run] patch = subprocess")
     gpuiso.copy(PROGRAM)
     (gpuiso.path / ".coveragerc").write_text("[run]\npatch = subprocess\n")
     result = gpuiso.run(CALC, "--cov-report=term-missing", f"{PROGRAM}/test_calc.py")
