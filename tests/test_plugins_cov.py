@@ -163,3 +163,18 @@ def test_other_pytest_cov_warns_once(gpuiso) -> None:
     ], out
     assert _row(result, "calc")[1:3] == ["18", "10"]  # f1-f5's bodies
     assert _data_files(gpuiso) == [".coverage"]
+
+
+def test_data_that_cannot_be_added_warns_once(gpuiso) -> None:
+    """A test's data that coverage refuses to add (branches into lines): one warning,
+    the run and the other lines' report stand."""
+    gpuiso.copy(PROGRAM, "plug17_cov_mismatch/conftest.py")
+    result = gpuiso.run(
+        "-W", "always", CALC, "--cov-report=term-missing", f"{PROGRAM}/test_calc.py"
+    )
+    result.assert_outcomes(passed=6)
+    out = result.stdout.str()
+    warnings = re.findall(r"GpuIsoStartWarning: pytest-cov: (.*) are not counted", out)
+    assert warnings == ["the lines isolated tests ran"], out
+    assert _row(result, "calc")[1:3] == ["18", "10"]  # f1-f5's bodies
+    assert _data_files(gpuiso) == [".coverage"]

@@ -109,6 +109,7 @@ class CovAdapter:
         self.cov: Any = None  # the test's Coverage, in a test's process
         self.received: Any = None  # pytest: the tests' data so far, a CoverageData
         self.scratch: str | None = None  # pytest: the private directory it is kept in
+        self.merge_failed = False  # pytest: a test's data could not be added (warned once)
         self.missing: list[str] | None = None  # missing_internals(), once asked
 
     def _missing(self) -> list[str]:
@@ -204,14 +205,24 @@ class CovAdapter:
             return
         from coverage import CoverageData
 
-        data = CoverageData(no_disk=True)
-        data.loads(blob)
         if self.received is None:
             # On disk, in a directory of ours: a diskless CoverageData updated twice fails
             # on coverage 7.10 (the other database stays attached to its connection).
             self.scratch = tempfile.mkdtemp(prefix="gpuiso-cov-")
             self.received = CoverageData(basename=os.path.join(self.scratch, "received"))
-        self.received.update(data)
+        try:
+            data = CoverageData(no_disk=True)
+            data.loads(blob)
+            self.received.update(data)
+        except Exception as exc:  # noqa: BLE001 - coverage's DataError and whatever else
+            self._not_counted(item.config, f"the lines {item.nodeid} ran", exc)
+
+    def _not_counted(self, config: Any, what: str, exc: Exception) -> None:
+        """Warn once a session: the first failure says why, the others would repeat it."""
+        if not self.merge_failed:
+            self.merge_failed = True
+            text = f"pytest-cov: {what} are not counted (nor others that fail so): {exc}"
+            warn_session(config, GpuIsoStartWarning(text))
 
     @pytest.hookimpl(wrapper=True, trylast=True)  # inside pytest-cov's: before it saves
     def pytest_runtestloop(self, session: Any) -> Any:
@@ -221,7 +232,10 @@ class CovAdapter:
             plugin = session.config.pluginmanager.get_plugin(COV_PLUGIN)
             controller = getattr(plugin, "cov_controller", None)
             if received is not None and getattr(controller, "cov", None) is not None:
-                controller.cov.get_data().update(received)
+                try:
+                    controller.cov.get_data().update(received)
+                except Exception as exc:  # noqa: BLE001 - as for one test's data
+                    self._not_counted(session.config, "the lines isolated tests ran", exc)
         finally:
             self.received = None
             if self.scratch is not None:
