@@ -15,9 +15,9 @@ stand-in controller, so that ``@pytest.mark.no_cover``, the ``cov`` fixture and
 
 pytest-cov's and coverage's private names used: ``pytest_cov.plugin._prepare_cov_source``,
 ``CovPlugin.cov_controller`` and ``.pid``, ``pytest_cov.embed._active_cov`` (before 7),
-``Coverage._warn_*`` and ``._auto_save`` (checked on pytest-cov 7.1.0, coverage 7.17.4).
-Without the first, one ``GpuIsoStartWarning`` says isolated tests are not measured, and
-the plugin stays parked in the tests' processes.
+``Coverage._warn_*`` and ``._auto_save`` (checked on pytest-cov 2.12.1 to 7.1.0, coverage
+5.2.1 to 7.17.4). Without what ``missing_internals`` looks for, one ``GpuIsoStartWarning``
+says isolated tests are not measured, and the plugin stays parked in the tests' processes.
 """
 
 from __future__ import annotations
