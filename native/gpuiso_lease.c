@@ -717,6 +717,15 @@ static uint64_t need_on(const device_t *dev, uint64_t amount, uint32_t share)
     return amount <= capacity ? amount : 0;
 }
 
+/* A device's size for messages: "80 GiB", "0.5 GiB", or "an unknown size". */
+static void size_words(char *buf, size_t len, uint64_t size)
+{
+    if (size == 0)
+        snprintf(buf, len, "an unknown size");
+    else
+        snprintf(buf, len, "%.4g GiB", (double)size / (1ULL << 30));
+}
+
 /* Find or add the rows of `names`; -1 and a message when a device is leased with
  * another capacity by a live holder (two sessions disagree about its size). */
 static int resolve_rows(RegionObject *self, char **names, int count, const uint64_t *capacities,
@@ -746,11 +755,13 @@ static int resolve_rows(RegionObject *self, char **names, int count, const uint6
                     char label[81];
                     slot_t *held = &dev->slot[s];
                     copy_text(label, held->label, sizeof label);
+                    char was[32], now[32];
+                    size_words(was, sizeof was, dev->capacity);
+                    size_words(now, sizeof now, capacities[i]);
                     snprintf(err, errlen,
-                             "device %s is leased as %llu bytes (0: size unknown) by pid %d "
-                             "(%s); this session says %llu",
-                             names[i], (unsigned long long)dev->capacity, held->owner.pid, label,
-                             (unsigned long long)capacities[i]);
+                             "device %s is leased as %s of memory by pid %d (%s); this session "
+                             "says %s",
+                             names[i], was, held->owner.pid, label, now);
                     return -1;
                 }
             memset(dev->slot, 0, sizeof dev->slot);
@@ -1064,16 +1075,21 @@ static void give_up(RegionObject *self, request_t *q, int lock_failed)
 
 static PyObject *Region_acquire(RegionObject *self, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"devices", "slots", "n",          "label",
-                             "timeout", "amount", "capacities", NULL};
+    static char *kwlist[] = {"devices", "slots",      "n",     "label", "timeout",
+                             "amount",  "capacities", "share", NULL};
     PyObject *devices;
     unsigned int slots, n;
     const char *label;
     PyObject *timeout_obj = Py_None, *capacities_obj = Py_None;
     unsigned long long amount = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OIIs|OKO", kwlist, &devices, &slots, &n, &label,
-                                     &timeout_obj, &amount, &capacities_obj))
+    unsigned int share = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OIIs|OKOI", kwlist, &devices, &slots, &n, &label,
+                                     &timeout_obj, &amount, &capacities_obj, &share))
         return NULL;
+    if (share > WHOLE || (share != 0 && amount != 0))
+        return PyErr_Format(PyExc_ValueError,
+                            "share is in parts per million (0..%llu), and excludes amount",
+                            (unsigned long long)WHOLE);
     if (ready(self) < 0)
         return NULL;
     PyObject *seq = PySequence_Fast(devices, "devices must be a sequence of names");
@@ -1149,7 +1165,7 @@ static PyObject *Region_acquire(RegionObject *self, PyObject *args, PyObject *kw
     q.suspect = 1;
     q.count = (int)count;
     q.amount = amount;
-    q.share = amount ? 0 : (uint32_t)(WHOLE / slots);
+    q.share = amount ? 0 : share ? share : (uint32_t)(WHOLE / slots);
     for (int i = 0; i < q.count; i++) {
         snprintf(q.names[i], NAME_LEN, "%s", names[i]);
         q.capacities[i] = capacities[i];
@@ -1361,7 +1377,8 @@ static PyMethodDef Region_methods[] = {
      "acquire(devices, slots, n, label, timeout=None, amount=0, capacities=None) -> (lease_id, "
      "[device names]) or None "
      "on timeout. Blocks (GIL released) until n of the devices have room: `amount` bytes on each "
-     "(capacities: bytes per device, 0 unknown), or 1/slots of each when amount is 0."},
+     "(capacities: bytes per device, 0 unknown), or `share` parts per million of each, or "
+     "1/slots of each."},
     {"release", (PyCFunction)Region_release, METH_VARARGS,
      "release(lease_id) -> number of slots freed"},
     {"snapshot", (PyCFunction)Region_snapshot, METH_NOARGS,

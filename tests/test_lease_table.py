@@ -996,7 +996,7 @@ def test_capacity_conflict_with_a_live_holder_is_an_error(
     assert holder.acquire(["0"], 1, 1, "big", amount=GIB, capacities=[80 * GIB]) is not None
     with pytest.raises(
         RegionError,
-        match=rf"device 0 is leased as {80 * GIB} bytes .* by pid {holder.pid} .*says {40 * GIB}",
+        match=rf"device 0 is leased as 80 GiB of memory by pid {holder.pid} .*says 40 GiB$",
     ):
         region.acquire(["0"], 1, 1, "small", 0, amount=GIB, capacities=[40 * GIB])
     holder.kill()
