@@ -171,9 +171,7 @@ def parse_memory(value: Any, what: str) -> GpuMemory:
         except ValueError:
             percent = math.nan
         if not 0 < percent <= 100:
-            raise SpecError(
-                f"invalid value {value!r} for {what}: expected a percentage 0-100"
-            )
+            raise SpecError(f"invalid value {value!r} for {what}: expected a percentage 0-100")
         return GpuMemory(value.strip(), share=max(1, round(percent * WHOLE / 100)))
     return GpuMemory(str(value).strip(), size=parse_size(value, what))
 
