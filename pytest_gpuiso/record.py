@@ -50,17 +50,23 @@ def build_record(
     spec: IsolationSpec | None = None,
     lease: Any = None,
     verdict: Verdict | None = None,
+    attempt: int = 1,
+    rerun: bool = False,
     peak: int | None = None,
 ) -> dict[str, Any]:
-    """One test's entry in the JSON report (schema version 1).
+    """One test's entry in the JSON report (schema version 1): one per attempt.
 
     ``outcome`` is None when no process ran (a bad marker, a lease timeout, a skip).
+    ``attempt`` counts a test's runs from 1 (pytest-rerunfailures: a fresh process
+    each); ``rerun``: this attempt failed and the test ran again (outcome "rerun").
     """
     # Interrupted before its call was reported: it neither passed nor failed.
     stopped = outcome is not None and outcome.interrupted and all(r.when != "call" for r in reports)
+    result = "rerun" if rerun else "interrupted" if stopped else final_outcome(reports)
     record: dict[str, Any] = {
         "nodeid": nodeid,
-        "outcome": "interrupted" if stopped else final_outcome(reports),
+        "outcome": result,
+        "attempt": attempt,
         # What the test ran (setup, call, teardown), as pytest and junit count it; a
         # timeout or crash counts until the process was stopped or ended.
         "duration": round(sum(r.duration for r in reports), 6) if outcome else 0.0,

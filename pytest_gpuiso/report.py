@@ -1,7 +1,8 @@
 """Reports of the isolated tests: JSON, terminal summary, Markdown, and the merge of shards.
 
-Every report is made from the same records (one per isolated test, schema
-version 1), so a merged report of CI shards reads exactly like one session's.
+Every report is made from the same records (schema version 1; one per isolated test
+and attempt: a test rerun by pytest-rerunfailures counts once), so a merged report
+of CI shards reads exactly like one session's.
 """
 
 from __future__ import annotations
@@ -150,12 +151,25 @@ def leak_counts(records: list[dict[str, Any]]) -> Counter[str]:
     return Counter(leak["kind"] for r in records for leak in _reported(r))
 
 
+def _tests(records: list[dict[str, Any]]) -> int:
+    """How many tests the records are of (a rerun test has one record per attempt)."""
+    return len({r["nodeid"] for r in records})
+
+
+def _attempt(record: dict[str, Any]) -> str:
+    """The attempt of a rerun test's record, as " (attempt 2)"; "" for other records."""
+    attempt = record.get("attempt", 1)
+    return f" (attempt {attempt})" if record["outcome"] == "rerun" or attempt != 1 else ""
+
+
 def terminal_summary(tr: Any, records: list[dict[str, Any]], path: Path | None) -> None:
     timed_out = [r for r in records if r["exit"]["timed_out"]]
     crashed = [r for r in records if r["exit"]["signal"] and not r["exit"]["timed_out"]]
     escaped = sum(len(r.get("escaped", [])) for r in records)
+    reruns = sum(1 for r in records if r["outcome"] == "rerun")
     tr.write_sep("-", "gpu-isolate")
-    parts = [f"{len(records)} isolated", f"{len(timed_out)} timed out", f"{len(crashed)} crashed"]
+    parts = [f"{_tests(records)} isolated"] + ([f"{reruns} rerun"] if reruns else [])
+    parts += [f"{len(timed_out)} timed out", f"{len(crashed)} crashed"]
     if escaped:
         parts.append(f"{escaped} escaped processes killed")
     tr.write_line("gpu-isolate: " + ", ".join(parts))
@@ -163,9 +177,9 @@ def terminal_summary(tr: Any, records: list[dict[str, Any]], path: Path | None) 
     if starts:
         tr.write_line("gpu-isolate: started " + starts)
     for r in timed_out:
-        tr.write_line(f"  TIMEOUT {r['nodeid']} ({_bound(r, test='after')})")
+        tr.write_line(f"  TIMEOUT {r['nodeid']}{_attempt(r)} ({_bound(r, test='after')})")
     for r in crashed:
-        tr.write_line(f"  CRASHED {r['nodeid']} ({r['exit']['signal']})")
+        tr.write_line(f"  CRASHED {r['nodeid']}{_attempt(r)} ({r['exit']['signal']})")
     if path is not None:
         tr.write_line(f"gpu-isolate: JSON report written to {path}")
     leaky = [r for r in records if r.get("leaks")]
@@ -232,17 +246,19 @@ def leak_summary(tr: Any, records: list[dict[str, Any]]) -> None:
     counts = leak_counts(records)
     allowed = sum(1 for r in records for leak in r.get("leaks", []) if leak.get("allowed"))
     tr.write_sep("-", "gpu-isolate leak summary")
-    tests = sum(1 for r in records if _reported(r))
+    by_test: dict[str, list[dict[str, Any]]] = {}  # every attempt's leaks, a test once
+    for r in records:
+        if _reported(r):
+            by_test.setdefault(r["nodeid"], []).extend(_reported(r))
     line = ", ".join(f"{counts[kind]} {kind}" for kind in KINDS)
-    tr.write_line(f"gpu-isolate: {sum(counts.values())} leaks in {tests} tests ({line})")
+    tr.write_line(f"gpu-isolate: {sum(counts.values())} leaks in {len(by_test)} tests ({line})")
     if allowed:
         tr.write_line(f"gpu-isolate: {allowed} more allowed by allow_leaks markers")
-    worst = sorted((r for r in records if _reported(r)), key=lambda r: -len(_reported(r)))
-    for r in worst[:WORST]:
-        leaks = _reported(r)
+    worst = sorted(by_test.items(), key=lambda test: -len(test[1]))
+    for nodeid, leaks in worst[:WORST]:
         kinds = Counter(leak["kind"] for leak in leaks)
         what = ", ".join(f"{n} {kind}" for kind, n in kinds.items())
-        tr.write_line(f"  {r['nodeid']}: {what}")
+        tr.write_line(f"  {nodeid}: {what}")
         for leak in leaks[:3]:
             tr.write_line(f"    {leak['kind']}: {leak['detail']}")
         if len(leaks) > 3:
@@ -296,14 +312,14 @@ def markdown(records: list[dict[str, Any]], title: str = "pytest-gpuiso") -> str
     allowed = sum(1 for r in records for leak in r.get("leaks", []) if leak.get("allowed"))
     lines = [f"## {title}", ""]
     outcome_text = ", ".join(f"{n} {_cell(o)}" for o, n in sorted(outcomes.items()))
-    lines.append(f"**{len(records)} isolated tests** ({outcome_text or 'none'})")
+    lines.append(f"**{_tests(records)} isolated tests** ({outcome_text or 'none'})")
     lines.append("")
     lines.append("| leaks | " + " | ".join(KINDS) + " | timeouts | crashes |")
     lines.append("|---" * (len(KINDS) + 3) + "|")
     timeouts = sum(1 for r in records if r["exit"]["timed_out"])
     crashes = len(ended) - timeouts
     lines.append(
-        f"| {sum(counts.values())} in {len(leaky)} tests | "
+        f"| {sum(counts.values())} in {_tests(leaky)} tests | "
         + " | ".join(str(counts[k]) for k in KINDS)
         + f" | {timeouts} | {crashes} |"
     )

@@ -1,6 +1,7 @@
 """One isolated test, parent side: its GPUs, its lease, its probes, its run, its verdict.
 
-``run_item`` is the whole of it, from the test's turn to its final reports:
+``run_item`` runs one attempt, from the test's turn to its reports; ``finish_item``
+makes the last attempt's reports final (``mark_rerun`` an attempt run again):
 
 1. resolve the test's ``IsolationSpec`` (a bad marker: the test's setup error);
 2. skip it when it needs more GPUs than there are; lease them (in this process:
@@ -10,8 +11,9 @@
 4. judge the leaks, replay the child's warnings and junit properties, echo what
    it wrote outside capture, and turn the ``Outcome`` into pytest reports
    (``results``);
-5. tear down the parent's own fixtures that ``nextitem`` no longer needs, as
-   in-process, and attach the JSON record to the last report.
+5. after the last attempt, tear down the parent's own fixtures that ``nextitem``
+   no longer needs, as in-process; attach each attempt's JSON record to its last
+   report.
 
 The session-wide side (one ``Supervisor``, the lease table, prewarming) lives
 in ``State``, in the config's stash.
@@ -85,9 +87,22 @@ class Ran:
     payload: dict[str, Any] = field(default_factory=dict)  # pytest_gpuiso_child_payload's
     peak: int | None = None  # most GPU memory its processes held on one GPU (NVML)
 
-    def record(self, nodeid: str) -> dict[str, Any]:
+    @property
+    def complete(self) -> bool:
+        """No process ran, or it finished: it neither crashed nor timed out."""
+        return self.outcome is None or self.outcome.finished
+
+    def record(self, nodeid: str, attempt: int = 1, rerun: bool = False) -> dict[str, Any]:
         return build_record(
-            nodeid, self.reports, self.outcome, self.spec, self.lease, self.verdict, self.peak
+            nodeid,
+            self.reports,
+            self.outcome,
+            self.spec,
+            self.lease,
+            self.verdict,
+            attempt,
+            rerun,
+            self.peak,
         )
 
 
@@ -97,7 +112,8 @@ def isolated(item: pytest.Item) -> bool:
 
 
 def run_item(item: pytest.Item, nextitem: pytest.Item | None) -> Ran:
-    """Run one isolated test (its turn has come); its reports are final, the record attached."""
+    """Run one attempt of an isolated test (its turn has come); ``finish_item`` or
+    ``mark_rerun`` then make its reports final."""
     state = item.config.stash[STATE]
     started = state.prewarmer.take(item.nodeid) if state.prewarmer is not None else None
     prewarmed: list[bool] = []
@@ -128,9 +144,25 @@ def run_item(item: pytest.Item, nextitem: pytest.Item | None) -> Ran:
             supervisor(item.config, state).discard(started)
     if ran.stop is None:
         prewarm()
-        _teardown_parent_stack(item, nextitem, ran.reports)
-    attach_record(ran.reports, ran.record(item.nodeid))  # once every report is final
     return ran
+
+
+def finish_item(item: pytest.Item, nextitem: pytest.Item | None, ran: Ran, attempt: int) -> None:
+    """The test's last attempt: tear down the parent's fixtures ``nextitem`` no longer
+    needs (an error there fails this test's teardown), then attach the record."""
+    if ran.stop is None:
+        _teardown_parent_stack(item, nextitem, ran.reports)
+    attach_record(ran.reports, ran.record(item.nodeid, attempt))  # once every report is final
+
+
+def mark_rerun(item: pytest.Item, ran: Ran, attempt: int) -> None:
+    """An attempt that runs again in a fresh process: its failed reports become "rerun"
+    (as pytest-rerunfailures logs them) and its record says so."""
+    record = ran.record(item.nodeid, attempt, rerun=True)
+    for report in ran.reports:
+        if report.failed:
+            report.outcome = "rerun"  # type: ignore[assignment] - pytest-rerunfailures' word
+    attach_record(ran.reports, record)
 
 
 def stop_session(stop: dict[str, Any]) -> None:

@@ -48,6 +48,14 @@ class ServerBoot:
     options: tuple[tuple[str, Any], ...] = ()  # pytest_gpuiso_child_options, for the template
 
 
+class ServerMark:
+    """Registered before the server parses the configuration: it says to plugins that
+    look (the pytest-cov adapter parks pytest-cov) that this process runs no session of
+    its own, as a test's process runs just its test."""
+
+    __name__ = "gpuiso-forkserver"  # pluggy registers the plugin under this name
+
+
 def main(boot: ServerBoot, conn: Connection) -> None:
     """Entry point of the fork server process; in a test's process forked here, its run."""
     die_with_parent(boot.parent_pid)
@@ -96,13 +104,8 @@ def _prepare(boot: ServerBoot) -> Any:
         except BaseException as exc:
             raise Unavailable(f"--gpu-isolate-preload: importing {name} failed: {exc!r}") from None
         pools.step(f"importing {name}")
-    config = prepare_config(list(boot.args))
+    config = prepare_config(list(boot.args), plugins=[ServerMark()])
     pools.step("configuring pytest (plugins)")
-    if config.pluginmanager.has_plugin("_cov"):
-        raise Unavailable(
-            "pytest-cov is active: its coverage would be measured in the fork server, "
-            "not in the tests' processes"
-        )
     # Parsing starts pytest's global capture into temporary files; children forked
     # from here must not share them, so each child's own configuration makes its own.
     capman = config.pluginmanager.get_plugin("capturemanager")

@@ -1,0 +1,117 @@
+"""syrupy with isolated tests: their snapshots are written, counted and kept as in-process.
+
+fixtures/programs/plug17_syrupy has two isolated tests (one asserting twice, once with a
+named snapshot) and one in-process test sharing one .ambr file: four snapshots. The
+snapshot report must count all four, ``--snapshot-update`` must keep all four (a test's
+process, running one test, must not delete the others', and pytest must know the
+isolated tests used theirs) while still deleting a snapshot no test uses. Under both
+start methods, and under xdist (where syrupy locks the file its workers share).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tests.helpers import GpuIso
+
+pytest.importorskip("syrupy")
+
+PROGRAM = "plug17_syrupy"
+AMBR = f"{PROGRAM}/__snapshots__/test_snapshots.ambr"
+NAMES = ["test_in_process", "test_isolated_one", "test_isolated_two", "test_isolated_two[named]"]
+STALE = "# name: test_stale\n  'no test asserts this'\n# ---\n"
+
+
+def _names(gpuiso: GpuIso) -> list[str]:
+    return re.findall(r"^# name: (.*)$", (gpuiso.path / AMBR).read_text(), re.MULTILINE)
+
+
+def _run(gpuiso: GpuIso, workers: int, *args: str) -> pytest.RunResult:
+    return gpuiso.run(*(("-n", str(workers)) if workers else ()), *args, PROGRAM)
+
+
+def _summary(result: pytest.RunResult) -> str:
+    """The snapshot report's counts line."""
+    lines = result.stdout.lines
+    at = next(i for i, line in enumerate(lines) if "snapshot report summary" in line)
+    return lines[at + 1].strip()
+
+
+@pytest.mark.parametrize("workers", [0, 2], ids=["serial", "xdist"])
+def test_update_keeps_every_snapshot_and_a_plain_run_passes(gpuiso: GpuIso, workers: int) -> None:
+    gpuiso.copy(PROGRAM)
+    result = _run(gpuiso, workers, "--snapshot-update")
+    result.assert_outcomes(passed=3)
+    assert _summary(result) == "4 snapshots generated."
+    assert _names(gpuiso) == NAMES
+    written = (gpuiso.path / AMBR).read_text()
+    result = _run(gpuiso, workers, "--snapshot-update")  # stable: nothing changes
+    assert result.ret == 0
+    assert _summary(result) == "4 snapshots passed."
+    assert (gpuiso.path / AMBR).read_text() == written
+    result = _run(gpuiso, workers)
+    assert result.ret == 0
+    assert _summary(result) == "4 snapshots passed."
+    # the lock files syrupy uses under xdist were cleaned up, those of the tests' processes too
+    assert sorted(p.name for p in (gpuiso.path / AMBR).parent.iterdir()) == ["test_snapshots.ambr"]
+
+
+@pytest.mark.parametrize("workers", [0, 2], ids=["serial", "xdist"])
+def test_unused_snapshots_are_still_found(gpuiso: GpuIso, workers: int) -> None:
+    gpuiso.copy(PROGRAM)
+    assert _run(gpuiso, workers, "--snapshot-update").ret == 0
+    with open(gpuiso.path / AMBR, "a") as f:
+        f.write(STALE)
+    result = _run(gpuiso, workers)
+    assert result.ret != 0  # syrupy fails a session with unused snapshots, as in-process
+    assert _summary(result) == "4 snapshots passed. 1 snapshot unused."
+    result = _run(gpuiso, workers, "--snapshot-update")
+    assert result.ret == 0
+    assert _summary(result) == "4 snapshots passed. 1 unused snapshot deleted."
+    result.stdout.fnmatch_lines([f"Deleted test_stale ({AMBR})"])
+    assert _names(gpuiso) == NAMES
+
+
+def test_a_changed_snapshot_fails_then_updates(gpuiso: GpuIso) -> None:
+    """As in-process: the failed assertion ends its test, whose named snapshot then goes
+    unused; ``--snapshot-update`` rewrites the changed one."""
+    gpuiso.copy(PROGRAM)
+    assert _run(gpuiso, 0, "--snapshot-update").ret == 0
+    path = gpuiso.path / AMBR
+    changed = path.read_text().replace("'isolated two'", "'changed by hand'")
+    summaries = []
+    for mode in ((), ("--no-gpu-isolate",)):
+        path.write_text(changed)
+        result = _run(gpuiso, 0, *mode)
+        result.assert_outcomes(passed=2, failed=1)
+        result.stdout.fnmatch_lines(["FAILED *test_isolated_two*"])
+        summaries.append(_summary(result))
+        result = _run(gpuiso, 0, *mode, "--snapshot-update")
+        result.assert_outcomes(passed=3)
+        summaries.append(_summary(result))
+        assert _names(gpuiso) == NAMES and "'isolated two'" in path.read_text()
+    expected = ["1 snapshot failed. 2 snapshots passed. 1 snapshot unused."]
+    expected.append("3 snapshots passed. 1 snapshot updated.")
+    assert summaries == expected * 2
+
+
+def test_missing_internals_are_one_warning_and_delete_nothing(gpuiso: GpuIso) -> None:
+    """Another syrupy without what the adapter reads: the session warns once, its isolated
+    tests' snapshots are written but not counted, and nothing is deleted as unused."""
+    gpuiso.copy(PROGRAM)
+    assert _run(gpuiso, 0, "--snapshot-update").ret == 0
+    gpuiso.pytester.makeconftest(
+        "import pytest_gpuiso.adapters.syrupy as adapter\n"
+        "adapter.missing_internals = lambda: ['SnapshotSession._assertions']\n"
+    )
+    result = _run(gpuiso, 0, "--snapshot-update", "-W", "always")
+    result.assert_outcomes(passed=3)
+    warning = (
+        "*GpuIsoStartWarning: syrupy *: no SnapshotSession._assertions; isolated tests' "
+        "snapshots not reported, unused snapshot detection turned off"
+    )
+    result.stdout.fnmatch_lines([warning])
+    assert result.stdout.str().count("GpuIsoStartWarning: syrupy") == 1
+    assert _names(gpuiso) == NAMES
