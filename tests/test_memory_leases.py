@@ -137,3 +137,37 @@ def test_status_shows_each_holders_lease_and_the_free_memory(region: Path) -> No
     assert lines[3].split()[:2] == ["6", "GiB"] and lines[3].endswith("tests/test_x.py::test_big")
     leases.release(lease)
     assert json.dumps(leases.region.snapshot()["holders"]) == "[]"
+
+
+def _record(nodeid: str, lease: int | None, peak: int | None) -> dict:
+    return {
+        "nodeid": nodeid,
+        "outcome": "passed",
+        "exit": {"code": 0, "signal": None, "timed_out": False, "expired": None},
+        "leaks": [],
+        "escaped": [],
+        "gpus": ["0"],
+        "gpu_memory": lease,
+        "gpu_memory_peak": peak,
+    }
+
+
+def test_the_markdown_summary_says_which_leases_to_right_size() -> None:
+    """A peak under a quarter of the lease, or over the lease, is listed with a size that
+    fits the peak (25% headroom, in quarter GiB); a fitting lease or an unknown peak is not."""
+    from pytest_gpuiso.report import markdown
+
+    records = [
+        _record("t.py::test_small", 12 * GIB, GIB),  # 8%: lease far too big
+        _record("t.py::test_fits", 4 * GIB, 3 * GIB),
+        _record("t.py::test_over", 2 * GIB, 5 * GIB),  # not enforced: CUDA outside torch
+        _record("t.py::test_unknown", 4 * GIB, None),
+    ]
+    text = markdown(records)
+    section = text.split("### Right-size your leases", 1)[1]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    assert rows == [
+        '| `t.py::test_small` | 12.00 GiB | 1.00 GiB | `gpu_memory="1.25GiB"` |',
+        '| `t.py::test_over` | 2.00 GiB | 5.00 GiB | `gpu_memory="6.25GiB"` |',
+    ]
+    assert "Right-size" not in markdown(records[1:2] + records[3:])
