@@ -12,20 +12,23 @@
 #   tests       tests/gpu under both start methods, alone on the GPU
 #   cuda-bench  bench/overhead.py --device cuda (tests that allocate on cuda)
 #   cpu-bench   bench/overhead.py --only forkserver (the 1.3x target, on this machine's cores)
+#   mem-bench   bench/memory_leases.py --cuda: 16 tests x 4 GiB, exclusive vs memory leases
+#               (the >= 4x target on an 80 GB GPU)
 #
 # Each step's output goes to $OUT/<step>.log (OUT defaults to ./gpu-validation-out) and a
 # line "step exit-status seconds" to $OUT/summary.txt, which is printed at the end. A step
 # that fails does not stop the next; the script exits 1 if any failed. $PYTHON (default
 # python3) runs everything. Each step has its own bound (facts 60 s, build 300, torch 120,
-# tests 420, cuda-bench 540, cpu-bench 300); $STEP_TIMEOUT, if set, replaces them all.
-# Under the device tool's 600 s a command, one call each: `facts build torch tests`,
-# `cuda-bench`, `cpu-bench`.
+# tests 420, cuda-bench 540, cpu-bench 300, mem-bench 540); $STEP_TIMEOUT, if set, replaces
+# them all. Under the device tool's 600 s a command, one call each: `facts build torch tests`,
+# `cuda-bench`, `cpu-bench`, `mem-bench`.
 set -u
 cd "$(dirname "$0")/.."
 export PYTHON=${PYTHON:-python3}
 OUT=${OUT:-gpu-validation-out}
-declare -A BOUND=([facts]=60 [build]=300 [torch]=120 [tests]=420 [cuda-bench]=540 [cpu-bench]=300)
-ALL=(facts build torch tests cuda-bench cpu-bench)
+declare -A BOUND=([facts]=60 [build]=300 [torch]=120 [tests]=420 [cuda-bench]=540 [cpu-bench]=300
+    [mem-bench]=540)
+ALL=(facts build torch tests cuda-bench cpu-bench mem-bench)
 mkdir -p "$OUT"
 : >"$OUT/summary.txt"
 
@@ -74,6 +77,10 @@ step_cuda-bench() {
 
 step_cpu-bench() {
     "$PYTHON" bench/overhead.py --only forkserver --repeat 5
+}
+
+step_mem-bench() {
+    "$PYTHON" bench/memory_leases.py --cuda --tests 16 --gib 4 --workers 16 --hold 2
 }
 
 steps=("$@")

@@ -2,7 +2,13 @@
  * pytest_gpuiso._lease: GPU leases shared by every pytest process of a user.
  *
  * One memory-mapped region per user (a 0600 file in /dev/shm) holds a table of
- * devices x slots. Everything in the table is guarded by one robust,
+ * devices, each with its capacity (its memory in bytes; 0 when unknown) and up to
+ * MAX_SLOTS holders, each holding an amount of it. A request asks for n of its
+ * devices and, on each, either an amount in bytes or a share of the device in parts
+ * per million (1/slots of it by default: one share of 10^6 is the whole device, as
+ * the exclusive leases before memory were). A device of unknown capacity counts
+ * 10^6 units and takes shares only. It is admitted where what is already held plus
+ * its need fits the capacity. Everything in the table is guarded by one robust,
  * process-shared mutex: if a process dies inside the (short) critical section,
  * the next locker gets EOWNERDEAD, marks the mutex consistent and carries on,
  * because every entry is validated by its owner's liveness anyway.
@@ -75,9 +81,10 @@
 #endif
 
 #define GPUISO_MAGIC 0x67707569736f6c31ULL /* "gpuisol1" */
-#define GPUISO_ABI 2
+#define GPUISO_ABI 3
 #define MAX_DEVICES 64
-#define MAX_SLOTS 16
+#define MAX_SLOTS 64 /* holders per device at once */
+#define WHOLE 1000000ULL /* a share of the whole device, in parts per million */
 #define MAX_WAITERS 256
 #define MAX_KEYS 4096 /* processes attached as owners at once */
 #define LOCK_BASE (1LL << 30) /* first key byte: past the end of the file (allowed) */
@@ -96,14 +103,14 @@ typedef struct {
 typedef struct {
     owner_t owner;
     uint64_t lease;
+    uint64_t amount; /* of the device's capacity (its units: bytes, or WHOLE if unknown) */
     int64_t since_ns; /* CLOCK_REALTIME, for display only */
     char label[LABEL_LEN];
 } slot_t;
 
 typedef struct {
     char name[NAME_LEN]; /* "" : unused row */
-    uint32_t slots;
-    uint32_t pad;
+    uint64_t capacity; /* bytes; 0: unknown (then WHOLE units, shares only) */
     slot_t slot[MAX_SLOTS];
 } device_t;
 
@@ -111,8 +118,9 @@ typedef struct {
     owner_t owner;
     uint64_t ticket;
     uint64_t mask; /* rows it wants */
+    uint64_t amount; /* bytes on each GPU, or 0 for a share */
     uint32_t n;
-    uint32_t pad;
+    uint32_t share; /* parts per million of each GPU, when amount is 0 */
     int64_t since_ns;
     char label[LABEL_LEN];
 } waiter_t;
@@ -493,7 +501,7 @@ static int reap_dead(RegionObject *self)
     int freed = 0;
     for (uint32_t d = 0; d < r->ndevices && d < MAX_DEVICES; d++) {
         device_t *dev = &r->dev[d];
-        for (uint32_t s = 0; s < dev->slots && s < MAX_SLOTS; s++) {
+        for (uint32_t s = 0; s < MAX_SLOTS; s++) {
             slot_t *slot = &dev->slot[s];
             if (slot->owner.pid != 0 && !owner_alive(self, &slot->owner)) {
                 memset(slot, 0, sizeof *slot);
@@ -680,14 +688,48 @@ static int ready(RegionObject *self)
 
 /* ------------------------------------------------------------------ acquire */
 
-static uint32_t nslots(const device_t *dev)
+/* What a device holds in its units: bytes, or WHOLE when its capacity is unknown. */
+static uint64_t capacity_of(const device_t *dev)
 {
-    return dev->slots < MAX_SLOTS ? dev->slots : MAX_SLOTS; /* never trust the file past it */
+    return dev->capacity ? dev->capacity : WHOLE;
 }
 
-/* Find or add the rows of `names`; -1 and a message on a slot-count conflict. */
-static int resolve_rows(RegionObject *self, char **names, int count, uint32_t slots, int *rows,
-                        char *err, size_t errlen)
+static uint64_t used_of(const device_t *dev)
+{
+    uint64_t used = 0;
+    for (uint32_t s = 0; s < MAX_SLOTS; s++)
+        if (dev->slot[s].owner.pid != 0)
+            used += dev->slot[s].amount;
+    return used;
+}
+
+/* What a request takes of `dev`: its amount, or its share of the capacity (rounded down,
+ * so that `slots` shares of 1/slots always fit together). 0: it can never fit there. */
+static uint64_t need_on(const device_t *dev, uint64_t amount, uint32_t share)
+{
+    uint64_t capacity = capacity_of(dev);
+    if (amount == 0) {
+        unsigned __int128 part = (unsigned __int128)capacity * share / WHOLE;
+        amount = part > 0 ? (uint64_t)part : 1;
+    } else if (dev->capacity == 0) {
+        return 0; /* bytes on a device of unknown size: never */
+    }
+    return amount <= capacity ? amount : 0;
+}
+
+/* A device's size for messages: "80 GiB", "0.5 GiB", or "an unknown size". */
+static void size_words(char *buf, size_t len, uint64_t size)
+{
+    if (size == 0)
+        snprintf(buf, len, "an unknown size");
+    else
+        snprintf(buf, len, "%.4g GiB", (double)size / (1ULL << 30));
+}
+
+/* Find or add the rows of `names`; -1 and a message when a device is leased with
+ * another capacity by a live holder (two sessions disagree about its size). */
+static int resolve_rows(RegionObject *self, char **names, int count, const uint64_t *capacities,
+                        int *rows, char *err, size_t errlen)
 {
     region_t *r = self->r;
     for (int i = 0; i < count; i++) {
@@ -703,56 +745,67 @@ static int resolve_rows(RegionObject *self, char **names, int count, uint32_t sl
             row = (int)r->ndevices;
             memset(&r->dev[row], 0, sizeof r->dev[row]);
             snprintf(r->dev[row].name, NAME_LEN, "%s", names[i]);
-            r->dev[row].slots = slots;
+            r->dev[row].capacity = capacities[i];
             r->ndevices++; /* counted only once complete: a kill before leaves no trace */
         }
         device_t *dev = &r->dev[row];
-        if (dev->slots != slots) {
-            for (uint32_t s = 0; s < nslots(dev); s++)
+        if (dev->capacity != capacities[i]) {
+            for (uint32_t s = 0; s < MAX_SLOTS; s++)
                 if (dev->slot[s].owner.pid != 0 && owner_alive(self, &dev->slot[s].owner)) {
                     char label[81];
                     slot_t *held = &dev->slot[s];
                     copy_text(label, held->label, sizeof label);
+                    char was[32], now[32];
+                    size_words(was, sizeof was, dev->capacity);
+                    size_words(now, sizeof now, capacities[i]);
                     snprintf(err, errlen,
-                             "device %s is shared with %u slots by pid %d (%s); "
-                             "this session asks for %u",
-                             names[i], dev->slots, held->owner.pid, label, slots);
+                             "device %s is leased as %s of memory by pid %d (%s); this session "
+                             "says %s",
+                             names[i], was, held->owner.pid, label, now);
                     return -1;
                 }
             memset(dev->slot, 0, sizeof dev->slot);
-            dev->slots = slots;
+            dev->capacity = capacities[i];
         }
         rows[i] = row;
     }
     return 0;
 }
 
-static int free_slots(const device_t *dev)
+/* A free holder entry of `dev` where the request fits, or -1. */
+static int room_on(const device_t *dev, uint64_t need)
 {
-    int n = 0;
-    for (uint32_t s = 0; s < nslots(dev); s++)
-        n += dev->slot[s].owner.pid == 0;
-    return n;
+    if (need == 0 || used_of(dev) + need > capacity_of(dev))
+        return -1;
+    for (uint32_t s = 0; s < MAX_SLOTS; s++)
+        if (dev->slot[s].owner.pid == 0)
+            return (int)s;
+    return -1;
 }
 
-/* Take n rows among `allowed` (least loaded first), all or nothing. */
+/* Take n rows among `allowed` where the request fits (most free first), all or nothing. */
 static int try_take(region_t *r, const int *rows, int count, uint64_t allowed, uint32_t n,
-                    const char *label, owner_t me, uint64_t *lease, int *taken)
+                    uint64_t amount, uint32_t share, const char *label, owner_t me,
+                    uint64_t *lease, int *taken)
 {
-    int order[MAX_DEVICES], nfree[MAX_DEVICES], k = 0;
+    int order[MAX_DEVICES], k = 0;
+    uint64_t nfree[MAX_DEVICES];
     for (int i = 0; i < count; i++)
         if ((allowed >> rows[i]) & 1) {
-            int f = free_slots(&r->dev[rows[i]]);
-            if (f > 0) {
-                int j = k++;
-                while (j > 0 && nfree[j - 1] < f) { /* stable sort: most free first */
-                    order[j] = order[j - 1];
-                    nfree[j] = nfree[j - 1];
-                    j--;
-                }
-                order[j] = rows[i];
-                nfree[j] = f;
+            device_t *dev = &r->dev[rows[i]];
+            if (room_on(dev, need_on(dev, amount, share)) < 0)
+                continue;
+            uint64_t f = capacity_of(dev) - used_of(dev);
+            if (dev->capacity == 0) /* units of unknown devices rank after bytes of known */
+                f = f / WHOLE;
+            int j = k++;
+            while (j > 0 && nfree[j - 1] < f) { /* stable sort: most free first */
+                order[j] = order[j - 1];
+                nfree[j] = nfree[j - 1];
+                j--;
             }
+            order[j] = rows[i];
+            nfree[j] = f;
         }
     if ((uint32_t)k < n)
         return 0;
@@ -760,15 +813,13 @@ static int try_take(region_t *r, const int *rows, int count, uint64_t allowed, u
     int64_t now = realtime_ns();
     for (uint32_t i = 0; i < n; i++) {
         device_t *dev = &r->dev[order[i]];
-        for (uint32_t s = 0; s < nslots(dev); s++)
-            if (dev->slot[s].owner.pid == 0) {
-                slot_t *slot = &dev->slot[s];
-                slot->lease = *lease;
-                slot->since_ns = now;
-                copy_text(slot->label, label, LABEL_LEN);
-                slot->owner = me; /* last: a half-written entry never looks taken */
-                break;
-            }
+        uint64_t need = need_on(dev, amount, share);
+        slot_t *slot = &dev->slot[room_on(dev, need)];
+        slot->lease = *lease;
+        slot->amount = need;
+        slot->since_ns = now;
+        copy_text(slot->label, label, LABEL_LEN);
+        slot->owner = me; /* last: a half-written entry never looks taken */
         taken[i] = order[i];
     }
     return 1;
@@ -778,7 +829,9 @@ enum { GOT, WAIT, TIMED_OUT, INTERRUPTED, FAILED };
 
 typedef struct {
     char names[MAX_DEVICES][NAME_LEN];
-    uint32_t slots;
+    uint64_t capacities[MAX_DEVICES];
+    uint64_t amount;
+    uint32_t share;
     uint32_t generation;
     int rows[MAX_DEVICES];
     int count;
@@ -816,9 +869,20 @@ static void leave_queue(RegionObject *self, request_t *q)
 static int attempt(RegionObject *self, request_t *q, const char *label, double deadline)
 {
     region_t *r = self->r;
-    int pidfds[MAX_DEVICES * MAX_SLOTS + MAX_WAITERS + 1];
-    owner_t watched[MAX_DEVICES * MAX_SLOTS + MAX_WAITERS + 1];
+    /* Everyone it may wait on: the holders of its devices and the waiters ahead. */
+    size_t most = (size_t)q->count * MAX_SLOTS + MAX_WAITERS + 1;
+    int *pidfds = malloc(most * sizeof *pidfds);
+    owner_t *watched = malloc(most * sizeof *watched);
+    struct pollfd *fds = malloc(most * sizeof *fds);
     int npid = 0, changed = 0, blind = 0; /* blind: a process we cannot watch */
+    if (pidfds == NULL || watched == NULL || fds == NULL) {
+        unlock_region(r);
+        free(pidfds);
+        free(watched);
+        free(fds);
+        snprintf(q->err, sizeof q->err, "out of memory while waiting for a GPU lease");
+        return FAILED;
+    }
 
     struct stat st;
     if (fstat(self->fd, &st) == 0 && st.st_nlink == 0) {
@@ -826,11 +890,11 @@ static int attempt(RegionObject *self, request_t *q, const char *label, double d
         snprintf(q->err, sizeof q->err,
                  "the lease region %s was deleted while this process waited (reset --force?)",
                  self->path);
-        return FAILED;
+        goto out_failed;
     }
     if (ensure_key(self, q->err, sizeof q->err) != 0) {
         unlock_region(r);
-        return FAILED;
+        goto out_failed;
     }
     owner_t me = self_owner(self);
     if (self->abandoned != 0) { /* an interrupted wait left its entry: a stale ticket ahead */
@@ -841,9 +905,10 @@ static int attempt(RegionObject *self, request_t *q, const char *label, double d
         char *names[MAX_DEVICES];
         for (int i = 0; i < q->count; i++)
             names[i] = q->names[i];
-        if (resolve_rows(self, names, q->count, q->slots, q->rows, q->err, sizeof q->err) != 0) {
+        if (resolve_rows(self, names, q->count, q->capacities, q->rows, q->err, sizeof q->err) !=
+            0) {
             unlock_region(r);
-            return FAILED;
+            goto out_failed;
         }
         q->mask = 0;
         for (int i = 0; i < q->count; i++)
@@ -865,12 +930,14 @@ static int attempt(RegionObject *self, request_t *q, const char *label, double d
         if (q->waiter < 0) {
             unlock_region(r);
             snprintf(q->err, sizeof q->err, "more than %d processes are waiting for GPUs", MAX_WAITERS);
-            return FAILED;
+            goto out_failed;
         }
         waiter_t *w = &r->waiter[q->waiter];
         q->ticket = r->next_ticket++;
         w->ticket = q->ticket;
         w->mask = q->mask;
+        w->amount = q->amount;
+        w->share = q->share;
         w->n = q->n;
         w->since_ns = realtime_ns();
         copy_text(w->label, label, LABEL_LEN);
@@ -898,17 +965,21 @@ static int attempt(RegionObject *self, request_t *q, const char *label, double d
                 blind = 1;
         }
     }
-    if (try_take(r, q->rows, q->count, q->mask & ~blocked, q->n, label, me, &q->lease, q->taken)) {
+    if (try_take(r, q->rows, q->count, q->mask & ~blocked, q->n, q->amount, q->share, label, me,
+                 &q->lease, q->taken)) {
         leave_queue(self, q);
         ring(self); /* the next waiter is now first in line */
         unlock_region(r);
         for (int i = 0; i < npid; i++)
             close(pidfds[i]);
+        free(pidfds);
+        free(watched);
+        free(fds);
         return GOT;
     }
     for (int i = 0; i < q->count; i++) {
         device_t *dev = &r->dev[q->rows[i]];
-        for (uint32_t s = 0; s < nslots(dev); s++)
+        for (uint32_t s = 0; s < MAX_SLOTS; s++)
             if (dev->slot[s].owner.pid != 0) {
                 if (!in_our_namespace(&dev->slot[s].owner)) {
                     blind = 1;
@@ -936,7 +1007,6 @@ static int attempt(RegionObject *self, request_t *q, const char *label, double d
     if (changed && deadline >= 0 && monotonic_s() >= deadline)
         rc = TIMED_OUT;
     else if (!changed) {
-        struct pollfd fds[MAX_DEVICES * MAX_SLOTS + MAX_WAITERS + 1];
         fds[0].fd = self->inotify;
         fds[0].events = POLLIN;
         for (int i = 0; i < npid; i++) {
@@ -970,7 +1040,15 @@ static int attempt(RegionObject *self, request_t *q, const char *label, double d
     }
     for (int i = 0; i < npid; i++)
         close(pidfds[i]);
+    free(pidfds);
+    free(watched);
+    free(fds);
     return rc;
+out_failed:
+    free(pidfds);
+    free(watched);
+    free(fds);
+    return FAILED;
 }
 
 /* Leave the queue after a timeout or an error, keeping the pending exception; when the
@@ -997,14 +1075,21 @@ static void give_up(RegionObject *self, request_t *q, int lock_failed)
 
 static PyObject *Region_acquire(RegionObject *self, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"devices", "slots", "n", "label", "timeout", NULL};
+    static char *kwlist[] = {"devices", "slots",      "n",     "label", "timeout",
+                             "amount",  "capacities", "share", NULL};
     PyObject *devices;
     unsigned int slots, n;
     const char *label;
-    PyObject *timeout_obj = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OIIs|O", kwlist, &devices, &slots, &n, &label,
-                                     &timeout_obj))
+    PyObject *timeout_obj = Py_None, *capacities_obj = Py_None;
+    unsigned long long amount = 0;
+    unsigned int share = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OIIs|OKOI", kwlist, &devices, &slots, &n, &label,
+                                     &timeout_obj, &amount, &capacities_obj, &share))
         return NULL;
+    if (share > WHOLE || (share != 0 && amount != 0))
+        return PyErr_Format(PyExc_ValueError,
+                            "share is in parts per million (0..%llu), and excludes amount",
+                            (unsigned long long)WHOLE);
     if (ready(self) < 0)
         return NULL;
     PyObject *seq = PySequence_Fast(devices, "devices must be a sequence of names");
@@ -1017,6 +1102,37 @@ static PyObject *Region_acquire(RegionObject *self, PyObject *args, PyObject *kw
         return PyErr_Format(PyExc_ValueError,
                             "need 1..%d devices, 1..%d slots and 1..len(devices) GPUs", MAX_DEVICES,
                             MAX_SLOTS);
+    }
+    uint64_t capacities[MAX_DEVICES];
+    memset(capacities, 0, sizeof capacities);
+    if (capacities_obj != Py_None) {
+        PyObject *caps = PySequence_Fast(capacities_obj, "capacities must be a sequence of ints");
+        if (caps == NULL || PySequence_Fast_GET_SIZE(caps) != count) {
+            if (caps != NULL)
+                PyErr_SetString(PyExc_ValueError, "need one capacity per device");
+            Py_XDECREF(caps);
+            Py_DECREF(seq);
+            return NULL;
+        }
+        for (Py_ssize_t i = 0; i < count; i++) {
+            capacities[i] = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(caps, i));
+            if (PyErr_Occurred()) {
+                Py_DECREF(caps);
+                Py_DECREF(seq);
+                return NULL;
+            }
+        }
+        Py_DECREF(caps);
+    }
+    int fits = 0; /* devices the request could ever fit on */
+    for (Py_ssize_t i = 0; i < count; i++)
+        fits += amount == 0 || (capacities[i] != 0 && amount <= capacities[i]);
+    if ((unsigned int)fits < n) {
+        Py_DECREF(seq);
+        return PyErr_Format(PyExc_ValueError,
+                            "%llu bytes on %u GPUs: only %d of the devices are known to be that "
+                            "large",
+                            amount, n, fits);
     }
     char *names[MAX_DEVICES];
     for (Py_ssize_t i = 0; i < count; i++) {
@@ -1048,9 +1164,12 @@ static PyObject *Region_acquire(RegionObject *self, PyObject *args, PyObject *kw
     q.waiter = -1;
     q.suspect = 1;
     q.count = (int)count;
-    q.slots = slots;
-    for (int i = 0; i < q.count; i++)
+    q.amount = amount;
+    q.share = amount ? 0 : share ? share : (uint32_t)(WHOLE / slots);
+    for (int i = 0; i < q.count; i++) {
         snprintf(q.names[i], NAME_LEN, "%s", names[i]);
+        q.capacities[i] = capacities[i];
+    }
     q.n = n;
     Py_DECREF(seq); /* names now live in q */
     for (int i = 0; i < q.count; i++)
@@ -1059,7 +1178,7 @@ static PyObject *Region_acquire(RegionObject *self, PyObject *args, PyObject *kw
         return NULL;
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = resolve_rows(self, names, q.count, slots, q.rows, q.err, sizeof q.err);
+    rc = resolve_rows(self, names, q.count, q.capacities, q.rows, q.err, sizeof q.err);
     q.generation = self->r->generation;
     unlock_region(self->r);
     Py_END_ALLOW_THREADS
@@ -1116,7 +1235,7 @@ static PyObject *Region_release(RegionObject *self, PyObject *args)
     Py_BEGIN_ALLOW_THREADS
     region_t *r = self->r;
     for (uint32_t d = 0; d < r->ndevices && d < MAX_DEVICES; d++)
-        for (uint32_t s = 0; s < r->dev[d].slots && s < MAX_SLOTS; s++) {
+        for (uint32_t s = 0; s < MAX_SLOTS; s++) {
             slot_t *slot = &r->dev[d].slot[s];
             if (slot->lease == lease && same_owner(&slot->owner, &me)) {
                 memset(slot, 0, sizeof *slot);
@@ -1177,17 +1296,20 @@ static PyObject *Region_snapshot(RegionObject *self, PyObject *Py_UNUSED(ignored
         goto fail;
     for (uint32_t d = 0; d < copy->ndevices && d < MAX_DEVICES; d++) {
         device_t *dev = &copy->dev[d];
-        item = Py_BuildValue("(NI)", text_of(dev->name, NAME_LEN), dev->slots);
+        item = Py_BuildValue("(NKK)", text_of(dev->name, NAME_LEN),
+                             (unsigned long long)dev->capacity,
+                             (unsigned long long)used_of(dev));
         if (item == NULL || PyList_Append(devices, item) < 0)
             goto fail;
         Py_CLEAR(item);
-        for (uint32_t s = 0; s < dev->slots && s < MAX_SLOTS; s++) {
+        for (uint32_t s = 0; s < MAX_SLOTS; s++) {
             slot_t *slot = &dev->slot[s];
             if (slot->owner.pid == 0)
                 continue;
-            item = entry(self, &slot->owner, "{s:N,s:I,s:K,s:L,s:N}", "device",
+            item = entry(self, &slot->owner, "{s:N,s:I,s:K,s:K,s:L,s:N}", "device",
                          text_of(dev->name, NAME_LEN), "slot", s, "lease",
-                         (unsigned long long)slot->lease, "since_ns", (long long)slot->since_ns,
+                         (unsigned long long)slot->lease, "amount",
+                         (unsigned long long)slot->amount, "since_ns", (long long)slot->since_ns,
                          "label", text_of(slot->label, LABEL_LEN));
             if (item == NULL || PyList_Append(holders, item) < 0)
                 goto fail;
@@ -1198,9 +1320,10 @@ static PyObject *Region_snapshot(RegionObject *self, PyObject *Py_UNUSED(ignored
         waiter_t *wt = &copy->waiter[w];
         if (wt->owner.pid == 0)
             continue;
-        item = entry(self, &wt->owner, "{s:K,s:I,s:K,s:L,s:N}", "ticket",
+        item = entry(self, &wt->owner, "{s:K,s:I,s:K,s:K,s:I,s:L,s:N}", "ticket",
                      (unsigned long long)wt->ticket, "n", wt->n, "mask",
-                     (unsigned long long)wt->mask, "since_ns", (long long)wt->since_ns, "label",
+                     (unsigned long long)wt->mask, "amount", (unsigned long long)wt->amount,
+                     "share", wt->share, "since_ns", (long long)wt->since_ns, "label",
                      text_of(wt->label, LABEL_LEN));
         if (item == NULL || PyList_Append(waiters, item) < 0)
             goto fail;
@@ -1251,12 +1374,16 @@ static PyObject *Region_get_path(RegionObject *self, void *Py_UNUSED(closure))
 
 static PyMethodDef Region_methods[] = {
     {"acquire", (PyCFunction)(void (*)(void))Region_acquire, METH_VARARGS | METH_KEYWORDS,
-     "acquire(devices, slots, n, label, timeout=None) -> (lease_id, [device names]) or None "
-     "on timeout. Blocks (GIL released) until n of the devices have a free slot."},
+     "acquire(devices, slots, n, label, timeout=None, amount=0, capacities=None) -> (lease_id, "
+     "[device names]) or None "
+     "on timeout. Blocks (GIL released) until n of the devices have room: `amount` bytes on each "
+     "(capacities: bytes per device, 0 unknown), or `share` parts per million of each, or "
+     "1/slots of each."},
     {"release", (PyCFunction)Region_release, METH_VARARGS,
      "release(lease_id) -> number of slots freed"},
     {"snapshot", (PyCFunction)Region_snapshot, METH_NOARGS,
-     "snapshot() -> {'devices': [(name, slots)], 'holders': [...], 'waiters': [...]}; each "
+     "snapshot() -> {'devices': [(name, capacity, used)], 'holders': [...], 'waiters': [...]}; "
+     "each "
      "holder and waiter has pid, start, alive, stopped and here (in our pid namespace)"},
     {"clear", (PyCFunction)(void (*)(void))Region_clear, METH_VARARGS | METH_KEYWORDS,
      "clear(timeout=None) -> forget every holder and waiter; RegionError if the table's lock "
@@ -1301,6 +1428,7 @@ PyMODINIT_FUNC PyInit__lease(void)
         PyModule_AddIntConstant(m, "REGION_SIZE", (long)sizeof(region_t)) < 0 ||
         PyModule_AddIntConstant(m, "MAX_DEVICES", MAX_DEVICES) < 0 ||
         PyModule_AddIntConstant(m, "MAX_SLOTS", MAX_SLOTS) < 0 ||
+        PyModule_AddIntConstant(m, "WHOLE", (long)WHOLE) < 0 ||
         PyModule_AddIntConstant(m, "LABEL_LEN", LABEL_LEN) < 0) {
         Py_DECREF(m);
         return NULL;

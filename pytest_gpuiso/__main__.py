@@ -25,16 +25,17 @@ N shards: ..." line on stderr for each such test."""
 
 
 def _merge(opts: argparse.Namespace) -> int:
-    from . import report
+    from . import report, shards
 
     try:
-        records = report.merge(opts.reports)
-    except report.ReportError as exc:
+        records = shards.merge(opts.reports)
+    except shards.ReportError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    for line in report.duplicates(records):  # overlapping shards: counted twice
+    for line in shards.duplicates(records):  # overlapping shards: counted twice
         print(f"warning: {line}", file=sys.stderr)
-    shards = f"{len(records)} tests from {len(opts.reports)} reports"
+    tests = len({r["nodeid"] for r in records})  # a rerun test has a record per attempt
+    shards_text = f"{tests} tests from {len(opts.reports)} reports"
     text = report.markdown(records)
     outputs = [
         (opts.json, "JSON report", lambda path: report.write_json(path, records)),
@@ -48,13 +49,13 @@ def _merge(opts: argparse.Namespace) -> int:
         except OSError as exc:
             print(f"error: {path}: cannot write: {exc.strerror or exc}", file=sys.stderr)
             return 1
-        print(f"wrote the merged {what} ({shards}) to {path}")
+        print(f"wrote the merged {what} ({shards_text}) to {path}")
     if os.environ.get("GITHUB_STEP_SUMMARY"):
         problem = report.append_step_summary(text)
         if problem:  # a CI convenience: never fails the merge
             print(f"warning: not appended to $GITHUB_STEP_SUMMARY ({problem})", file=sys.stderr)
         else:
-            print(f"appended the merged Markdown summary ({shards}) to $GITHUB_STEP_SUMMARY")
+            print(f"appended the merged Markdown summary ({shards_text}) to $GITHUB_STEP_SUMMARY")
     return 0
 
 

@@ -7,12 +7,14 @@ Where pytest's insides are not as expected, the helpers here fall back to public
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import _pytest.capture as _capture
+import pytest
 from _pytest import tmpdir as _tmpdir
 from _pytest.config import _prepareconfig as prepare_config  # noqa: F401 - re-exported
 from _pytest.config import apply_warning_filters, create_terminal_writer
@@ -82,3 +84,27 @@ def show_setup_on(config: Any, file: Any) -> None:
     through ``config.get_terminal_writer()``, the terminal reporter's writer."""
     writer = create_terminal_writer(config, file)
     config.get_terminal_writer = lambda: writer
+
+
+def external_session_timeout(config: pytest.Config) -> tuple[float, str] | None:
+    """pytest-timeout's session-wide timeout and where it came from, when it sets one.
+
+    Its own precedence: ``--timeout``, then ``PYTEST_TIMEOUT``, then the ini key
+    ``timeout``; 0 turns it off. A bad value is pytest-timeout's to report.
+    """
+    if not config.pluginmanager.hasplugin("timeout"):
+        return None
+    sources = (
+        (config.getoption("timeout", None), "pytest-timeout --timeout"),
+        (os.environ.get("PYTEST_TIMEOUT"), "pytest-timeout PYTEST_TIMEOUT"),
+        (config.getini("timeout"), "pytest-timeout ini timeout"),
+    )
+    for value, source in sources:
+        if value is None or (isinstance(value, str) and not value.strip()):
+            continue
+        try:
+            seconds = float(value)
+        except (TypeError, ValueError):
+            return None
+        return (seconds, source) if seconds > 0 and math.isfinite(seconds) else None
+    return None

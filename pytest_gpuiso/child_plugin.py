@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from . import _compat, cuda_state, frames
+from . import _compat, cuda_state, frames, memory_cap
 from .leaks import torch as torch_check
 
 CHILD_PLUGIN = "gpuiso-child"
@@ -177,6 +177,7 @@ class ChildPlugin:
         return True
 
     def _run(self, item: Any) -> None:
+        memory_cap.install()  # its GPU memory lease, on torch's allocator when CUDA starts
         before = torch_check.allocated() if self.job.torch_check else {}
         self.channel.send(frames.BEGIN, item.nodeid)  # the test's timeout counts from here
         self.ran = item
@@ -225,6 +226,14 @@ class ChildPlugin:
             pytest.PytestWarning(text), pytest.PytestWarning, str(item.path), 0
         )
         self.channel.send(frames.WARNING, frames.encode_warning(message, item.nodeid))
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(self, item: Any, call: Any) -> Any:
+        report = yield
+        overrun = memory_cap.describe_overrun(call.excinfo)
+        if overrun is not None:
+            report.sections.append(("gpu-isolate: GPU memory lease", overrun))
+        return report
 
     def pytest_runtest_logreport(self, report: Any) -> None:
         data = self.config.hook.pytest_report_to_serializable(config=self.config, report=report)

@@ -6,7 +6,10 @@ killed child can never strand a GPU. The table is shared by every pytest
 process of the user on the machine.
 
 Devices are found without ever creating a CUDA context here: from the user's
-``CUDA_VISIBLE_DEVICES`` when set, else from NVML (nvidia-ml-py), else none.
+``CUDA_VISIBLE_DEVICES`` when set, else from NVML (nvidia-ml-py), else none. Their
+memory comes from NVML, or is declared (``--gpu-isolate-devices=0:80GiB``): a test
+leases an amount of it on each GPU (``gpu_memory``, else 1/slots of the GPU), and
+tests share a GPU while their leases fit.
 """
 
 from __future__ import annotations
@@ -19,11 +22,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .settings import CUDA_ID, SpecError
+from .settings import CUDA_ID, WHOLE, GpuMemory, SpecError
 from .workdir import user_name
 
 REGION_ENV = "PYTEST_GPUISO_LEASE_REGION"  # another table path (tests, or sharing across users)
 LEASED_ENV = "PYTEST_GPUISO_LEASED"  # set in an isolated child: the GPUs its test holds
+MEMORY_ENV = "PYTEST_GPUISO_GPU_MEMORY"  # set in an isolated child: its lease, bytes per GPU
 CHOOSE_PATH = f"choose another path with {REGION_ENV}=PATH"
 EXHAUSTED = {errno.ENOSPC, errno.EDQUOT, errno.ENOMEM, errno.EMFILE, errno.ENFILE}
 
@@ -78,25 +82,70 @@ def _region_size() -> int:
     return int(REGION_SIZE)
 
 
+def size_text(size: int) -> str:
+    """Bytes as GiB/MiB for messages: 12 GiB, 1.5 GiB, 512 MiB."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if size >= scale:
+            return f"{size / scale:.4g} {unit}"
+    return f"{size} bytes"
+
+
 @dataclass(frozen=True)
 class Devices:
     names: tuple[str, ...]
     source: str  # "--gpu-isolate-devices", "CUDA_VISIBLE_DEVICES", "NVML", ...
     pci_order: bool = False  # names are NVML indices: children need CUDA_DEVICE_ORDER=PCI_BUS_ID
+    capacities: tuple[int, ...] = ()  # bytes per device (0: unknown); () : all unknown
 
-    def shortfall(self, n: int) -> str | None:
-        """None when ``n`` GPUs can be leased here; else "N GPUs, <what there is> available"."""
+    def capacity(self, name: str) -> int:
+        return self.capacities[self.names.index(name)] if self.capacities else 0
+
+    def sizes(self) -> list[int]:
+        return list(self.capacities) if self.capacities else [0] * len(self.names)
+
+    def describe(self) -> str:
+        """``0,1``, or with their memory where known: ``0 (80 GiB), 1 (80 GiB)``."""
+        if not any(self.sizes()):
+            return ",".join(self.names)
+        pairs = zip(self.names, self.sizes(), strict=True)
+        return ", ".join(f"{name} ({size_text(size)})" if size else name for name, size in pairs)
+
+    def shortfall(self, n: int, memory: GpuMemory | None = None) -> str | None:
+        """None when ``n`` GPUs (with ``memory`` on each) can be leased here; else what the
+        test needs and what there is: "N GPUs, <what there is> available"."""
         have = len(self.names)
-        if n <= have:
+        if n > have:
+            found = f"{have} ({', '.join(self.names)})" if have else "none"
+            return f"{n} GPU{'s' if n != 1 else ''}, {found} available"
+        if n == 0 or memory is None or not memory.size:
             return None
-        found = f"{have} ({', '.join(self.names)})" if have else "none"
-        return f"{n} GPU{'s' if n != 1 else ''}, {found} available"
+        sizes = self.sizes()
+        if not all(sizes):  # bytes on a device of unknown size: say how to declare it
+            name = self.names[sizes.index(0)]
+            return (
+                f"gpu_memory={memory.text} on {n} GPU{'s' if n != 1 else ''}, but the memory of "
+                f"GPU {name} is unknown (no NVML): declare it with --gpu-isolate-devices="
+                f"{name}:80GiB"
+            )
+        if sum(size >= memory.size for size in sizes) >= n:
+            return None
+        largest = sorted(sizes, reverse=True)[n - 1]
+        return (
+            f"gpu_memory={memory.text} ({size_text(memory.size)}) on {n} GPU"
+            f"{'s' if n != 1 else ''}, the largest {'is' if n == 1 else 'are'} "
+            f"{size_text(largest)}"
+        )
 
 
-def discover(setting: list[str] | None, what: str) -> Devices:
-    """The devices to lease; ``SpecError`` naming the source when the table cannot hold them."""
+def discover(
+    setting: list[str] | None, what: str, declared: dict[str, int] | None = None
+) -> Devices:
+    """The devices to lease, with their memory (``declared`` sizes win over NVML's);
+    ``SpecError`` naming the source when the table cannot hold them."""
+    declared = declared or {}
     if setting is not None:
-        return _checked(Devices(tuple(setting), what))
+        devices = Devices(tuple(setting), what)
+        return _sized(_checked(devices), declared)
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         names = []
@@ -105,8 +154,44 @@ def discover(setting: list[str] | None, what: str) -> Devices:
             if not CUDA_ID.match(part):
                 break
             names.append(part)
-        return _checked(Devices(tuple(names), "CUDA_VISIBLE_DEVICES"), visible)
-    return _checked(Devices(tuple(str(i) for i in range(_nvml_count())), "NVML", pci_order=True))
+        return _sized(_checked(Devices(tuple(names), "CUDA_VISIBLE_DEVICES"), visible), declared)
+    devices = Devices(tuple(str(i) for i in range(_nvml_count())), "NVML", pci_order=True)
+    return _sized(_checked(devices), declared)
+
+
+def _sized(devices: Devices, declared: dict[str, int]) -> Devices:
+    """``devices`` with each one's memory: declared, else NVML's total (0: unknown)."""
+    if not devices.names:
+        return devices
+    unknown = [name for name in devices.names if name not in declared]
+    found = _nvml_memory(unknown) if unknown else {}
+    sizes = tuple(declared.get(name) or found.get(name, 0) for name in devices.names)
+    return Devices(devices.names, devices.source, devices.pci_order, sizes)
+
+
+def _nvml_memory(names: list[str]) -> dict[str, int]:
+    """Total memory by device name (an NVML index or a GPU/MIG UUID) that NVML knows."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:
+        return {}
+    found = {}
+    try:
+        for name in names:
+            try:
+                if name.isdigit():
+                    handle = pynvml.nvmlDeviceGetHandleByIndex(int(name))
+                else:
+                    handle = pynvml.nvmlDeviceGetHandleByUUID(name)
+                found[name] = int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)
+            except Exception:
+                continue
+    finally:
+        with contextlib.suppress(Exception):
+            pynvml.nvmlShutdown()
+    return found
 
 
 def _checked(devices: Devices, value: str | None = None) -> Devices:
@@ -150,6 +235,7 @@ class Lease:
     lease_id: int
     devices: tuple[str, ...]
     waited: float  # seconds spent waiting (not charged to the test's timeout)
+    memory: int = 0  # bytes it may use on each of its GPUs (0: the devices' size is unknown)
 
 
 class LeaseError(Exception):
@@ -191,17 +277,26 @@ class Leases:
                     raise
         return self.region
 
-    def acquire(self, n: int, label: str, timeout: float | None) -> Lease:
+    def acquire(
+        self, n: int, label: str, timeout: float | None, memory: GpuMemory | None = None
+    ) -> Lease:
+        """``n`` GPUs with ``memory`` on each (None: 1/slots of each); ``LeaseTimeout``
+        after ``timeout`` seconds, ``LeaseError`` when the table refuses."""
         from ._lease import RegionError
 
         label = label.encode("utf-8", "replace").decode()  # a nodeid may hold surrogates
         start = time.monotonic()
+        how: dict[str, Any] = {"capacities": self.devices.sizes()}
+        if memory is not None and memory.size:
+            how["amount"] = memory.size
+        elif memory is not None:
+            how["share"] = memory.share
         try:
             region = self._attach()
             self._release_pending()
-            got = region.acquire(list(self.devices.names), self.slots, n, label, timeout)
+            got = region.acquire(list(self.devices.names), self.slots, n, label, timeout, **how)
         except RegionError as exc:
-            hint = " (--gpu-isolate-slots)" if "this session asks for" in str(exc) else ""
+            hint = " (--gpu-isolate-devices)" if "this session says" in str(exc) else ""
             raise LeaseError(f"{exc}{hint}") from None
         waited = time.monotonic() - start
         if got is None:
@@ -211,7 +306,12 @@ class Leases:
                 + (self.holders_text() or "nobody (the queue ahead was still being served)")
             )
         lease_id, names = got
-        return Lease(lease_id, tuple(names), waited)
+        share = memory.share if memory is not None else WHOLE // self.slots
+        each = [
+            memory.size if memory is not None and memory.size else size * share // WHOLE
+            for size in (self.devices.capacity(name) for name in names)
+        ]
+        return Lease(lease_id, tuple(names), waited, min(each) if all(each) else 0)
 
     def release(self, lease: Lease) -> None:
         """Release, or (the table's lock held by a stopped process) release at the next
@@ -248,6 +348,8 @@ class Leases:
         their test already holds, so they use those instead of queueing behind them.
         """
         env = visible_env(lease.devices if lease else ())
+        if lease is not None and lease.memory:
+            env[MEMORY_ENV] = str(lease.memory)
         if self.devices.pci_order and "CUDA_DEVICE_ORDER" not in os.environ:
             env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA numbers GPUs as NVML does
         return env
@@ -259,35 +361,44 @@ def _who(entry: dict[str, Any]) -> str:
 
 
 def status_table(snapshot: dict[str, Any], path: str) -> str:
-    """The lease table as text, like a tiny nvidia-smi for our semaphores."""
+    """The lease table as text, like a tiny nvidia-smi for our leases: each device's
+    memory (leased, free), then each holder with its lease, then the queue."""
     lines = [f"lease table {path}"]
     if not snapshot["devices"]:
         return "\n".join([*lines, "no devices registered"])
-    rows = [("DEVICE", "SLOT", "PID", "SINCE", "STATE", "TEST")]
-    held = {(h["device"], h["slot"]): h for h in snapshot["holders"]}
-    for name, slots in snapshot["devices"]:
-        for slot in range(slots):
-            h = held.get((name, slot))
-            if h is None:
-                rows.append((name, str(slot), "-", "-", "free", ""))
-            else:
-                since = time.strftime("%H:%M:%S", time.localtime(h["since_ns"] / 1e9))
-                state = "held" if h["alive"] else "dead (freed on next use)"
-                if h["alive"] and h.get("stopped"):
-                    state = "held (stopped)"
-                elif h["alive"] and not h.get("here", True):
-                    state = "held (another pid namespace)"
-                rows.append((name, str(slot), str(h["pid"]), since, state, h["label"]))
-    widths = [max(len(row[i]) for row in rows) for i in range(5)]
+    rows = [("DEVICE", "MEMORY", "LEASED", "FREE", "PID", "SINCE", "STATE", "TEST")]
+    holders: dict[str, list[dict[str, Any]]] = {}
+    for h in snapshot["holders"]:
+        holders.setdefault(h["device"], []).append(h)
+    for name, capacity, used in snapshot["devices"]:
+        rows.append((name, *_amounts(capacity, used), "", "", "", ""))
+        for h in holders.get(name, []):
+            since = time.strftime("%H:%M:%S", time.localtime(h["since_ns"] / 1e9))
+            state = "held" if h["alive"] else "dead (freed on next use)"
+            if h["alive"] and h.get("stopped"):
+                state = "held (stopped)"
+            elif h["alive"] and not h.get("here", True):
+                state = "held (another pid namespace)"
+            lease = _amounts(capacity, h["amount"])[1]
+            rows.append(("", "", lease, "", str(h["pid"]), since, state, h["label"]))
+    widths = [max(len(row[i]) for row in rows) for i in range(7)]
     for row in rows:
-        lines.append(
-            "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  " + row[5]
-        )
+        cells = "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False))
+        lines.append(f"{cells}  {row[7]}")
     for w in sorted(snapshot["waiters"], key=lambda w: w["ticket"]):
         since = time.strftime("%H:%M:%S", time.localtime(w["since_ns"] / 1e9))
         stopped = " (stopped: not holding others back)" if w.get("stopped") else ""
+        each = size_text(w["amount"]) if w.get("amount") else f"{w.get('share', 0) / 1e4:g}%"
         lines.append(
-            f"waiting: {_who(w)} for {w['n']} GPU(s) since {since} (ticket {w['ticket']}){stopped} "
-            f"{w['label']}"
+            f"waiting: {_who(w)} for {w['n']} GPU(s), {each} each, since {since} "
+            f"(ticket {w['ticket']}){stopped} {w['label']}"
         )
     return "\n".join(line.rstrip() for line in lines)
+
+
+def _amounts(capacity: int, amount: int) -> tuple[str, str, str]:
+    """(memory, leased, free) of a device in words; shares of a device of unknown size."""
+    if capacity:
+        return size_text(capacity), size_text(amount), size_text(max(capacity - amount, 0))
+    whole = WHOLE
+    return "unknown", f"{amount / whole:.0%}", f"{max(whole - amount, 0) / whole:.0%}"

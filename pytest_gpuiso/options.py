@@ -87,15 +87,25 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "gpu_isolate_devices",
-        "GPUs to lease: auto (CUDA_VISIBLE_DEVICES, else NVML), none, or a list of indices/UUIDs",
+        "GPUs to lease: auto (CUDA_VISIBLE_DEVICES, else NVML), none, or a list of indices/UUIDs, "
+        "each with an optional memory size for devices NVML cannot see (0:80GiB,1:80GiB)",
         metavar="auto|none|0,1,...",
         default="auto",
     ),
     Option(
         "gpu_isolate_slots",
-        "how many isolated tests may share one GPU at once",
+        "how many isolated tests may share one GPU at once: each takes 1/N of its memory "
+        "unless it declares gpu_memory",
         metavar="N",
         default=f"{DEFAULT_SLOTS}",
+    ),
+    Option(
+        "gpu_isolate_gpu_memory",
+        "GPU memory an isolated test leases on each of its GPUs unless its marker says "
+        "gpu_memory=: bytes, a size (12GiB, 512MiB, 8GB) or a share of the GPU (25%); tests "
+        "are packed onto a GPU while their leases fit its memory",
+        metavar="SIZE",
+        default="1/slots of the GPU",
     ),
     Option(
         "gpu_isolate_lease_timeout",
@@ -195,6 +205,6 @@ def add_options(parser: pytest.Parser) -> None:
                 option.cli,
                 dest=option.name,
                 metavar=option.metavar,
-                help=option.option_help(),
+                help=option.option_help().replace("%", "%%"),  # argparse formats it
             )
             parser.addini(option.name, option.help, type="string", default="")

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from . import report, runner, workdir
+from ._compat import external_session_timeout
 from .call import call_isolated
 from .child_plugin import CHILD_PLUGIN
 from .leases import Leases, discover
@@ -27,7 +28,6 @@ from .settings import (
     MARKER,
     Settings,
     SpecError,
-    external_session_timeout,
 )
 from .warning_types import GpuIsoLeakWarning, GpuIsoStartWarning, warn_session
 
@@ -82,7 +82,8 @@ def pytest_configure(config: pytest.Config) -> None:
         from ._lease import RegionError
 
         try:
-            state.devices = discover(settings.devices, settings.devices_source)
+            sizes = dict(settings.device_sizes)
+            state.devices = discover(settings.devices, settings.devices_source, sizes)
             if state.devices.names:
                 state.leases = Leases(state.devices, settings.slots)
         except (RegionError, SpecError) as exc:  # a bad device list, a table not ours
@@ -143,14 +144,17 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     ]
     d = state.devices
     if d.names:
-        lines.append(
-            f"gpu-isolate: GPUs {','.join(d.names)} (from {d.source}), "
-            f"{s.slots} test{'s' if s.slots != 1 else ''} per GPU at once"
-        )
+        lines.append(f"gpu-isolate: GPUs {d.describe()} (from {d.source}), {_packing(s)}")
     else:
         lines.append(f"gpu-isolate: no GPUs to lease (from {d.source})")
     lines.append(_leak_header(s, state))
     return lines
+
+
+def _packing(s: Settings) -> str:
+    if s.gpu_memory is not None:
+        return f"tests packed by memory, {s.gpu_memory.text} each unless marked gpu_memory="
+    return f"{s.slots} test{'s' if s.slots != 1 else ''} per GPU at once"
 
 
 def _start_header(s: Settings) -> str:

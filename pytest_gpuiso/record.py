@@ -52,6 +52,7 @@ def build_record(
     verdict: Verdict | None = None,
     attempt: int = 1,
     rerun: bool = False,
+    peak: int | None = None,
 ) -> dict[str, Any]:
     """One test's entry in the JSON report (schema version 1): one per attempt.
 
@@ -95,6 +96,10 @@ def build_record(
     if lease is not None:
         record["gpus"] = list(lease.devices)
         record["lease_wait"] = round(lease.waited, 6)
+        # Bytes it leased on each GPU (None: the GPUs' size is unknown), and the most its
+        # processes held on one of them (NVML, sampled; None: unknown)
+        record["gpu_memory"] = lease.memory or None
+        record["gpu_memory_peak"] = peak
     return record
 
 

@@ -1,4 +1,4 @@
-"""Reports of the isolated tests: JSON, terminal summary, Markdown, and the merge of shards.
+"""Reports of the isolated tests: JSON, terminal summary, Markdown (``shards`` merges them).
 
 Every report is made from the same records (schema version 1; one per isolated test
 and attempt: a test rerun by pytest-rerunfailures counts once), so a merged report
@@ -23,12 +23,6 @@ from .settings import KINDS, SpecError
 
 MARKDOWN_ROWS = 200  # leak rows in the Markdown table; GitHub truncates huge summaries
 WORST = 5  # tests listed as worst offenders in the terminal
-# The largest report ``merge`` reads: a record is about 1 KiB, so a million tests.
-MAX_REPORT_BYTES = 1 << 30
-
-
-class ReportError(ValueError):
-    """A report file that cannot be read or merged; the message names the file."""
 
 
 def write_json(path: Path, records: list[dict[str, Any]]) -> None:
@@ -131,6 +125,10 @@ def _ended(record: dict[str, Any]) -> str | None:
     if exit_["signal"]:
         return f"crashed with {exit_['signal']}"
     return None
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _bound(record: dict[str, Any], test: str = "timed out after") -> str:
@@ -350,7 +348,40 @@ def markdown(records: list[dict[str, Any]], title: str = "pytest-gpuiso") -> str
             lines += ["", f"{more} more {what} in the JSON report."]
     if not leaky and not ended:
         lines += ["", "No leaks, timeouts or crashes."]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _right_size(records)) + "\n"
+
+
+LEASE_LOW = 0.25  # a peak below this share of the lease: the lease could shrink
+
+
+def _right_size(records: list[dict[str, Any]]) -> list[str]:
+    """The "right-size your leases" table: tests whose GPU memory peak (NVML) was far below
+    their lease (others could have run beside them) or above it (not enforced: CUDA
+    used outside torch's allocator), with a gpu_memory= that fits the peak."""
+    peaks: dict[str, tuple[int, int]] = {}
+    for r in records:
+        lease, peak = r.get("gpu_memory"), r.get("gpu_memory_peak")
+        if _is_number(lease) and _is_number(peak) and lease > 0:
+            peaks[r["nodeid"]] = (lease, max(peak, peaks.get(r["nodeid"], (0, 0))[1]))
+    rows = [
+        (n, lease, peak) for n, (lease, peak) in peaks.items() if not LEASE_LOW <= peak / lease <= 1
+    ]
+    if not rows:
+        return []
+    lines = ["", "### Right-size your leases", ""]
+    lines += ["GPU memory peak (NVML, sampled) far below or above the test's lease.", ""]
+    lines += ["| test | lease | peak | try |", "|---|---|---|---|"]
+    for nodeid, lease, peak in sorted(rows, key=lambda row: row[2] - row[1])[:MARKDOWN_ROWS]:
+        fit = -(-int(peak * 1.25) // (1 << 28)) / 4  # 25% headroom, in quarters of a GiB
+        try_ = f'`gpu_memory="{max(fit, 0.25):g}GiB"`'
+        lines.append(f"| {_code_cell(nodeid)} | {_gib(lease)} | {_gib(peak)} | {try_} |")
+    if len(rows) > MARKDOWN_ROWS:
+        lines += ["", f"{len(rows) - MARKDOWN_ROWS} more in the JSON report."]
+    return lines
+
+
+def _gib(size: int) -> str:
+    return f"{size / (1 << 30):.2f} GiB"
 
 
 def write_markdown(path: Path | None, records: list[dict[str, Any]]) -> list[str]:
@@ -392,109 +423,3 @@ def append_step_summary(text: str) -> str | None:
     except OSError as exc:
         return f"{exc.strerror}: {step}"
     return None
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _record_problem(record: Any) -> str | None:
-    """What makes a test record unusable for the reports, None if nothing does."""
-    if not isinstance(record, dict):
-        return "not an object"
-    for key in ("nodeid", "outcome"):
-        if not isinstance(record.get(key), str):
-            return f"{key!r} is not a string"
-    exit_ = record.get("exit")
-    if not isinstance(exit_, dict):
-        return "'exit' is not an object"
-    if not isinstance(exit_.get("timed_out"), bool):
-        return "'exit.timed_out' is not true or false"
-    if not (exit_.get("signal") is None or isinstance(exit_["signal"], str)):
-        return "'exit.signal' is not a string or null"
-    timeout = record.get("timeout")
-    if not (_is_number(timeout) or (timeout is None and not exit_["timed_out"])):
-        return "'timeout' is not a number"
-    for key in ("leaks", "escaped"):
-        if not isinstance(record.get(key, []), list):
-            return f"{key!r} is not a list"
-    for n, leak in enumerate(record.get("leaks", [])):
-        if not isinstance(leak, dict) or not isinstance(leak.get("detail"), str):
-            return f"leak {n} has no 'detail' string"
-        if leak.get("kind") not in KINDS:
-            return f"leak {n} has kind {leak.get('kind')!r}, expected one of {', '.join(KINDS)}"
-    return None
-
-
-def _read_report(path: str) -> bytes:
-    """A report file's bytes: a regular file of at most ``MAX_REPORT_BYTES``.
-
-    Opened without blocking (a FIFO would wait for a writer) and checked before it is
-    read (``/dev/zero`` would be read forever).
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as exc:
-        raise ReportError(f"{path}: cannot read: {exc.strerror}") from None
-    st = os.fstat(fd)
-    problem = None
-    if stat.S_ISDIR(st.st_mode):
-        problem = "cannot read: Is a directory"
-    elif not stat.S_ISREG(st.st_mode):
-        problem = "not a regular file"
-    elif st.st_size > MAX_REPORT_BYTES:
-        problem = f"{st.st_size} bytes, more than a report can be ({MAX_REPORT_BYTES} at most)"
-    if problem is not None:
-        os.close(fd)
-        raise ReportError(f"{path}: {problem}")
-    with os.fdopen(fd, "rb") as f:
-        try:
-            data = f.read(MAX_REPORT_BYTES + 1)
-        except OSError as exc:
-            raise ReportError(f"{path}: cannot read: {exc.strerror}") from None
-    if len(data) > MAX_REPORT_BYTES:  # it grew while we read it
-        raise ReportError(f"{path}: more than {MAX_REPORT_BYTES} bytes")
-    return data
-
-
-def load(path: str) -> list[dict[str, Any]]:
-    """The records of one JSON report; ``ReportError`` names the file and the problem."""
-    data = _read_report(path)
-    try:
-        document = json.loads(data.decode("utf-8"))
-    except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
-        raise ReportError(f"{path}: not JSON: {exc}") from None
-    if not isinstance(document, dict) or not isinstance(document.get("tests"), list):
-        raise ReportError(f"{path}: not a pytest-gpuiso report (no 'tests' list)")
-    version = document.get("version")
-    if not _is_number(version) or version != SCHEMA_VERSION:
-        raise ReportError(f"{path}: report version {version!r}, expected {SCHEMA_VERSION}")
-    for n, record in enumerate(document["tests"]):
-        problem = _record_problem(record)
-        if problem:
-            raise ReportError(f"{path}: test record {n} is malformed: {problem}")
-    return document["tests"]
-
-
-def duplicates(records: list[dict[str, Any]]) -> list[str]:
-    """One line for each test found in more than one shard (sharding that overlaps)."""
-    shards: dict[str, list[str]] = {}
-    for r in records:
-        seen = shards.setdefault(r["nodeid"], [])
-        if r.get("shard") not in seen:
-            seen.append(r.get("shard"))
-    return [
-        f"{nodeid} is in {len(found)} shards: {', '.join(map(str, found))}"
-        for nodeid, found in shards.items()
-        if len(found) > 1
-    ]
-
-
-def merge(paths: list[str]) -> list[dict[str, Any]]:
-    """The records of several shard reports, in order; each record names its shard
-    (the path it was read from, unless it already names one: a merge of merges)."""
-    merged = []
-    for path in paths:
-        for record in load(path):
-            merged.append({**record, "shard": record.get("shard", path)})
-    return merged

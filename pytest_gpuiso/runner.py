@@ -85,6 +85,7 @@ class Ran:
     verdict: Verdict | None = None
     stop: dict[str, Any] | None = None  # pytest.exit() or Ctrl-C in the test: end the session
     payload: dict[str, Any] = field(default_factory=dict)  # pytest_gpuiso_child_payload's
+    peak: int | None = None  # most GPU memory its processes held on one GPU (NVML)
 
     @property
     def complete(self) -> bool:
@@ -93,7 +94,15 @@ class Ran:
 
     def record(self, nodeid: str, attempt: int = 1, rerun: bool = False) -> dict[str, Any]:
         return build_record(
-            nodeid, self.reports, self.outcome, self.spec, self.lease, self.verdict, attempt, rerun
+            nodeid,
+            self.reports,
+            self.outcome,
+            self.spec,
+            self.lease,
+            self.verdict,
+            attempt,
+            rerun,
+            self.peak,
         )
 
 
@@ -188,7 +197,7 @@ def _run(
     n = gpus_wanted(item, spec, state)
     lease = None
     try:
-        missing = state.devices.shortfall(n)
+        missing = state.devices.shortfall(n, spec.gpu_memory)
         if missing is not None:
             return Ran(skip_reports(item, f"gpu-isolate: test needs {missing}"))
         job = started.job if started is not None else _item_job(item, state.settings)
@@ -196,10 +205,13 @@ def _run(
             if started is None:  # start its process while it waits: the lease is then
                 started = _warm_while_waiting(job, state, runs)  # used from its first ms
             try:
-                lease = state.leases.acquire(n, item.nodeid, state.settings.lease_timeout)
+                lease = state.leases.acquire(
+                    n, item.nodeid, state.settings.lease_timeout, spec.gpu_memory
+                )
             except LeaseError as exc:  # a timeout, a slot-count conflict, a stuck table
                 return Ran(setup_error_reports(item, str(exc)))
         env = state.leases.child_env(lease) if state.leases is not None else None
+        probes = _probes(spec, state, lease)
         outcome, started = (
             runs.run(
                 job,
@@ -207,7 +219,7 @@ def _run(
                 grace=spec.grace,
                 startup=spec.startup_timeout,
                 env=env,
-                probes=_probes(spec, state, lease),
+                probes=probes,
                 started=started,
                 after_go=after_go,
             ),
@@ -234,7 +246,8 @@ def _run(
     for sent in outcome.frames_of(frames.PAYLOAD):  # one, unless a plugin misbehaved
         payload.update(sent)
         item.config.hook.pytest_gpuiso_parent_payload(item=item, payload=sent, reports=reports)
-    return Ran(reports, spec, outcome, lease, verdict, stop[0] if stop else None, payload)
+    peak = next((p.peak for p in probes if isinstance(p, GpuMemoryProbe)), None)
+    return Ran(reports, spec, outcome, lease, verdict, stop[0] if stop else None, payload, peak)
 
 
 def _warm_while_waiting(job: ItemJob, state: State, runs: Supervisor) -> Started | None:
@@ -311,9 +324,8 @@ def _probes(spec: IsolationSpec, state: State, lease: Lease | None) -> tuple[Pro
         log = workdir.process_dir() / f"shm-{next(_SHM_LOGS)}.log"
         probes.append(ShmProbe(s.shm_ignore, cleanup=cleanup, log=log, alone=not state.parallel))
     if lease is not None and s.leak_level("gpu_memory") != "off" and state.nvml.available():
-        probes.append(
-            GpuMemoryProbe(state.nvml, lease.devices, s.gpu_tolerance_mib, shared=s.slots > 1)
-        )
+        shared = s.slots > 1 or spec.gpu_memory is not None  # other tests may share its GPUs
+        probes.append(GpuMemoryProbe(state.nvml, lease.devices, s.gpu_tolerance_mib, shared=shared))
     return tuple(probes)
 
 
@@ -350,7 +362,7 @@ def _prepare_warm(item: pytest.Item, state: State) -> tuple[ItemJob, dict[str, s
     except SpecError:
         return None
     n = gpus_wanted(item, spec, state)
-    if state.devices.shortfall(n) is not None:
+    if state.devices.shortfall(n, spec.gpu_memory) is not None:
         return None
     env: dict[str, str] = {}
     if state.leases is not None:

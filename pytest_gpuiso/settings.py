@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 MARKER = "gpu_isolated"
-MARKER_KWARGS = ("timeout", "startup_timeout", "grace", "gpus", "allow_leaks")
+MARKER_KWARGS = ("timeout", "startup_timeout", "grace", "gpus", "gpu_memory", "allow_leaks")
 DEFAULT_TIMEOUT = 900.0
 # Bounds what is not the test's time: from the test's turn until its protocol begins
 # (interpreter, plugins, conftests, module import), and from its end to the exit.
@@ -35,17 +35,19 @@ DEFAULT_GRACE = 5.0
 MAX_SECONDS = 7 * 24 * 3600.0
 DEFAULT_PREWARM = 1
 DEFAULT_SLOTS = 1
+MAX_SLOTS = 64  # tests on one GPU at once (the lease table's holders per device)
+WHOLE = 1_000_000  # a share of a GPU in parts per million (the lease table's unit)
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20}
+_UNITS |= {"GIB": 2**30, "TIB": 2**40}
 DEFAULT_TOLERANCE_MIB = 64.0  # GPU memory growth the leak check ignores
 START_METHODS = ("spawn", "forkserver")
 KINDS = ("shm", "process", "gpu_memory")  # leak kinds
 LEVELS = ("warn", "fail", "off")  # what a leak of a kind does
-# Seconds, from the fork server's template's start, that fork requests wait for it to
-# finish collecting; after that the server forks tests itself until the template is
-# ready. A test forked from the template costs ~10 ms, one that configures and collects
-# for itself ~50 ms (both competing with the template's own collection), so waiting for
-# a template that is nearly done is the faster way; the limit bounds a template stuck in
-# a test module's import. The test suite sets a long one, so that its fork-server runs
-# take one path, not whichever the timing gives.
+# Seconds, from the template's start, that fork requests wait for it to finish collecting
+# (then the server forks tests itself): a fork from the template costs ~10 ms, one that
+# collects for itself ~50 ms; the limit bounds a template stuck in an import. The test
+# suite sets a long one, so that its fork-server runs take one path, whatever the timing.
 TEMPLATE_WAIT_ENV = "PYTEST_GPUISO_TEMPLATE_WAIT"
 TEMPLATE_WAIT_DEFAULT = 30.0
 TEMPLATE_WAIT_MAX = 240.0  # below the 300 s pytest waits for a fork's answer
@@ -87,10 +89,7 @@ def parse_seconds(
 
 def parse_int(value: Any, what: str, low: int, high: int) -> int:
     """Parse an integer in [low, high] from an option or ini text."""
-    try:
-        number = int(str(value).strip())
-    except ValueError:
-        number = None
+    number = int(value.strip()) if isinstance(value, str) and value.strip().isdigit() else None
     if number is None or not low <= number <= high or isinstance(value, bool):
         raise SpecError(
             f"invalid value {value!r} for {what}: expected an integer from {low} to {high}"
@@ -115,11 +114,8 @@ def parse_start(value: str, what: str) -> str:
 
 
 def parse_preload(value: str, what: str) -> tuple[str, ...]:
-    """Module names separated by commas or spaces; each must be importable.
-
-    Only the top-level package is looked up, which imports nothing: the pytest
-    process must not import (say) torch just to check a name.
-    """
+    """Module names separated by commas or spaces; each top-level package must be found
+    (looked up, not imported: pytest's process must not import torch to check a name)."""
     if value.strip().lower() == "none":
         return ()
     names = tuple(dict.fromkeys(n for n in re.split(r"[,\s]+", value.strip()) if n))
@@ -141,23 +137,65 @@ def default_preload() -> tuple[str, ...]:
     return ("torch",) if importlib.util.find_spec("torch") is not None else ()
 
 
-def parse_devices(value: str, what: str) -> list[str] | None:
-    """``auto`` -> None (discover), ``none`` -> [], ``0,1`` or GPU UUIDs -> the list."""
+@dataclass(frozen=True)
+class GpuMemory:
+    """A test's GPU memory lease on each of its GPUs: bytes, or a share of the device."""
+
+    text: str  # as written, for messages
+    size: int = 0  # bytes; 0: a share
+    share: int = 0  # parts per million of the device (WHOLE: all of it)
+
+    def on(self, capacity: int) -> int:  # bytes on a device of that size (0: unknown)
+        return self.size or capacity * self.share // WHOLE
+
+
+def parse_size(value: Any, what: str) -> int:
+    """Bytes from an int or ``"12GiB"``, ``"512 MiB"``, ``"1.5GB"``, ``"80000000"``."""
+    problem = f"invalid value {value!r} for {what}: expected bytes or a size like 12GiB or 8GB"
+    if isinstance(value, int) and not isinstance(value, bool):
+        size = value
+    elif isinstance(value, str) and (m := _SIZE.match(value)):
+        size = int(float(m.group(1)) * _UNITS[(m.group(2) or "B").upper()])
+    else:
+        raise SpecError(problem)
+    if not 0 < size < 1 << 63:
+        raise SpecError(f"{problem} (more than 0 bytes, less than 8 EiB)")
+    return size
+
+
+def parse_memory(value: Any, what: str) -> GpuMemory:
+    """A size (``parse_size``) or a percentage of the device, ``"25%"``."""
+    if isinstance(value, str) and value.strip().endswith("%"):
+        try:
+            percent = float(value.strip()[:-1])
+        except ValueError:
+            percent = math.nan
+        if not 0 < percent <= 100:
+            raise SpecError(f"invalid value {value!r} for {what}: expected a percentage 0-100")
+        return GpuMemory(value.strip(), share=max(1, round(percent * WHOLE / 100)))
+    return GpuMemory(str(value).strip(), size=parse_size(value, what))
+
+
+def parse_devices(value: str, what: str) -> tuple[list[str] | None, dict[str, int]]:
+    """``auto`` -> None (discover), ``none`` -> [], ``0,1`` or GPU UUIDs -> the list; each
+    entry may declare its memory, ``0:80GiB`` (second: the declared sizes by name)."""
     text = value.strip()
-    if text.lower() == "auto":
-        return None
-    if text.lower() == "none":
-        return []
-    names = [part.strip() for part in text.split(",")]
-    for name in names:
+    if text.lower() in ("auto", "none"):
+        return (None if text.lower() == "auto" else []), {}
+    names, sizes = [], {}
+    for part in text.split(","):
+        name, colon, size = part.strip().partition(":")
         if not CUDA_ID.match(name):
             raise SpecError(
                 f"invalid value {value!r} for {what}: expected auto, none or a comma-separated "
-                f"list of GPU indices or UUIDs (bad entry {name!r})"
+                f"list of GPU indices or UUIDs, each with an optional :SIZE (bad entry {part!r})"
             )
+        names.append(name)
+        if colon:
+            sizes[name] = parse_size(size, f"{what} (device {name})")
     if len(set(names)) != len(names):
         raise SpecError(f"invalid value {value!r} for {what}: a device is listed twice")
-    return names
+    return names, sizes
 
 
 def parse_policy(text: str, what: str) -> dict[str, str]:
@@ -247,7 +285,9 @@ class Settings:
     startup_timeout: float = DEFAULT_STARTUP_TIMEOUT
     devices: list[str] | None = None  # None: discover (auto)
     devices_source: str = "auto"
+    device_sizes: tuple[tuple[str, int], ...] = ()  # declared memory: --gpu-isolate-devices=0:8GiB
     slots: int = DEFAULT_SLOTS
+    gpu_memory: GpuMemory | None = None  # each test's default lease (None: 1/slots of a GPU)
     lease_timeout: float | None = None
     leaks: tuple[tuple[str, str], ...] = tuple((kind, "warn") for kind in KINDS)
     shm_ignore: tuple[str, ...] = ()
@@ -287,9 +327,13 @@ class Settings:
         startup, _ = _option_or_ini(config, "gpu_isolate_startup_timeout", allow_zero=False)
         report, report_source = _text_option(config, "gpu_isolate_report")
         devices_text, devices_source = _text_option(config, "gpu_isolate_devices")
-        devices = parse_devices(devices_text or "auto", devices_source or "--gpu-isolate-devices")
+        devices, sizes = parse_devices(
+            devices_text or "auto", devices_source or "--gpu-isolate-devices"
+        )
         slots_text, slots_source = _text_option(config, "gpu_isolate_slots")
-        slots = parse_int(slots_text, slots_source, 1, 16) if slots_text else DEFAULT_SLOTS
+        slots = parse_int(slots_text, slots_source, 1, MAX_SLOTS) if slots_text else DEFAULT_SLOTS
+        memory_text, memory_source = _text_option(config, "gpu_isolate_gpu_memory")
+        memory = parse_memory(memory_text, memory_source) if memory_text else None
         lease_timeout, _ = _option_or_ini(config, "gpu_isolate_lease_timeout", allow_zero=False)
         leaks_text, leaks_source = _text_option(config, "gpu_isolate_leaks")
         policy = parse_policy(leaks_text or "warn", leaks_source or "--gpu-isolate-leaks")
@@ -327,7 +371,9 @@ class Settings:
             summary_path=summary.strip() or None,
             devices=devices,
             devices_source=devices_source or "auto",
+            device_sizes=tuple(sizes.items()),
             slots=slots,
+            gpu_memory=memory,
             lease_timeout=lease_timeout,
             mode=mode,
             timeout=timeout,
@@ -368,6 +414,7 @@ class IsolationSpec:
     grace: float
     gpus: int | None  # None: not given (the lease layer decides)
     allow_leaks: frozenset[str] = frozenset()  # leak kinds this test may leave (marker)
+    gpu_memory: GpuMemory | None = None  # its lease on each GPU (None: 1/slots of it)
     startup_timeout: float = DEFAULT_STARTUP_TIMEOUT  # its process's start-up (and exit)
 
 
@@ -419,6 +466,9 @@ def spec_for_item(item: pytest.Item, settings: Settings) -> IsolationSpec:
     gpus = None
     if "gpus" in kwargs:
         gpus = parse_count(kwargs["gpus"], f"{MARKER} marker argument gpus")
+    memory = settings.gpu_memory
+    if "gpu_memory" in kwargs:
+        memory = parse_memory(kwargs["gpu_memory"], f"{MARKER} marker argument gpu_memory")
     allowed: frozenset[str] = frozenset()
     if "allow_leaks" in kwargs:
         allowed = parse_allowed(kwargs["allow_leaks"], f"{MARKER} marker argument allow_leaks")
@@ -429,6 +479,7 @@ def spec_for_item(item: pytest.Item, settings: Settings) -> IsolationSpec:
         gpus=gpus,
         allow_leaks=allowed,
         startup_timeout=startup,
+        gpu_memory=memory,
     )
 
 
@@ -445,27 +496,3 @@ def pytest_timeout_value(item: pytest.Item) -> float | None:
     if settings.timeout is None or not settings.timeout > 0:
         return None
     return min(float(settings.timeout), MAX_SECONDS)  # beyond it, as good as none
-
-
-def external_session_timeout(config: pytest.Config) -> tuple[float, str] | None:
-    """pytest-timeout's session-wide timeout and where it came from, when it sets one.
-
-    Its own precedence: ``--timeout``, then ``PYTEST_TIMEOUT``, then the ini key
-    ``timeout``; 0 turns it off. A bad value is pytest-timeout's to report.
-    """
-    if not config.pluginmanager.hasplugin("timeout"):
-        return None
-    sources = (
-        (config.getoption("timeout", None), "pytest-timeout --timeout"),
-        (os.environ.get("PYTEST_TIMEOUT"), "pytest-timeout PYTEST_TIMEOUT"),
-        (config.getini("timeout"), "pytest-timeout ini timeout"),
-    )
-    for value, source in sources:
-        if value is None or (isinstance(value, str) and not value.strip()):
-            continue
-        try:
-            seconds = float(value)
-        except (TypeError, ValueError):
-            return None
-        return (seconds, source) if seconds > 0 and math.isfinite(seconds) else None
-    return None

@@ -421,6 +421,9 @@ class Supervisor:
         with contextlib.suppress(OSError):  # a child that already died has no use for it
             started.go.send(go_env)
         started.go.close()
+        for probe in probes:  # probes that sample while the test runs (GPU memory's peak)
+            if (watch := getattr(probe, "watch", None)) is not None:
+                watch(proc.pid)
         if after_go is not None:
             try:
                 after_go()

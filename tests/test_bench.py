@@ -184,3 +184,27 @@ def test_lease_wait_bench_runs_and_prints_every_configuration() -> None:
         assert line.rstrip().endswith("| 4/4 |"), line
     for name in ("prewarm 1 vs 0", "forkserver vs 0"):
         assert re.search(rf"{name}: wall \d+\.\d\d×", done.stdout), done.stdout
+
+
+def test_memory_leases_bench_packs_tests_and_prints_the_ratio() -> None:
+    """bench/memory_leases.py on a tiny suite: both rows, every test passed, exclusive never
+    more than one test on the GPU, the ratio line. (That memory leases do hold several at
+    once is proven without timing in tests/test_memory_leases.py.)"""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "memory_leases.py"), "--tests", "4", "--gib", "1"]
+        + ["--device-gib", "4", "--workers", "2", "--hold", "1"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = {
+        line.split("|")[1].strip(): line.split("|")[3:5]
+        for line in done.stdout.splitlines()
+        if line.startswith("| exclusive") or line.startswith("| memory")
+    }
+    assert rows["exclusive (whole GPU per test)"] == [" 1 ", " 4/4 "], done.stdout
+    most, passed = rows["memory leases"]
+    assert int(most) >= 1 and passed.strip() == "4/4", done.stdout
+    assert re.search(r"memory leases vs exclusive: throughput \d+\.\d\dx", done.stdout)

@@ -3,8 +3,13 @@ probe over recorded NVML samples, and the Markdown summary."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import string
+import subprocess
+import sys
+import time
 from typing import Any
 
 import pytest
@@ -612,3 +617,78 @@ def test_the_default_cut_is_markdown_rows():
     text = report.markdown(records)
     assert len(table(text, "Leaks")) == report.MARKDOWN_ROWS
     assert "1 more leak is in the JSON report." in text.splitlines()
+
+
+# ------------------------------------------------------------------ GPU memory: the peak
+
+
+class LiveNvml:
+    """Answers every sample with what ``state`` says now (the test moves it on)."""
+
+    def __init__(self) -> None:
+        self.state: dict[str, Sample] = {"0": used(500), "1": used(500)}
+        self.calls = 0
+
+    def sample(self, device: str) -> Sample:
+        self.calls += 1
+        return self.state[device]
+
+
+def _wait_for(predicate, what: str) -> None:
+    deadline = time.monotonic() + 10
+    while not predicate():
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.005)
+
+
+def test_the_peak_is_the_most_the_tests_processes_held_on_one_gpu():
+    """The test's process and its child (psutil's tree of a real process) use 3 and 2 GiB
+    on GPU 0 at one moment, 4 GiB on GPU 1 at another; another process's 7 GiB on GPU 0 is
+    not the test's. Peak: 5 GiB. Sampling stops at check()."""
+    nvml = LiveNvml()
+    tree = subprocess.Popen([sys.executable, "-c", CHILD_AND_GRANDCHILD], stdout=subprocess.PIPE)
+    grandchild = int(tree.stdout.readline())
+    try:
+        probe = GpuMemoryProbe(nvml, ["0", "1"], sleep=[].append)
+        before = probe.snapshot()
+        probe.watch(tree.pid, every=0.01)
+        other = {f"p{os.getpid()}": 7 * 1024}
+        nvml.state["0"] = used(12000, **{f"p{tree.pid}": 3 * 1024, f"p{grandchild}": 2048}, **other)
+        _wait_for(lambda: probe.peak == 5 * GIB, "the 5 GiB peak")
+        nvml.state["0"] = used(500, **other)
+        nvml.state["1"] = used(4600, **{f"p{grandchild}": 4 * 1024})
+        _wait_for(lambda: nvml.calls > 20, "more samples")
+        nvml.state = {"0": used(500), "1": used(500)}
+        assert probe.check(before, RUN) == []
+        calls = nvml.calls
+        time.sleep(0.05)
+        assert nvml.calls == calls  # the sampler stopped
+        assert probe.peak == 5 * GIB
+    finally:
+        os.kill(grandchild, signal.SIGKILL)
+        tree.kill()
+        tree.wait()
+
+
+def test_without_our_pids_the_growth_stands_in_unless_the_gpu_was_shared():
+    """NVML reports pids of another namespace (a container): the device's growth over the
+    baseline is the peak on an unshared GPU; on a shared one the peak stays unknown."""
+    for shared, expected in ((False, 3 * GIB), (True, None)):
+        nvml = LiveNvml()
+        probe = GpuMemoryProbe(nvml, ["0"], shared=shared, sleep=[].append)
+        before = probe.snapshot()
+        probe.watch(os.getpid(), every=0.01)
+        nvml.state["0"] = used(500 + 3 * 1024, p4000000=3 * 1024)
+        _wait_for(lambda nvml=nvml: nvml.calls > 10, "samples")
+        nvml.state["0"] = used(500)
+        probe.check(before, RUN)
+        assert probe.peak == expected
+
+
+CHILD_AND_GRANDCHILD = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+print(child.pid, flush=True)
+time.sleep(60)
+"""
+GIB = 1 << 30

@@ -47,11 +47,13 @@ from pytest_gpuiso._lease import (
     MAX_DEVICES,
     MAX_SLOTS,
     REGION_SIZE,
+    WHOLE,
     Region,
     RegionError,
 )
 
 CONTEXTS = ["fork", "spawn"]
+GIB = 1 << 30
 START_TIMEOUT = 60.0  # a spawned interpreter on a loaded 2-core machine
 PROMPT = 2.0  # "at once", with room for a loaded CI machine; the design target is 0.1 s
 
@@ -61,10 +63,11 @@ MUTEX_OFFSET = 24  # magic u64, abi u32, size u32, bell u64
 ABI_OFFSET = 8
 NDEVICES_OFFSET = 80  # ... lock, next_ticket u64, next_lease u64
 DEV_OFFSET = 96  # ... ndevices u32, generation u32, next_key u32, pad u32
-SLOT_OFFSET = 72  # name[64], slots u32, pad u32
-SLOT_SIZE = 232  # owner {pid i32, key u32, start u64, ns u64}, lease u64, since_ns i64, label[192]
+SLOT_OFFSET = 72  # name[64], capacity u64
+SLOT_SIZE = 240  # owner {pid i32, key u32, start u64, ns u64}, lease u64, amount u64,
+# since_ns i64, label[192]
 DEVICE_SIZE = SLOT_OFFSET + MAX_SLOTS * SLOT_SIZE
-WAITER_SIZE = 248
+WAITER_SIZE = 256
 LAYOUT_KNOWN = REGION_SIZE == DEV_OFFSET + MAX_DEVICES * DEVICE_SIZE + 256 * WAITER_SIZE
 needs_layout = pytest.mark.skipif(
     not LAYOUT_KNOWN, reason="region_t layout changed; update the offsets in this test"
@@ -117,10 +120,10 @@ def _client_main(path: str, conn: Connection) -> None:
         except EOFError:
             return
         if op == "acquire":
-            devices, slots, n, label, timeout = args
+            devices, slots, n, label, timeout, memory = args
             called = time.monotonic()
             try:
-                got = region.acquire(devices, slots, n, label, timeout)
+                got = region.acquire(devices, slots, n, label, timeout, **memory)
             except Exception as exc:
                 conn.send(("error", f"{type(exc).__name__}: {exc}", called, time.monotonic()))
             else:
@@ -169,15 +172,28 @@ class Client:
         return self.conn.poll(within)
 
     def start_acquire(
-        self, devices: list[str], slots: int, n: int, label: str, timeout: float | None = None
+        self,
+        devices: list[str],
+        slots: int,
+        n: int,
+        label: str,
+        timeout: float | None = None,
+        **memory: Any,
     ) -> None:
-        self.send("acquire", devices, slots, n, label, timeout)
+        """``memory``: Region.acquire's amount= and capacities=."""
+        self.send("acquire", devices, slots, n, label, timeout, memory)
 
     def acquire(
-        self, devices: list[str], slots: int, n: int, label: str, timeout: float | None = None
+        self,
+        devices: list[str],
+        slots: int,
+        n: int,
+        label: str,
+        timeout: float | None = None,
+        **memory: Any,
     ) -> tuple[int, list[str]] | None:
         """Acquire and return what Region.acquire returned (fails on an exception)."""
-        self.start_acquire(devices, slots, n, label, timeout)
+        self.start_acquire(devices, slots, n, label, timeout, **memory)
         return self.granted(timeout=(timeout or 10.0) + 10.0)
 
     def granted(self, timeout: float = 10.0) -> tuple[int, list[str]] | None:
@@ -257,6 +273,7 @@ class Step:
     hold_ms: int
     pause_ms: int
     timeout: float | None
+    gib: int = 0  # memory leases: GiB on each GPU (0: a 1/slots share)
 
 
 @dataclass(frozen=True)
@@ -266,18 +283,35 @@ class Schedule:
     slots: int
     workers: list[list[Step]]
     kills: dict[int, float]  # worker index -> seconds after the start
+    capacity_gib: int = 0  # memory leases on devices of this size (0: slots, size unknown)
+
+    def memory(self, gib: int) -> dict[str, Any]:
+        """Region.acquire's memory arguments for a step of ``gib`` (none in slot mode)."""
+        if not self.capacity_gib:
+            return {}
+        return {"amount": gib * GIB, "capacities": [self.capacity_gib * GIB] * len(self.devices)}
+
+    def weight(self, step: Step) -> int:
+        """What a grant of ``step`` takes of each device: GiB, or one of the slots."""
+        return step.gib if self.capacity_gib else 1
+
+    @property
+    def room(self) -> int:
+        return self.capacity_gib or self.slots
 
 
 @st.composite
 def schedules(draw: st.DrawFn) -> Schedule:
     devices = draw(st.sampled_from([["0", "1"], ["0", "1", "2"]]))
     slots = draw(st.integers(1, 2))
+    capacity = draw(st.sampled_from([0, 0, 4, 16]))  # half the examples: memory leases
     step = st.builds(
         Step,
         n=st.integers(1, len(devices)),
         hold_ms=st.integers(0, 30),
         pause_ms=st.integers(0, 10),
         timeout=st.sampled_from([None, None, None, 0.0, 0.03]),
+        gib=st.integers(1, capacity) if capacity else st.just(0),
     )
     workers = draw(st.lists(st.lists(step, min_size=2, max_size=6), min_size=3, max_size=5))
     kills = draw(
@@ -289,15 +323,14 @@ def schedules(draw: st.DrawFn) -> Schedule:
         )
     )
     context = draw(st.sampled_from(["fork", "fork", "spawn"]))
-    return Schedule(context, devices, slots, workers, kills)
+    return Schedule(context, devices, slots, workers, kills, capacity)
 
 
 def _schedule_worker(
     path: str,
     log_path: str,
     index: int,
-    devices: list[str],
-    slots: int,
+    schedule: Schedule,
     steps: list[Step],
     conn: Connection,
 ) -> None:
@@ -311,7 +344,11 @@ def _schedule_worker(
     conn.send("ready")
     conn.recv()  # go
     for i, step in enumerate(steps):
-        got = region.acquire(devices, slots, step.n, f"w{index}s{i}n{step.n}", step.timeout)
+        label = f"w{index}s{i}n{step.n}"
+        memory = schedule.memory(step.gib)
+        got = region.acquire(
+            schedule.devices, schedule.slots, step.n, label, step.timeout, **memory
+        )
         if got is None:
             os.write(log, f"T {i}\n".encode())
         else:
@@ -333,13 +370,21 @@ def check_snapshot(snap: dict[str, Any], schedule: Schedule, pids: list[int]) ->
     entries is alive (its owner was alive when the copy was taken), and then all its
     entries, alive or not, must be in the copy.
     """
-    rows = [name for name, _ in snap["devices"] if name]
+    rows = [name for name, _, _ in snap["devices"] if name]
     assert len(rows) == len(set(rows)) and set(rows) <= set(schedule.devices), snap
     # Rows are counted only when complete, so even a creator killed while adding one
-    # leaves none without a name or slots.
-    assert all(name and slots == schedule.slots for name, slots in snap["devices"]), snap
-    per_device = Counter(h["device"] for h in snap["holders"])
-    assert all(count <= schedule.slots for count in per_device.values()), snap
+    # leaves none without a name or its size (0: unknown, shares of 10^6 units).
+    size = schedule.capacity_gib * GIB
+    assert all(name and capacity == size for name, capacity, _ in snap["devices"]), snap
+    assert all(used <= (size or WHOLE) for _, _, used in snap["devices"]), snap
+    if size:
+        per_device = Counter()
+        for h in snap["holders"]:
+            per_device[h["device"]] += h["amount"]
+        assert all(total <= size for total in per_device.values()), snap
+    else:
+        per_device = Counter(h["device"] for h in snap["holders"])
+        assert all(count <= schedule.slots for count in per_device.values()), snap
     by_lease: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for holder in snap["holders"]:
         by_lease[holder["lease"]].append(holder)
@@ -360,10 +405,10 @@ def check_snapshot(snap: dict[str, Any], schedule: Schedule, pids: list[int]) ->
     assert waiting <= set(pids), snap
 
 
-def max_overlap(intervals: list[tuple[float, float]]) -> int:
-    """Most intervals open at one instant (an end and a start at the same time don't meet)."""
+def max_overlap(intervals: list[tuple[float, float, int]]) -> int:
+    """The most weight open at one instant (an end and a start at the same time don't meet)."""
     edges = sorted(
-        [(s, 1) for s, e in intervals if e > s] + [(e, -1) for s, e in intervals if e > s]
+        [(s, w) for s, e, w in intervals if e > s] + [(e, -w) for s, e, w in intervals if e > s]
     )
     depth = most = 0
     for _, delta in edges:
@@ -385,9 +430,10 @@ _example_ids = itertools.count()
 def test_random_schedules_with_kills_never_oversubscribe_and_survivors_finish(
     tmp_path: Path, schedule: Schedule
 ) -> None:
-    """3-5 worker processes acquire (n of 2-3 devices, 1-2 slots, some with timeouts),
-    hold, release, while the driver SIGKILLs some at random moments and snapshots the
-    table continuously. Safety: in every snapshot each device has <= slots holders,
+    """3-5 worker processes acquire (n of 2-3 devices, 1-2 slots or, in half the examples,
+    1..C GiB on devices of C = 4 or 16 GiB; some with timeouts), hold, release, while the
+    driver SIGKILLs some at random moments and snapshots the table continuously. Safety:
+    in every snapshot each device has <= slots holders (<= C GiB leased),
     every live lease covers exactly its n distinct devices, no worker holds two leases
     or waits while holding; from the workers' own logs, no instant had more than
     `slots` processes believing they held one device. Liveness: every worker not
@@ -407,7 +453,7 @@ def test_random_schedules_with_kills_never_oversubscribe_and_survivors_finish(
         for i, steps in enumerate(schedule.workers):
             parent, child = ctx.Pipe()
             log = str(base / f"w{i}.log")
-            args = (path, log, i, schedule.devices, schedule.slots, steps, child)
+            args = (path, log, i, schedule, steps, child)
             proc = ctx.Process(target=_schedule_worker, args=args, daemon=True)
             proc.start()
             child.close()
@@ -444,7 +490,7 @@ def test_random_schedules_with_kills_never_oversubscribe_and_survivors_finish(
         for conn in conns:
             conn.close()
 
-    per_device: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    per_device: dict[str, list[tuple[float, float, int]]] = defaultdict(list)
     for i, (proc, steps) in enumerate(zip(procs, schedule.workers, strict=True)):
         lines = Path(base / f"w{i}.log").read_text().splitlines()
         if proc.exitcode == -signal.SIGKILL:
@@ -467,8 +513,9 @@ def test_random_schedules_with_kills_never_oversubscribe_and_survivors_finish(
                 opened[step] = (t, names)
             elif kind == "R":
                 t_acquired, names = opened.pop(int(fields[0]))
+                weight = schedule.weight(steps[int(fields[0])])
                 for name in names:
-                    per_device[name].append((t_acquired, float(fields[2])))
+                    per_device[name].append((t_acquired, float(fields[2]), weight))
             elif kind == "F":
                 assert int(fields[1]) == steps[int(fields[0])].n, f"worker {i}: {line}"
                 done_steps += 1
@@ -478,19 +525,27 @@ def test_random_schedules_with_kills_never_oversubscribe_and_survivors_finish(
                 event("an acquire timed out")
         if proc.exitcode == 0:
             assert done_steps == len(steps), lines
-        for t_acquired, names in opened.values():  # killed while holding
+        for step, (t_acquired, names) in opened.items():  # killed while holding
             for name in names:
-                per_device[name].append((t_acquired, killed_at[i]))
+                per_device[name].append((t_acquired, killed_at[i], schedule.weight(steps[step])))
     for name, intervals in per_device.items():
-        assert max_overlap(intervals) <= schedule.slots, (name, sorted(intervals))
+        assert max_overlap(intervals) <= schedule.room, (name, sorted(intervals))
 
-    if any(not name for name, _ in region.snapshot()["devices"]):
+    if any(not name for name, _, _ in region.snapshot()["devices"]):
         event("a killed worker left a nameless device row (native bug)")
-    everything = region.acquire(schedule.devices, schedule.slots, len(schedule.devices), "end", 5)
+    everything = region.acquire(
+        schedule.devices,
+        schedule.slots,
+        len(schedule.devices),
+        "end",
+        5,
+        **schedule.memory(schedule.capacity_gib),
+    )
     assert everything is not None, f"slots leaked: {region.snapshot()}"
     assert region.snapshot()["waiters"] == []
     assert region.release(everything[0]) == len(schedule.devices)
     event(f"context {schedule.context}")
+    event("memory leases" if schedule.capacity_gib else "slots")
     event(f"killed {len(killed_at)} of {len(procs)} workers")
     assert snapshots > 0
 
@@ -550,7 +605,7 @@ def test_concurrent_first_attach_publishes_one_private_complete_table(
         assert stat.S_IMODE(info.st_mode) == 0o600
         assert info.st_size == REGION_SIZE
         assert info.st_nlink == 1
-        assert Region(path).snapshot() == {"devices": [("0", 1)], "holders": [], "waiters": []}
+        assert Region(path).snapshot() == {"devices": [("0", 0, 0)], "holders": [], "waiters": []}
     assert sorted(os.listdir(tmp_path)) == sorted(os.path.basename(p) for p in paths)
 
 
@@ -915,23 +970,104 @@ def test_release_only_frees_the_callers_own_lease(
     assert region.snapshot()["holders"] == []
 
 
-def test_slot_count_conflict_with_a_live_holder_is_an_error(
+def test_sessions_with_other_slot_counts_share_a_device_by_its_shares(
     clients: Callable[..., Client], region: Region
 ) -> None:
-    """A device held with slots=1 cannot be asked for with slots=2 while the holder
-    lives: RegionError naming the device, the holder's pid and both counts. Once the
-    holder is dead, the new slot count is taken.
-    """
+    """slots=1 takes the whole device, slots=2 half of it: a slots=2 request waits for a
+    slots=1 holder (never overbooked) and two slots=2 requests then fit together."""
     holder = clients()
-    assert holder.acquire(["0"], 1, 1, "one slot") is not None
-    with pytest.raises(
-        RegionError, match=rf"device 0 is shared with 1 slots by pid {holder.pid} .*asks for 2"
-    ):
-        region.acquire(["0"], 2, 1, "two slots", 0)
+    assert holder.acquire(["0"], 1, 1, "whole") is not None
+    assert region.acquire(["0"], 2, 1, "half", 0) is None  # timed out at once: no room
     holder.kill()
     holder.process.join(10)
-    assert region.acquire(["0"], 2, 1, "two slots", 0) is not None
-    assert region.snapshot()["devices"] == [("0", 2)]
+    assert region.acquire(["0"], 2, 1, "half", 0) is not None
+    assert region.acquire(["0"], 2, 1, "other half", 0) is not None
+    assert region.acquire(["0"], 2, 1, "third half", 0) is None
+    assert region.snapshot()["devices"] == [("0", 0, WHOLE)]
+
+
+def test_capacity_conflict_with_a_live_holder_is_an_error(
+    clients: Callable[..., Client], region: Region
+) -> None:
+    """A device leased as 80 GiB cannot be leased as 40 GiB while a holder lives:
+    RegionError naming the device, the holder's pid and both sizes; once the holder
+    is gone, the new size replaces the old."""
+    holder = clients()
+    assert holder.acquire(["0"], 1, 1, "big", amount=GIB, capacities=[80 * GIB]) is not None
+    with pytest.raises(
+        RegionError,
+        match=rf"device 0 is leased as 80 GiB of memory by pid {holder.pid} .*says 40 GiB$",
+    ):
+        region.acquire(["0"], 1, 1, "small", 0, amount=GIB, capacities=[40 * GIB])
+    holder.kill()
+    holder.process.join(10)
+    assert region.acquire(["0"], 1, 1, "small", 0, amount=GIB, capacities=[40 * GIB]) is not None
+    assert region.snapshot()["devices"] == [("0", 40 * GIB, GIB)]
+
+
+# ------------------------------------------------------------------ memory leases
+
+
+def test_memory_leases_pack_until_full_and_never_overbook(region: Region) -> None:
+    """Requests of 12 GiB on an 80 GiB device: six fit (72 GiB), the seventh waits; a
+    4 GiB one still fits beside them; releasing one admits the waiting size again."""
+    caps = [80 * GIB]
+    leases = [
+        region.acquire(["0"], 1, 1, f"t{i}", 0, amount=12 * GIB, capacities=caps) for i in range(6)
+    ]
+    assert all(lease is not None for lease in leases)
+    assert region.acquire(["0"], 1, 1, "t6", 0, amount=12 * GIB, capacities=caps) is None
+    small = region.acquire(["0"], 1, 1, "small", 0, amount=4 * GIB, capacities=caps)
+    assert small is not None
+    assert region.snapshot()["devices"] == [("0", 80 * GIB, 76 * GIB)]
+    assert region.release(leases[0][0]) == 1
+    assert region.acquire(["0"], 1, 1, "t6", 0, amount=12 * GIB, capacities=caps) is not None
+    holders = region.snapshot()["holders"]
+    assert sorted(h["amount"] for h in holders) == [4 * GIB] + [12 * GIB] * 6
+
+
+def test_memory_leases_go_where_most_is_free_all_or_nothing(region: Region) -> None:
+    """Two 40 GiB devices: a 30 GiB request lands on each in turn (most free first); a
+    2-GPU request of 20 GiB each then waits, since only one device has 20 GiB free."""
+    caps = [40 * GIB, 40 * GIB]
+    first = region.acquire(["0", "1"], 1, 1, "a", 0, amount=30 * GIB, capacities=caps)
+    second = region.acquire(["0", "1"], 1, 1, "b", 0, amount=10 * GIB, capacities=caps)
+    assert first is not None and second is not None
+    assert first[1] != second[1]  # the second went to the emptier device
+    assert region.acquire(["0", "1"], 1, 2, "pair", 0, amount=20 * GIB, capacities=caps) is None
+    assert region.release(first[0]) == 1
+    pair = region.acquire(["0", "1"], 1, 2, "pair", 0, amount=20 * GIB, capacities=caps)
+    assert pair is not None and sorted(pair[1]) == ["0", "1"]
+
+
+def test_a_request_no_device_can_hold_is_refused_at_once(region: Region) -> None:
+    with pytest.raises(ValueError, match="only 0 of the devices are known to be that large"):
+        region.acquire(["0"], 1, 1, "huge", 0, amount=100 * GIB, capacities=[80 * GIB])
+    with pytest.raises(ValueError, match="only 0 of the devices"):  # size unknown: no bytes
+        region.acquire(["0"], 1, 1, "bytes", 0, amount=GIB)
+    with pytest.raises(ValueError, match="one capacity per device"):
+        region.acquire(["0", "1"], 1, 1, "caps", 0, amount=GIB, capacities=[GIB])
+
+
+def test_a_big_waiter_is_not_starved_by_small_requests(
+    clients: Callable[..., Client], region: Region
+) -> None:
+    """FIFO: with 70 of 80 GiB held, a 40 GiB waiter is first in line; a later 4 GiB
+    request (which would fit) waits behind it instead of taking its room."""
+    caps = [80 * GIB]
+    held = region.acquire(["0"], 1, 1, "held", 0, amount=70 * GIB, capacities=caps)
+    assert held is not None
+    big = clients()
+    big.start_acquire(["0"], 1, 1, "big", 30, amount=40 * GIB, capacities=caps)
+    wait_until(lambda: big.pid in waiting_pids(region), "the big request to queue")
+    small = clients()
+    small.start_acquire(["0"], 1, 1, "small", 30, amount=4 * GIB, capacities=caps)
+    wait_until(lambda: small.pid in waiting_pids(region), "the small request to queue")
+    time.sleep(0.3)
+    assert held_by(region.snapshot(), small.pid) == []
+    region.release(held[0])
+    assert big.granted(timeout=PROMPT + 10) is not None
+    assert small.granted(timeout=PROMPT + 10) is not None  # 44 of 80 GiB
 
 
 # ------------------------------------------------------------------ timeouts, waiting
@@ -1100,6 +1236,6 @@ def test_a_creator_killed_while_adding_device_rows_leaves_no_broken_row(
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
         devices = region.snapshot()["devices"]  # also proves the mutex is usable again
-        assert all(name and slots == 1 for name, slots in devices), f"broken row: {devices}"
+        assert all(name and cap == 0 for name, cap, _ in devices), f"broken row: {devices}"
         if len(devices) < MAX_DEVICES:
             assert region.acquire(["after"], 1, 1, "after", 0) is not None

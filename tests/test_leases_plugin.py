@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -164,8 +165,12 @@ def test_status_and_reset_commands(region: Path):
     lease_id, _ = table.acquire(["0", "1"], 1, 1, "tests/test_x.py::test_held", None)
     status = _cli("status", region=region)
     assert status.returncode == 0
-    assert "tests/test_x.py::test_held" in status.stdout
-    assert "free" in status.stdout
+    # per device its memory, leased and free (shares of a device of unknown size), then
+    # each holder with its lease
+    assert re.search(r"^1\s+unknown\s+0%\s+100%$", status.stdout, re.M), status.stdout
+    assert re.search(
+        r"^\s+100%\s+\d+\s+\S+\s+held\s+tests/test_x.py::test_held$", status.stdout, re.M
+    )
     refused = _cli("reset", region=region)
     assert refused.returncode == 1
     assert "refusing to reset" in refused.stderr and "test_held" in refused.stderr

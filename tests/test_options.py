@@ -55,9 +55,13 @@ def test_bad_marker_arguments_fail_only_their_test(gpuiso):
     """Each bad marker argument is an error of that test, named in one line; neighbours run."""
     gpuiso.copy("test_markers.py")
     result = gpuiso.run("-rA")
-    result.assert_outcomes(passed=2, errors=5)
+    result.assert_outcomes(passed=2, errors=7)
     result.stdout.fnmatch_lines_random(
         [
+            "gpu-isolate: invalid value '12 parsecs' for gpu_isolated marker argument "
+            "gpu_memory: expected bytes or a size like 12GiB or 8GB",
+            "gpu-isolate: invalid value '150%' for gpu_isolated marker argument gpu_memory: "
+            "expected a percentage 0-100",
             "gpu-isolate: invalid value 'abc' for gpu_isolated marker argument timeout: "
             "expected a number of seconds > 0",
             "gpu-isolate: invalid value -1 for gpu_isolated marker argument grace: "
@@ -65,9 +69,10 @@ def test_bad_marker_arguments_fail_only_their_test(gpuiso):
             "gpu-isolate: invalid value 1.5 for gpu_isolated marker argument gpus: "
             "expected an integer >= 0",
             "gpu-isolate: invalid gpu_isolated marker argument 'timout': "
-            "expected one of timeout, startup_timeout, grace, gpus, allow_leaks",
+            "expected one of timeout, startup_timeout, grace, gpus, gpu_memory, allow_leaks",
             "gpu-isolate: invalid gpu_isolated marker: positional arguments (5,) are not "
-            "accepted; use keyword arguments (timeout, startup_timeout, grace, gpus, allow_leaks)",
+            "accepted; use keyword arguments (timeout, startup_timeout, grace, gpus, gpu_memory, "
+            "allow_leaks)",
             "ERROR test_markers.py::test_bad_timeout*",  # pytest 8.0: no " - message"
             "ERROR test_markers.py::test_positional_argument*",  # pytest 8.0: no " - message"
             "PASSED test_markers.py::test_good_marker",

@@ -222,7 +222,7 @@ def test_a_label_with_broken_utf8_written_by_anyone_never_crashes_a_reader(
     holder = clients()
     assert holder.acquire(["0"], 1, 1, "x") is not None
     with open(table, "r+b") as f:
-        f.seek(_slot_offset(0, 0) + 40)  # the label, after owner (24), lease, since_ns
+        f.seek(_slot_offset(0, 0) + 48)  # the label, after owner (24), lease, amount, since_ns
         f.write(b"tests/test_\xc3\0")
     [entry] = Region(str(table)).snapshot()["holders"]
     assert entry["label"] == "tests/test_\ufffd"
@@ -418,24 +418,23 @@ def test_device_lists_the_table_cannot_hold_are_usage_errors(
     _no_crash(result)
 
 
-def test_two_sessions_with_different_slot_counts_on_a_gpu_is_a_setup_error(
+def test_two_sessions_that_disagree_on_a_gpus_memory_is_a_setup_error(
     gpuiso_settings: GpuIso, table: Path
 ) -> None:
-    """Device 0 is held with 1 slot (here); a session asking for 2 slots errors its GPU
-    test in setup with one line naming the device, the holder, both counts and the option
-    (it was an INTERNALERROR); its other test passes."""
+    """Device 0 is held as an 80 GiB GPU (here); a session declaring it 40 GiB errors its
+    GPU test in setup with one line naming the device, the holder, both sizes and the
+    option; its other test passes. (Sessions with other slot counts just share the GPU by
+    their shares, tests/test_lease_table.py.)"""
     region = Region(str(table))
-    got = region.acquire(["0"], 1, 1, "held with one slot", None)
+    got = region.acquire(["0"], 1, 1, "held as 80 GiB", None, amount=1 << 30, capacities=[80 << 30])
     assert got is not None
     gpuiso_settings.copy("sec_lease_gpu.py")
-    result = gpuiso_settings.run(
-        "--gpu-isolate-devices=0", "--gpu-isolate-slots=2", "sec_lease_gpu.py"
-    )
+    result = gpuiso_settings.run("--gpu-isolate-devices=0:40GiB", "sec_lease_gpu.py")
     result.assert_outcomes(passed=1, errors=1)
     result.stdout.fnmatch_lines(
         [
-            f"*device 0 is shared with 1 slots by pid {os.getpid()} (held with one slot); "
-            "this session asks for 2 (--gpu-isolate-slots)*"
+            f"*device 0 is leased as 80 GiB of memory by pid {os.getpid()} (held as 80 GiB); "
+            "this session says 40 GiB (--gpu-isolate-devices)*"
         ]
     )
     _no_crash(result)

@@ -11,8 +11,14 @@ No CUDA context is ever created here: NVML reads the driver's accounting.
     escaped GPU holder. NVML's pids are compared as opaque sets, so this works
     inside containers where NVML reports host pids;
   - used memory above the baseline by more than the tolerance.
-* With ``--gpu-isolate-slots`` > 1 other tests ran on the GPU at the same time;
-  the record says ``shared`` so a reader knows the numbers are not the test's alone.
+* With ``--gpu-isolate-slots`` > 1 or memory leases other tests ran on the GPU at
+  the same time; the record says ``shared`` so a reader knows the numbers are not the
+  test's alone.
+* Peak: while the test runs, a thread samples its GPUs every ``PEAK_EVERY`` seconds and
+  keeps the most memory the test's processes (its process and descendants, by NVML's
+  per-process accounting) held on any of them: ``peak``, for right-sizing leases. Where
+  NVML's pids are not ours (a container), the device's growth over the baseline stands
+  in when the GPU was not shared; else the peak is unknown (None).
 
 ``NvmlReader`` is the only part that talks to the driver; tests replace it with
 recorded samples.
@@ -21,6 +27,7 @@ recorded samples.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +38,7 @@ from . import Leak, RunInfo
 
 MIB = 1 << 20
 BACKOFF = (0.0, 0.05, 0.1, 0.2, 0.4, 0.8, 1.2)  # seconds between attempts: ~2.75 s at most
+PEAK_EVERY = 0.2  # seconds between samples of the running test's GPU memory
 
 
 @dataclass(frozen=True)
@@ -142,6 +150,10 @@ class GpuMemoryProbe:
         self.shared = shared
         self.backoff = tuple(backoff)
         self.sleep = sleep
+        self.peak: int | None = None  # most bytes the test's processes held on one GPU
+        self._base: dict[str, Sample] | None = None
+        self._stop = threading.Event()
+        self._sampler: threading.Thread | None = None
 
     def _sample_all(self) -> dict[str, Sample] | None:
         try:
@@ -150,9 +162,45 @@ class GpuMemoryProbe:
             return None
 
     def snapshot(self) -> dict[str, Sample] | None:
-        return self._sample_all()
+        self._base = self._sample_all()
+        return self._base
+
+    def watch(self, pid: int, every: float = PEAK_EVERY) -> None:
+        """Sample the test's GPU memory while its process ``pid`` runs (until ``check``)."""
+        if self._base is None or self._sampler is not None:
+            return
+        self._sampler = threading.Thread(
+            target=self._sample_peak, args=(pid, every), name="gpuiso-peak", daemon=True
+        )
+        self._sampler.start()
+
+    def _sample_peak(self, pid: int, every: float) -> None:
+        import psutil
+
+        base = self._base or {}
+        while True:
+            try:
+                tree = {pid, *(p.pid for p in psutil.Process(pid).children(recursive=True))}
+            except psutil.Error:
+                tree = {pid}
+            now = self._sample_all()
+            if now is not None:
+                for device, sample in now.items():
+                    mine = [b for p, b in sample.processes.items() if p in tree]
+                    if mine:
+                        used = sum(mine)
+                    elif not self.shared and device in base:  # NVML pids not ours
+                        used = max(sample.used - base[device].used, 0)
+                    else:
+                        continue
+                    self.peak = max(self.peak or 0, used)
+            if self._stop.wait(every):
+                return
 
     def check(self, before: dict[str, Sample] | None, run: RunInfo) -> list[Leak]:
+        self._stop.set()
+        if self._sampler is not None:
+            self._sampler.join(5)
         if not before:
             return []
         findings: list[Finding] = []
