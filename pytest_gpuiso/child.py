@@ -269,12 +269,16 @@ class _EnvReads:
 
     A module that reads ``CUDA_VISIBLE_DEVICES`` at import before the go saw the
     hidden value (``""``), not its GPUs: it must run in a fresh process. Until the
-    go, ``os.environ`` (which ``os.getenv`` reads too) notes each name read.
+    go, ``os.environ`` (which ``os.getenv`` reads too) notes each name read. A copy
+    of the whole environment (``dict(os.environ)``, ``os.environ.copy()``, ``items()``:
+    what starting a subprocess does, as ``platform.architecture()`` at pytest-benchmark's
+    configure) reads every name in iteration order: those reads are not noted.
     """
 
     names: dict[str, str | None] = {}  # name -> module being collected ahead, or None
     where: str | None = None
     _class: type | None = None
+    walk: list[str] = []  # the names an iteration of os.environ just gave, still to be read
 
     @classmethod
     def start(cls) -> None:
@@ -291,8 +295,18 @@ class _EnvReads:
 
 
 class _NotingEnviron(os._Environ):  # type: ignore[type-arg] - os.environ's own class
+    def __iter__(self) -> Any:
+        names = list(super().__iter__())
+        _EnvReads.walk = names[::-1]  # popped from the end, in iteration order
+        return iter(names)
+
     def __getitem__(self, key: Any) -> Any:
-        _EnvReads.names.setdefault(key, _EnvReads.where)
+        walk = _EnvReads.walk
+        if walk and walk[-1] == key:  # the next name of a whole copy: not a read of it
+            walk.pop()
+        else:
+            _EnvReads.walk = []
+            _EnvReads.names.setdefault(key, _EnvReads.where)
         return super().__getitem__(key)
 
 

@@ -129,7 +129,7 @@ def test_gpu_validation_unknown_step_is_one_line(tmp_path):
     assert done.returncode == 2
     assert done.stderr.splitlines() == [
         "gpu_validation.sh: unknown step 'tets' "
-        "(steps: facts build torch tests cuda-bench cpu-bench)"
+        "(steps: facts build torch tests cuda-bench cpu-bench mem-bench)"
     ]
     assert not (tmp_path / "facts.log").exists()  # nothing ran
 

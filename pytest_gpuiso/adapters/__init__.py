@@ -18,3 +18,13 @@ ADAPTERS = ("randomly", "syrupy", "benchmark", "cov", "rerunfailures")
 def register(pluginmanager: Any) -> None:
     for name in ADAPTERS:
         import_module(f"{__name__}.{name}").register(pluginmanager)
+
+
+def plugin_version(distribution: str) -> str:
+    """The installed version of a plugin's distribution, for the adapters' warnings."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return "(version unknown)"

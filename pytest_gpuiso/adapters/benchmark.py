@@ -30,7 +30,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from ..warning_types import GpuIsoStartWarning, warn_session
-from .randomly import plugin_version
+from . import plugin_version
 
 PLUGIN = "benchmark"  # pytest-benchmark's entry point name
 KEY = "pytest-benchmark"  # its part of the payload

@@ -32,6 +32,7 @@ from typing import Any
 import pytest
 
 from ..warning_types import GpuIsoStartWarning, warn_session
+from . import plugin_version
 
 COV_PLUGIN = "_cov"  # the name pytest-cov registers its CovPlugin under
 PAYLOAD_KEY = "pytest-cov"
@@ -191,7 +192,8 @@ class CovAdapter:
             warn_session(
                 config,
                 GpuIsoStartWarning(
-                    f"pytest-cov {_version('pytest-cov')} with coverage {_version('coverage')}: "
+                    f"pytest-cov {plugin_version('pytest-cov')} with coverage "
+                    f"{plugin_version('coverage')}: "
                     f"{', '.join(missing)} not found; the lines isolated tests run are not "
                     "measured"
                 ),
@@ -284,15 +286,6 @@ def _start_resource_tracker_unmeasured() -> None:
 
 # coverage's patch = subprocess; pytest-cov's COV_CORE_SOURCE, _CONFIG, _DATAFILE (< 7)
 _AUTO_START_VARIABLES = ("COVERAGE_PROCESS_START", "COVERAGE_PROCESS_CONFIG", "COV_CORE_")
-
-
-def _version(distribution: str) -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(distribution)
-    except PackageNotFoundError:
-        return "(version unknown)"
 
 
 def register(pluginmanager: Any) -> None:

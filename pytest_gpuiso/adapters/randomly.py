@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..warning_types import GpuIsoStartWarning, warn_session
+from . import plugin_version
 
 PLUGIN = "randomly"  # pytest-randomly's entry point name
 
@@ -38,16 +39,6 @@ class RandomlyAdapter:
             ),
         )
         return None
-
-
-def plugin_version(distribution: str) -> str:
-    """The installed version of a plugin's distribution, for the adapters' warnings."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(distribution)
-    except PackageNotFoundError:
-        return "(version unknown)"
 
 
 def register(pluginmanager: Any) -> None:

@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 
 from ..warning_types import GpuIsoStartWarning, warn_session
+from . import plugin_version
 
 PLUGIN = "rerunfailures"  # pytest-rerunfailures' entry point name
 KEY = "pytest-rerunfailures"  # our key in the payload
@@ -189,12 +190,7 @@ def _suite_rerun_left(config: Any) -> bool:
 
 @functools.lru_cache(maxsize=1)
 def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("pytest-rerunfailures")
-    except PackageNotFoundError:
-        return "(version unknown)"
+    return plugin_version("pytest-rerunfailures")
 
 
 def register(pluginmanager: Any) -> None:

@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 
 from ..warning_types import GpuIsoStartWarning, warn_session
-from .randomly import plugin_version
+from . import plugin_version
 
 PLUGIN = "syrupy"  # syrupy's entry point name
 KEY = "syrupy"  # its part of the payload
