@@ -282,7 +282,9 @@ def main() -> None:
 
     have_isolate = importlib.util.find_spec("pytest_isolate") is not None
     have_timeout = importlib.util.find_spec("pytest_timeout") is not None
-    common = ["-q", "-p", "no:cacheprovider"]
+    # pytest-randomly off: the same order in every configuration (and its releases before
+    # 3.11 or so crash without the cache provider)
+    common = ["-q", "-p", "no:cacheprovider", "-p", "no:randomly"]
     if opts.no_hypothesis:
         common += ["-p", "no:hypothesispytest"]
     others = ["-p", "no:pytest_isolate"] if have_isolate else []

@@ -57,7 +57,9 @@ def _start_warnings(result: pytest.RunResult) -> list[str]:
 
 
 def _in_process(iso: GpuIso, log: Path) -> dict[str, dict]:
-    result = iso.pytester.runpytest_subprocess("-p", "no:cacheprovider", POOLS, timeout=300)
+    result = iso.pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "-p", "no:randomly", POOLS, timeout=300
+    )
     outcomes = result.parseoutcomes()
     assert outcomes.get("passed", 0) + outcomes.get("skipped", 0) == 4, result.stdout.str()
     return _seen(log)

@@ -186,5 +186,7 @@ def test_the_installed_package_is_what_runs(pytester: pytest.Pytester):
             assert Path(pytest_gpuiso._lease.__file__).resolve().parent == EXPECTED
         """
     )
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--gpu-isolate-preload=none")
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "-p", "no:randomly", "--gpu-isolate-preload=none"
+    )
     result.assert_outcomes(passed=1)

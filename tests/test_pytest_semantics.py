@@ -148,6 +148,8 @@ def test_a_debugger_runs_the_tests_in_process_and_says_so_under_q(
         "pytest",
         "-p",
         "no:cacheprovider",
+        "-p",
+        "no:randomly",
         *gpuiso_settings.start_options,
         "-q",
         debugger,

@@ -607,7 +607,9 @@ def test_a_script_calling_pytest_main_is_not_rerun(gpuiso: GpuIso, how: str):
     ``<stdin>``.
     """
     gpuiso.copy("test_where.py")
-    options = ", ".join(repr(o) for o in ("-p", "no:cacheprovider", *gpuiso.start_options))
+    options = ", ".join(
+        repr(o) for o in ("-p", "no:cacheprovider", "-p", "no:randomly", *gpuiso.start_options)
+    )
     script = (
         "import sys, pytest\n"
         "print('MAIN SCRIPT RUN')\n"
