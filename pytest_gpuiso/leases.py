@@ -14,7 +14,6 @@ tests share a GPU while their leases fit.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import tempfile
@@ -22,12 +21,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from .leaks.gpu_memory import NvmlReader
+from .memory_cap import MEMORY_ENV  # set in an isolated child: its lease, bytes per GPU
 from .settings import CUDA_ID, WHOLE, GpuMemory, SpecError
 from .workdir import user_name
 
 REGION_ENV = "PYTEST_GPUISO_LEASE_REGION"  # another table path (tests, or sharing across users)
 LEASED_ENV = "PYTEST_GPUISO_LEASED"  # set in an isolated child: the GPUs its test holds
-MEMORY_ENV = "PYTEST_GPUISO_GPU_MEMORY"  # set in an isolated child: its lease, bytes per GPU
 CHOOSE_PATH = f"choose another path with {REGION_ENV}=PATH"
 EXHAUSTED = {errno.ENOSPC, errno.EDQUOT, errno.ENOMEM, errno.EMFILE, errno.ENFILE}
 
@@ -138,14 +138,24 @@ class Devices:
 
 
 def discover(
-    setting: list[str] | None, what: str, declared: dict[str, int] | None = None
+    setting: list[str] | None,
+    what: str,
+    declared: dict[str, int] | None = None,
+    nvml: NvmlReader | None = None,
 ) -> Devices:
-    """The devices to lease, with their memory (``declared`` sizes win over NVML's);
-    ``SpecError`` naming the source when the table cannot hold them."""
+    """The devices to lease, with their memory (``declared`` sizes win over NVML's, read
+    through ``nvml``: the session's reader); ``SpecError`` naming the source when the table
+    cannot hold them."""
+    if nvml is None:  # none of the session's: one for this call only
+        nvml = NvmlReader()
+        try:
+            return discover(setting, what, declared, nvml)
+        finally:
+            nvml.close()
     declared = declared or {}
     if setting is not None:
         devices = Devices(tuple(setting), what)
-        return _sized(_checked(devices), declared)
+        return _sized(_checked(devices), declared, nvml)
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         names = []
@@ -154,44 +164,18 @@ def discover(
             if not CUDA_ID.match(part):
                 break
             names.append(part)
-        return _sized(_checked(Devices(tuple(names), "CUDA_VISIBLE_DEVICES"), visible), declared)
-    devices = Devices(tuple(str(i) for i in range(_nvml_count())), "NVML", pci_order=True)
-    return _sized(_checked(devices), declared)
+        devices = Devices(tuple(names), "CUDA_VISIBLE_DEVICES")
+        return _sized(_checked(devices, visible), declared, nvml)
+    devices = Devices(tuple(str(i) for i in range(nvml.count())), "NVML", pci_order=True)
+    return _sized(_checked(devices), declared, nvml)
 
 
-def _sized(devices: Devices, declared: dict[str, int]) -> Devices:
+def _sized(devices: Devices, declared: dict[str, int], nvml: NvmlReader) -> Devices:
     """``devices`` with each one's memory: declared, else NVML's total (0: unknown)."""
     if not devices.names:
         return devices
-    unknown = [name for name in devices.names if name not in declared]
-    found = _nvml_memory(unknown) if unknown else {}
-    sizes = tuple(declared.get(name) or found.get(name, 0) for name in devices.names)
+    sizes = tuple(declared.get(name) or nvml.total(name) for name in devices.names)
     return Devices(devices.names, devices.source, devices.pci_order, sizes)
-
-
-def _nvml_memory(names: list[str]) -> dict[str, int]:
-    """Total memory by device name (an NVML index or a GPU/MIG UUID) that NVML knows."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-    except Exception:
-        return {}
-    found = {}
-    try:
-        for name in names:
-            try:
-                if name.isdigit():
-                    handle = pynvml.nvmlDeviceGetHandleByIndex(int(name))
-                else:
-                    handle = pynvml.nvmlDeviceGetHandleByUUID(name)
-                found[name] = int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)
-            except Exception:
-                continue
-    finally:
-        with contextlib.suppress(Exception):
-            pynvml.nvmlShutdown()
-    return found
 
 
 def _checked(devices: Devices, value: str | None = None) -> Devices:
@@ -211,23 +195,6 @@ def _checked(devices: Devices, value: str | None = None) -> Devices:
     if long:
         raise SpecError(f"invalid device name {long[0]!r} from {devices.source}: over 63 bytes")
     return devices
-
-
-def _nvml_count() -> int:
-    """GPUs NVML sees; 0 without a driver. NVML never creates a CUDA context."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-    except Exception:
-        return 0
-    try:
-        return int(pynvml.nvmlDeviceGetCount())
-    except Exception:
-        return 0
-    finally:
-        with contextlib.suppress(Exception):
-            pynvml.nvmlShutdown()
 
 
 @dataclass(frozen=True)
@@ -286,11 +253,9 @@ class Leases:
 
         label = label.encode("utf-8", "replace").decode()  # a nodeid may hold surrogates
         start = time.monotonic()
+        memory = memory or GpuMemory(f"1/{self.slots}", share=WHOLE // self.slots)
         how: dict[str, Any] = {"capacities": self.devices.sizes()}
-        if memory is not None and memory.size:
-            how["amount"] = memory.size
-        elif memory is not None:
-            how["share"] = memory.share
+        how.update({"amount": memory.size} if memory.size else {"share": memory.share})
         try:
             region = self._attach()
             self._release_pending()
@@ -306,11 +271,7 @@ class Leases:
                 + (self.holders_text() or "nobody (the queue ahead was still being served)")
             )
         lease_id, names = got
-        share = memory.share if memory is not None else WHOLE // self.slots
-        each = [
-            memory.size if memory is not None and memory.size else size * share // WHOLE
-            for size in (self.devices.capacity(name) for name in names)
-        ]
+        each = [memory.on(self.devices.capacity(name)) for name in names]
         return Lease(lease_id, tuple(names), waited, min(each) if all(each) else 0)
 
     def release(self, lease: Lease) -> None:

@@ -83,7 +83,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
         try:
             sizes = dict(settings.device_sizes)
-            state.devices = discover(settings.devices, settings.devices_source, sizes)
+            state.devices = discover(settings.devices, settings.devices_source, sizes, state.nvml)
             if state.devices.names:
                 state.leases = Leases(state.devices, settings.slots)
         except (RegionError, SpecError) as exc:  # a bad device list, a table not ours

@@ -86,6 +86,31 @@ class NvmlReader:
             self._handles[device] = handle
         return handle
 
+    def close(self) -> None:
+        """Shut NVML down (it is initialised again on the next use)."""
+        if self._nvml is not None:
+            with contextlib.suppress(Exception):
+                self._nvml.nvmlShutdown()
+            self._nvml, self._handles = None, {}
+
+    def count(self) -> int:
+        """GPUs NVML sees; 0 without a driver."""
+        if not self.available():
+            return 0
+        try:
+            return int(self._nvml.nvmlDeviceGetCount())
+        except Exception:
+            return 0
+
+    def total(self, device: str) -> int:
+        """The device's memory in bytes; 0 when NVML cannot tell."""
+        if not self.available():
+            return 0
+        try:
+            return int(self._nvml.nvmlDeviceGetMemoryInfo(self._handle(device)).total)
+        except Exception:  # NvmlUnavailable, NVMLError
+            return 0
+
     def sample(self, device: str) -> Sample:
         if not self.available():
             raise NvmlUnavailable(self.error or "NVML unavailable")
