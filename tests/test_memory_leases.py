@@ -6,6 +6,7 @@ dead holders) are in tests/test_lease_table.py."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -16,6 +17,10 @@ from tests.test_lease_table import max_overlap
 
 GIB = 1 << 30
 DEVICE = "--gpu-isolate-devices=0:8GiB"
+# torch is looked for, never imported here (it cannot be imported twice in one process)
+needs_torch = pytest.mark.skipif(
+    importlib.util.find_spec("torch") is None, reason="torch is not installed (CI's stage 4)"
+)
 
 
 @pytest.fixture
@@ -55,6 +60,16 @@ def test_the_lease_reaches_the_test_and_torchs_allocator(gpuiso: GpuIso, region:
     assert first["gpu_memory_peak"] is None  # no NVML here
     late = records["lease19/test_lease19_late.py::test_torch_imported_by_the_test_itself"]
     assert late["gpu_memory"] == 4 * GIB  # 50% of the declared 8 GiB
+
+
+@needs_torch
+def test_the_real_torch_gets_the_cap_without_starting_cuda(gpuiso: GpuIso, region: Path) -> None:
+    """With the real torch (its CPU build here), the cap is queued on torch's lazy-init
+    queue whether torch came before the lease or with the test, and CPU work never
+    initialises CUDA. Setting the cap on a real GPU is tests/gpu/test_gpu_memory_lease.py."""
+    gpuiso.copy("lease19_torch")
+    result = gpuiso.run("--gpu-isolate-devices=0:32GiB", "lease19_torch")
+    result.assert_outcomes(passed=3)
 
 
 def test_bytes_need_the_gpus_size(gpuiso_settings: GpuIso, region: Path) -> None:
