@@ -58,7 +58,7 @@ import sys
 
 import torch
 
-from pytest_gpuiso.forkserver import unsafe_to_fork
+from pytest_gpuiso.forkserver.fork import unsafe_to_fork
 
 print("torch", torch.__version__, "built for CUDA", torch.version.cuda)
 problem = unsafe_to_fork("a process that imported torch")

@@ -8,8 +8,11 @@ for --hold seconds, and runs it side by side in one run with ``pytest -n W`` und
 
 Without --cuda (CPU machines, CI) the GPU is declared (``--gpu-isolate-devices=0:SIZE``)
 and each test sleeps: this measures the scheduling alone. With --cuda each test
-allocates X GiB on its GPU with torch and runs matmuls for --hold seconds, on the
-machine's GPU 0 (its size from NVML); the lease caps torch's allocator.
+allocates X GiB less 256 MiB on its GPU with torch (the rest of its lease is room for the
+matmuls' buffers) and runs matmuls for --hold seconds, on the machine's GPU 0 (its size
+from NVML); the lease caps torch's allocator, and a test over it fails the run. It first
+checks, in a separate interpreter, that torch sees a CUDA device, and stops with one line
+saying why not.
 
 For each: the wall time, the most tests that held the GPU at once (from the tests' own
 start/end times), and the throughput ratio memory/exclusive. Best of --repeat rounds.
@@ -30,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from overhead import cuda_missing  # bench/ is this script's first import path
+
 SUITE = """
 import os
 import time
@@ -46,7 +51,7 @@ def test_holds_gpu_memory(i):
     if {cuda}:
         import torch
 
-        block = torch.empty({gib} * (1 << 30), dtype=torch.uint8, device="cuda")
+        block = torch.empty(int(({gib} - 0.25) * (1 << 30)), dtype=torch.uint8, device="cuda")
         a = torch.randn(2048, 2048, device="cuda")
         while time.time() - start < {hold}:
             a = (a @ a).clamp_(-1, 1)
@@ -109,6 +114,11 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--cuda", action="store_true", help="allocate and compute on GPU 0")
     args = parser.parse_args()
+    if args.cuda and args.gib <= 0.25:
+        parser.error("--gib must be over 0.25 with --cuda (256 MiB of each lease stay free)")
+    missing = cuda_missing() if args.cuda else ""
+    if missing:
+        raise SystemExit(f"memory_leases.py: --cuda: {missing}")
     where = "GPU 0 (NVML)" if args.cuda else f"a declared {args.device_gib:g} GiB GPU"
     print(
         f"# {platform.node()}: {os.cpu_count()} CPUs, Python {platform.python_version()}, "

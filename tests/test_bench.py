@@ -152,6 +152,14 @@ def test_gpu_validation_logs_each_step_and_its_status(tmp_path):
     assert [line.split()[:2] for line in summary] == [["torch", "3"], ["facts", "0"]], summary
 
 
+@needs_torch
+def test_gpu_validation_torch_step_checks_that_import_torch_leaves_a_forkable_process(tmp_path):
+    done = validation(tmp_path, "torch")
+    log = (tmp_path / "torch.log").read_text()
+    assert done.returncode == 0, log
+    assert "forkable after import torch: yes" in log, log
+
+
 def test_gpu_validation_step_over_its_bound_is_ended(tmp_path):
     slow_python = tmp_path / "slow-python"
     slow_python.write_text("#!/bin/sh\nsleep 30\n")
@@ -184,6 +192,24 @@ def test_lease_wait_bench_runs_and_prints_every_configuration() -> None:
         assert line.rstrip().endswith("| 4/4 |"), line
     for name in ("prewarm 1 vs 0", "forkserver vs 0"):
         assert re.search(rf"{name}: wall \d+\.\d\d×", done.stdout), done.stdout
+
+
+@needs_torch
+def test_memory_leases_on_cuda_without_a_device_says_why_in_one_line():
+    if not overhead_module().cuda_missing():  # a GPU machine: the bench would run (minutes)
+        pytest.skip("a CUDA device is visible here")
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "memory_leases.py"), "--cuda"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert (done.returncode, done.stdout) == (1, ""), done.stdout + done.stderr
+    [line] = done.stderr.strip().splitlines()
+    assert re.fullmatch(
+        r"memory_leases\.py: --cuda: torch \S+ sees no CUDA device \(built for CUDA: \S+\)", line
+    ), line
 
 
 def test_memory_leases_bench_packs_tests_and_prints_the_ratio() -> None:
