@@ -2,15 +2,20 @@
 no import cycle inside pytest_gpuiso, counting imports inside functions and under
 TYPE_CHECKING; settings.py on the bottom floor, options.py just above it; plugin.py thin
 (hooks only, <= 400 lines); no module over 500 lines; the test's process (child.py) knows
-nothing of the fork server."""
+nothing of the fork server; and every import of ours written outside the package (tests,
+fixtures, benches, docs, code in strings) still resolves."""
 
 from __future__ import annotations
 
 import ast
+import importlib
 import importlib.machinery
+import importlib.util
+import re
 from pathlib import Path
 
 import pytest_gpuiso
+from tests.helpers import ROOT
 
 PACKAGE = Path(pytest_gpuiso.__file__).resolve().parent
 
@@ -168,3 +173,50 @@ def test_no_module_is_too_big_to_hold_one_role() -> None:
         if lines > LIMITS.get(name, LINE_LIMIT):
             over[name] = lines
     assert over == {}
+
+
+_OUR_IMPORT = re.compile(
+    r"\bfrom (pytest_gpuiso(?:\.\w+)*) import \(?\s*(\w+(?:\s*,\s*\w+)*)"
+    r"|\bimport (pytest_gpuiso(?:\.\w+)*)"
+)
+
+
+def _imports_outside_the_package(root: Path) -> list[tuple[str, str, str | None]]:
+    """(file, module, name) for every import of ours written in the tests, fixtures, benches
+    and docs, code in strings included (conftests that pytester writes, scripts run with -c),
+    which neither the linter nor a run without a GPU would catch when a module moves."""
+    found = []
+    files = [root / "README.md", *root.glob("*.py")]
+    for folder in ("tests", "fixtures", "bench", "docs"):
+        files += [p for p in (root / folder).rglob("*") if p.suffix in (".py", ".sh", ".md")]
+    for path in files:
+        for match in _OUR_IMPORT.finditer(path.read_text(errors="replace")):
+            where = str(path.relative_to(root))
+            if match.group(3):
+                found.append((where, match.group(3), None))
+            else:
+                found += [(where, match.group(1), n.strip()) for n in match.group(2).split(",")]
+    return found
+
+
+def _submodule(package: object, name: str) -> bool:
+    if not hasattr(package, "__path__"):
+        return False
+    return importlib.util.find_spec(f"{package.__name__}.{name}") is not None
+
+
+def test_every_import_of_ours_outside_the_package_resolves() -> None:
+    """tests/gpu (skipped without a GPU) and bench/gpu_validation.sh import names that a
+    re-housing moved: each such import must still find its module and name."""
+    found = _imports_outside_the_package(ROOT)
+    assert len(found) > 20, found  # the scan sees them (the README's, the tests' own)
+    broken = []
+    for where, module, name in found:
+        try:
+            imported = importlib.import_module(module)
+        except ImportError as exc:
+            broken.append(f"{where}: {module}: {exc}")
+            continue
+        if name and not hasattr(imported, name) and not _submodule(imported, name):
+            broken.append(f"{where}: from {module} import {name}")
+    assert not broken, "\n".join(broken)
