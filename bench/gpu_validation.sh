@@ -49,7 +49,13 @@ for name in ("torch", "pytest", "psutil", "pynvml", "xdist"):
 }
 
 step_build() {
-    "$PYTHON" -m pip install --no-build-isolation --no-deps -e .
+    # No network on the device machine: the build uses its setuptools (pyproject.toml needs
+    # >= 77); where it is older, carry a setuptools wheel and install it first.
+    "$PYTHON" -c 'import setuptools; print("setuptools", setuptools.__version__)'
+    "$PYTHON" -m pip install --no-build-isolation --no-deps -e . || {
+        echo "build: failed; pyproject.toml needs setuptools >= 77 in \$PYTHON's environment" >&2
+        return 1
+    }
 }
 
 step_torch() {
