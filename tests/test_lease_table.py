@@ -361,7 +361,9 @@ def _schedule_worker(
     os.write(log, b"DONE\n")
 
 
-def check_snapshot(snap: dict[str, Any], schedule: Schedule, pids: list[int]) -> None:
+def check_snapshot(
+    snap: dict[str, Any], schedule: Schedule, pids: list[int], killed: frozenset[int] = frozenset()
+) -> None:
     """What must hold in every snapshot: slots respected, whole grants, one lease a worker.
 
     The table is copied under its lock, but each entry's `alive` is read from /proc
@@ -369,6 +371,12 @@ def check_snapshot(snap: dict[str, Any], schedule: Schedule, pids: list[int]) ->
     on one device and dead on the next. So a lease counts as live when any of its
     entries is alive (its owner was alive when the copy was taken), and then all its
     entries, alive or not, must be in the copy.
+
+    Except for a worker already sent SIGKILL (pids in ``killed``): the kernel hands its
+    robust mutex on (EOWNERDEAD) while the worker is still exiting, before it drops its
+    key's lock and becomes a zombie, so a grant it was writing when killed can be copied
+    cut short while its entries still read as alive. Such a lease may cover fewer than
+    n devices (never more, never another's); capacity and slots are checked as ever.
     """
     rows = [name for name, _, _ in snap["devices"] if name]
     assert len(rows) == len(set(rows)) and set(rows) <= set(schedule.devices), snap
@@ -397,10 +405,11 @@ def check_snapshot(snap: dict[str, Any], schedule: Schedule, pids: list[int]) ->
         assert {e["pid"] for e in entries} == {pids[worker]}, (lease, entries)
         assert all(e["label"] == label for e in entries), entries
         devices = [e["device"] for e in entries]
-        assert len(devices) == len(set(devices)) == n, f"lease {lease} of n={n}: {entries}"
+        whole = len(devices) == n or (pids[worker] in killed and len(devices) < n)
+        assert len(devices) == len(set(devices)) and whole, f"lease {lease} of n={n}: {entries}"
         leases_of_pid[pids[worker]] += 1
     assert all(count == 1 for count in leases_of_pid.values()), snap
-    waiting = {w["pid"] for w in snap["waiters"] if w["alive"]}
+    waiting = {w["pid"] for w in snap["waiters"] if w["alive"] and w["pid"] not in killed}
     assert not waiting & set(leases_of_pid), f"waiting while holding: {snap}"
     assert waiting <= set(pids), snap
 
@@ -476,7 +485,7 @@ def test_random_schedules_with_kills_never_oversubscribe_and_survivors_finish(
                     procs[i].kill()
             snap = region.snapshot()
             snapshots += 1
-            check_snapshot(snap, schedule, pids)
+            check_snapshot(snap, schedule, pids, frozenset(pids[i] for i in killed_at))
             if not plan and all(proc.exitcode is not None for proc in procs):
                 break
             assert now - start < 30, f"workers still running after 30 s: {snap}"
