@@ -35,6 +35,8 @@ from pathlib import Path
 
 from overhead import cuda_missing  # bench/ is this script's first import path
 
+HEADROOM_GIB = 0.25  # of each lease left free with --cuda, for the matmuls' buffers
+
 SUITE = """
 import os
 import time
@@ -51,7 +53,7 @@ def test_holds_gpu_memory(i):
     if {cuda}:
         import torch
 
-        block = torch.empty(int(({gib} - 0.25) * (1 << 30)), dtype=torch.uint8, device="cuda")
+        block = torch.empty(int(({gib} - {headroom}) * (1 << 30)), dtype=torch.uint8, device="cuda")
         a = torch.randn(2048, 2048, device="cuda")
         while time.time() - start < {hold}:
             a = (a @ a).clamp_(-1, 1)
@@ -83,7 +85,14 @@ def run(directory: Path, args: argparse.Namespace, config: str) -> tuple[float, 
     suite = directory / f"test_{config}.py"
     marker = f'gpu_memory="{args.gib:g}GiB"' if config == "memory" else ""
     suite.write_text(
-        SUITE.format(tests=args.tests, marker=marker, cuda=args.cuda, gib=args.gib, hold=args.hold)
+        SUITE.format(
+            tests=args.tests,
+            marker=marker,
+            cuda=args.cuda,
+            gib=args.gib,
+            headroom=HEADROOM_GIB,
+            hold=args.hold,
+        )
     )
     log, report = directory / f"{config}.log", directory / f"report-{config}.json"
     log.unlink(missing_ok=True)
@@ -114,8 +123,10 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--cuda", action="store_true", help="allocate and compute on GPU 0")
     args = parser.parse_args()
-    if args.cuda and args.gib <= 0.25:
-        parser.error("--gib must be over 0.25 with --cuda (256 MiB of each lease stay free)")
+    if args.cuda and args.gib <= HEADROOM_GIB:
+        parser.error(
+            f"--gib must be over {HEADROOM_GIB:g} with --cuda (that much of each lease stays free)"
+        )
     missing = cuda_missing() if args.cuda else ""
     if missing:
         raise SystemExit(f"memory_leases.py: --cuda: {missing}")

@@ -84,17 +84,29 @@ def test_overhead_with_sleeping_tests_judges_no_target():
 
 
 @needs_torch
-def test_overhead_on_cuda_without_a_device_says_why_in_one_line():
+@pytest.mark.parametrize(
+    ("script", "args", "prefix"),
+    [
+        ("overhead.py", ("--device", "cuda", "--quick"), r"overhead\.py: --device cuda"),
+        ("memory_leases.py", ("--cuda",), r"memory_leases\.py: --cuda"),
+    ],
+)
+def test_a_cuda_bench_without_a_device_says_why_in_one_line(script, args, prefix):
     """Without a CUDA device (a CPU build of torch, or no GPU) it stops at once, in one line."""
     if not overhead_module().cuda_missing():  # a GPU machine: the bench would run (minutes)
         pytest.skip("a CUDA device is visible here")
-    done = bench("--device", "cuda", "--quick")
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert done.returncode == 1, done.stdout + done.stderr
     assert done.stdout == ""
     [line] = done.stderr.strip().splitlines()
     assert re.fullmatch(
-        r"overhead\.py: --device cuda: torch \S+ sees no CUDA device \(built for CUDA: \S+\)",
-        line,
+        rf"{prefix}: torch \S+ sees no CUDA device \(built for CUDA: \S+\)", line
     ), line
 
 
@@ -192,24 +204,6 @@ def test_lease_wait_bench_runs_and_prints_every_configuration() -> None:
         assert line.rstrip().endswith("| 4/4 |"), line
     for name in ("prewarm 1 vs 0", "forkserver vs 0"):
         assert re.search(rf"{name}: wall \d+\.\d\d×", done.stdout), done.stdout
-
-
-@needs_torch
-def test_memory_leases_on_cuda_without_a_device_says_why_in_one_line():
-    if not overhead_module().cuda_missing():  # a GPU machine: the bench would run (minutes)
-        pytest.skip("a CUDA device is visible here")
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "memory_leases.py"), "--cuda"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
-    assert (done.returncode, done.stdout) == (1, ""), done.stdout + done.stderr
-    [line] = done.stderr.strip().splitlines()
-    assert re.fullmatch(
-        r"memory_leases\.py: --cuda: torch \S+ sees no CUDA device \(built for CUDA: \S+\)", line
-    ), line
 
 
 def test_memory_leases_bench_packs_tests_and_prints_the_ratio() -> None:
