@@ -1,26 +1,122 @@
-"""Fixtures shared by the project's tests; the helpers themselves live in tests/helpers.py."""
+"""Fixtures shared by the project's tests; the helpers themselves live in tests/helpers.py.
+
+The suite runs under pytest-xdist (tox.ini's addopts): most of its time is spent waiting on
+the pytest runs it starts. ``--sample I/N`` (CI's wheel and lowest-versions stages, see
+.ci/run) keeps share I of N of the tests, by a stable hash of their node ids, plus every
+test carrying one of the markers ``--sample-keep`` names.
+"""
 
 from __future__ import annotations
+
+import zlib
+from pathlib import Path
 
 import pytest
 
 from tests.helpers import GpuIso, make_gpuiso
 
+# The markers that say why a test must run in a CI stage that runs a sample of the suite.
+STAGE_MARKERS = {
+    "installation": "depends on what is installed and how: the wheel's files, native "
+    "libraries, entry points (CI's wheel stage runs every such test)",
+    "versions": "depends on the versions of pytest, pytest-xdist, psutil, nvidia-ml-py or "
+    "another plugin: report formats, hooks, APIs (CI's lowest-versions stage runs them all)",
+}
+
+# An xdist worker's environment names it; the pytest runs the tests start are sessions of
+# their own, and plugins there (syrupy, pytest-benchmark) would take them for workers.
+XDIST_ENV = ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("gpuiso-suite", "pytest-gpuiso's own suite")
+    group.addoption(
+        "--sample",
+        metavar="I/N",
+        help="run share I of N of the tests (0 <= I < N), chosen by a stable hash of node ids",
+    )
+    group.addoption(
+        "--sample-keep",
+        metavar="MARKER,...",
+        default="",
+        help="with --sample, also run every test with one of these markers",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "every_installed_plugin: the pytest runs of this test load every installed plugin",
+    )
+    for name, why in STAGE_MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {why}")
+
+
+def _parse_sample(text: str) -> tuple[int, int]:
+    try:
+        share, shares = (int(part) for part in text.split("/"))
+    except ValueError:
+        raise pytest.UsageError(f"--sample {text!r}: expected I/N, e.g. 0/3") from None
+    if not 0 <= share < shares:
+        raise pytest.UsageError(f"--sample {text!r}: I must be in 0..N-1")
+    return share, shares
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    text = config.getoption("--sample")
+    if not text:
+        return
+    share, shares = _parse_sample(text)
+    keep = {name.strip() for name in config.getoption("--sample-keep").split(",") if name}
+    unknown = keep - set(STAGE_MARKERS)
+    if unknown:
+        raise pytest.UsageError(f"--sample-keep: unknown marker(s) {', '.join(sorted(unknown))}")
+    selected, deselected = [], []
+    for item in items:
+        kept = any(item.get_closest_marker(name) for name in keep)
+        in_share = zlib.crc32(item.nodeid.encode()) % shares == share
+        (selected if kept or in_share else deselected).append(item)
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = selected
+
+
+@pytest.fixture(autouse=True)
+def _not_an_xdist_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in XDIST_ENV:
+        monkeypatch.delenv(name, raising=False)
+
+
+def _make(request: pytest.FixtureRequest, start: str) -> GpuIso:
+    every_plugin = request.node.get_closest_marker("every_installed_plugin") is not None
+    pytester = request.getfixturevalue("pytester")
+    monkeypatch = request.getfixturevalue("monkeypatch")
+    return make_gpuiso(pytester, monkeypatch, start, every_plugin=every_plugin)
+
 
 @pytest.fixture(params=["spawn", "forkserver"])
-def gpuiso(
-    request: pytest.FixtureRequest, pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
-) -> GpuIso:
+def gpuiso(request: pytest.FixtureRequest) -> GpuIso:
     """Copy programs from fixtures/programs/ into a pytester directory and run pytest on them.
 
-    Every test that uses it runs twice, once per start method (spawn, forkserver):
-    each guarantee must hold whichever way the isolated processes start.
+    Every test that uses it runs twice, once per start method (spawn, forkserver): for
+    what the way a test's process starts changes (its parent and process tree, signals
+    and exit status, the time-outs' escalation, what a forked template already imported,
+    configured or collected, what plugins do in the test's process).
     """
-    return make_gpuiso(pytester, monkeypatch, request.param)
+    return _make(request, request.param)
 
 
 @pytest.fixture
-def gpuiso_settings(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> GpuIso:
-    """``gpuiso`` with spawn only: for checks of options, ini keys and the header, which
-    are read before any isolated process starts and so do not depend on how it starts."""
-    return make_gpuiso(pytester, monkeypatch, "spawn")
+def gpuiso_spawn(request: pytest.FixtureRequest) -> GpuIso:
+    """``gpuiso`` with the default start method (spawn) only: for what pytest's process
+    alone decides (options, ini keys, the header, leases, leak policies, the reports'
+    formats), which the start method does not change."""
+    return _make(request, "spawn")
+
+
+@pytest.fixture
+def lease_region(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A private lease table for this test, shared by every process it starts."""
+    path = tmp_path / "leases"
+    monkeypatch.setenv("PYTEST_GPUISO_LEASE_REGION", str(path))
+    return path

@@ -19,19 +19,32 @@ from pytest_gpuiso.settings import TEMPLATE_WAIT_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 PROGRAMS = ROOT / "fixtures" / "programs"
+# The JSON report of a run, read back by GpuIso.report() and records()
+REPORT = "--gpu-isolate-report=report.json"
 
 
-# pytest-randomly (a test extra) would shuffle every run's tests: only its own tests use it.
-_FAST = ("-p", "no:hypothesispytest", "-p", "no:randomly")
+# The runs here load only the plugins they use: ours, pytest-xdist (-n) and pytest-timeout
+# (its ini keys and markers). Every installed plugin costs each process it is loaded in
+# (the run's pytest and each test's process) ~0.2 s at start-up, a third of this suite's
+# time. The tests of what other plugins change (tests/test_plugins_*.py, marked
+# every_installed_plugin) and the demo run with every installed plugin loaded, as users
+# run, less pytest-randomly (it would shuffle the runs' tests: only its own tests use it)
+# and hypothesis's plugin (~0.6 s a process; @given works without it).
+AUTOLOAD_OFF = "PYTEST_DISABLE_PLUGIN_AUTOLOAD"
+_NEEDED = ("-p", "gpuiso", "-p", "xdist", "-p", "timeout")
+_ALL = ("-p", "no:hypothesispytest", "-p", "no:randomly")
 
 
 class GpuIso:
     """Copy fixture programs into a pytester directory and run pytest on them."""
 
-    def __init__(self, pytester: pytest.Pytester, start: str = "spawn") -> None:
+    def __init__(
+        self, pytester: pytest.Pytester, start: str = "spawn", every_plugin: bool = False
+    ) -> None:
         self.pytester = pytester
         self.path = pytester.path
         self.start = start
+        self.every_plugin = every_plugin
         # The programs here do not import torch: preloading it would only cost time.
         self.start_options = (f"--gpu-isolate-start={start}", "--gpu-isolate-preload=none")
 
@@ -50,11 +63,19 @@ class GpuIso:
         return self.run_with_cache("-p", "no:cacheprovider", *args, timeout=timeout)
 
     def run_with_cache(self, *args: str, timeout: float = 180) -> pytest.RunResult:
-        # hypothesis's pytest plugin costs ~0.6 s in every process, isolated children
-        # included; @given tests work without it, so the runs here leave it out.
-        return self.pytester.runpytest_subprocess(
-            *_FAST, *self.start_options, *args, timeout=timeout
-        )
+        with pytest.MonkeyPatch.context() as patch:
+            for name, value in self.plugin_env().items():
+                patch.setenv(name, value)
+            return self.pytester.runpytest_subprocess(
+                *self.plugin_args(), *self.start_options, *args, timeout=timeout
+            )
+
+    def plugin_env(self) -> dict[str, str]:
+        """The environment that keeps a run to the plugins it uses (none: every plugin)."""
+        return {} if self.every_plugin else {AUTOLOAD_OFF: "1"}
+
+    def plugin_args(self) -> tuple[str, ...]:
+        return _ALL if self.every_plugin else _NEEDED
 
     def report(self, name: str = "report.json") -> dict:
         return json.loads((self.path / name).read_text())
@@ -77,12 +98,12 @@ class GpuIso:
                     "pytest",
                     "-p",
                     "no:cacheprovider",
-                    *_FAST,
+                    *self.plugin_args(),
                     *self.start_options,
                     *args,
                 ],
                 cwd=self.path,
-                env={**os.environ, **(env or {})},
+                env={**os.environ, **self.plugin_env(), **(env or {})},
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
@@ -103,10 +124,14 @@ def _sigint_not_ignored():
 
 
 def make_gpuiso(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, start: str = "spawn"
+    pytester: pytest.Pytester,
+    monkeypatch: pytest.MonkeyPatch,
+    start: str = "spawn",
+    every_plugin: bool = False,
 ) -> GpuIso:
     """A ``GpuIso`` whose runs see the same terminal everywhere: pytest stops truncating
     summary lines when it detects CI (CI, BUILD_NUMBER), and wraps at the terminal's width.
+    Its runs load only the plugins they use, or with ``every_plugin`` every installed one.
 
     With the fork server, a fork waits for the template to finish collecting, so that a
     run takes one path whatever the timing (forked from the template, unless it gives up).
@@ -116,7 +141,7 @@ def make_gpuiso(
     monkeypatch.setenv("COLUMNS", "80")
     if start == "forkserver":  # every test's process from the collected template, if it can
         monkeypatch.setenv(TEMPLATE_WAIT_ENV, "120")
-    return GpuIso(pytester, start=start)
+    return GpuIso(pytester, start=start, every_plugin=every_plugin)
 
 
 def wait_for_file(path: Path, timeout: float = 60) -> str:

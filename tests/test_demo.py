@@ -9,6 +9,9 @@ import pytest
 
 from tests.helpers import ROOT
 
+# What is installed and how: CI's wheel stage runs it against the installed wheel
+pytestmark = pytest.mark.installation
+
 
 def test_the_demo_reports_each_failure_mode(pytester: pytest.Pytester):
     shutil.copy(ROOT / "fixtures" / "demo" / "test_demo.py", pytester.path)

@@ -19,14 +19,13 @@ import psutil
 import pytest
 
 from pytest_gpuiso.settings import TEMPLATE_WAIT_ENV
-from tests.helpers import kill_quietly, pid_alive, wait_for_file, wait_gone
+from tests.helpers import REPORT, kill_quietly, pid_alive, wait_for_file, wait_gone
 
 ROOT = Path(__file__).resolve().parent.parent
 PROGRAMS = ROOT / "fixtures" / "programs"
 
 TIMEOUT = "--gpu-isolate-timeout=2"
 GRACE = "--gpu-isolate-grace=1"
-REPORT = "--gpu-isolate-report=report.json"
 
 # --------------------------------------------------------------------------- helpers
 
@@ -217,14 +216,13 @@ def test_timed_out_test_never_passes(gpuiso) -> None:
     )
 
 
-def test_start_up_bound_ended_before_bootstrap_by_the_escalation(gpuiso) -> None:
+def test_start_up_bound_ended_before_bootstrap_by_the_escalation(gpuiso_spawn) -> None:
     """A start-up bound that runs out while the spawned child is still starting is ended
     by SIGTERM (or SIGKILL), not by the stack-dump request; the test did not run: an
-    error in setup that says so."""
-    if gpuiso.start == "forkserver":
-        pytest.skip("a forked process has finished its bootstrap at its fork")
-    gpuiso.copy("test_crashes.py")
-    result = gpuiso.run(
+    error in setup that says so. Spawn only: a forked process has finished its bootstrap
+    at its fork."""
+    gpuiso_spawn.copy("test_crashes.py")
+    result = gpuiso_spawn.run(
         "--gpu-isolate",
         "--gpu-isolate-startup-timeout=0.001",
         GRACE,
@@ -232,7 +230,7 @@ def test_start_up_bound_ended_before_bootstrap_by_the_escalation(gpuiso) -> None
         "test_crashes.py::test_after_crashes",
     )
     result.assert_outcomes(errors=1)
-    record = gpuiso.records()["test_crashes.py::test_after_crashes"]
+    record = gpuiso_spawn.records()["test_crashes.py::test_after_crashes"]
     assert record["exit"]["timed_out"] and record["exit"]["expired"] == "startup", record
     assert record["startup"] is None
     assert "ended by signal" not in result.stdout.str()
@@ -569,11 +567,11 @@ def test_escaped_processes_are_killed_and_listed(gpuiso, tmp_path: Path, monkeyp
         kill_quietly(pids)
 
 
-def test_stale_private_directories_are_removed(gpuiso, private_tmpdir: Path) -> None:
+def test_stale_private_directories_are_removed(gpuiso_spawn, private_tmpdir: Path) -> None:
     """A session removes the private directories whose lock nobody holds (their process
     is gone) and keeps those whose lock is held (a live process, in whatever pid
     namespace) and those without a lock file; its own is gone at the end."""
-    gpuiso.copy("test_crashes.py")
+    gpuiso_spawn.copy("test_crashes.py")
     private_tmpdir.mkdir(mode=0o700)
     stale, live, unknown = (private_tmpdir / n for n in ("999999-dead", "1-live", "42-nolock"))
     for path in (stale, live, unknown):
@@ -583,7 +581,7 @@ def test_stale_private_directories_are_removed(gpuiso, private_tmpdir: Path) -> 
     (live / "lock").write_text("")
     with open(live / "lock") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
-        result = gpuiso.run(
+        result = gpuiso_spawn.run(
             "--gpu-isolate", "--gpu-isolate-timeout=60", "test_crashes.py::test_after_crashes"
         )
     result.assert_outcomes(passed=1)

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import REPORT
+
 from .helpers import GpuIso, make_gpuiso
 
 pytest.importorskip("numpy")  # both are in the test extras
@@ -28,7 +30,6 @@ needs_torch = pytest.mark.skipif(
 )
 
 POOLS = "test_fork_pools.py"
-REPORT = "--gpu-isolate-report=report.json"
 BOUND = "--gpu-isolate-timeout=120"  # a deadlocked pool would hang: fail instead
 
 

@@ -14,9 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.helpers import kill_quietly, pid_alive, wait_gone
+from tests.helpers import REPORT, kill_quietly, pid_alive, wait_gone
 
-REPORT = "--gpu-isolate-report=report.json"
 SHM = Path("/dev/shm")
 MOD = "test_leak_shm.py"
 
@@ -88,23 +87,25 @@ def test_shm_leaks_are_reported_with_name_size_and_creator(gpuiso, shm_name):
     )
 
 
-def test_shm_ignore_patterns_and_allow_leaks_marker(gpuiso, shm_name):
-    gpuiso.copy(MOD)
-    gpuiso.pytester.makeini(f"[pytest]\ngpu_isolate_shm_ignore = other-* {shm_name}-ignored-*\n")
-    result = gpuiso.run(
+def test_shm_ignore_patterns_and_allow_leaks_marker(gpuiso_spawn, shm_name):
+    gpuiso_spawn.copy(MOD)
+    gpuiso_spawn.pytester.makeini(
+        f"[pytest]\ngpu_isolate_shm_ignore = other-* {shm_name}-ignored-*\n"
+    )
+    result = gpuiso_spawn.run(
         "--gpu-isolate", REPORT, "--gpu-isolate-leaks=fail", "-k", "ignored or allowed"
     )
     result.assert_outcomes(passed=2)
-    records = gpuiso.records()
+    records = gpuiso_spawn.records()
     assert leaks_of(records, "test_ignored_segment") == []
     [allowed] = leaks_of(records, "test_allowed_leak")
     assert allowed["allowed"] is True and allowed["path"].endswith("-allowed")
     result.stdout.fnmatch_lines(["gpu-isolate: 1 more allowed by allow_leaks markers"])
 
 
-def test_fail_policy_turns_a_leak_into_a_teardown_error(gpuiso, shm_name):
-    gpuiso.copy(MOD)
-    result = gpuiso.run(
+def test_fail_policy_turns_a_leak_into_a_teardown_error(gpuiso_spawn, shm_name):
+    gpuiso_spawn.copy(MOD)
+    result = gpuiso_spawn.run(
         "--gpu-isolate",
         REPORT,
         "--gpu-isolate-leaks=warn,shm=fail",
@@ -120,17 +121,17 @@ def test_fail_policy_turns_a_leak_into_a_teardown_error(gpuiso, shm_name):
             f"  shm: segment /dev/shm/{shm_name}-seg (8192 bytes, created by pid *",
         ]
     )
-    records = gpuiso.records()
+    records = gpuiso_spawn.records()
     assert records[f"{MOD}::test_leaks_segment"]["outcome"] == "error"
     assert records[f"{MOD}::test_clean_segment"]["outcome"] == "passed"
 
 
-def test_off_policy_reports_nothing(gpuiso, shm_name):
-    gpuiso.copy(MOD)
-    gpuiso.pytester.makeini("[pytest]\ngpu_isolate_leaks = off\n")
-    result = gpuiso.run("--gpu-isolate", REPORT, "-k", "leaks_segment")
+def test_off_policy_reports_nothing(gpuiso_spawn, shm_name):
+    gpuiso_spawn.copy(MOD)
+    gpuiso_spawn.pytester.makeini("[pytest]\ngpu_isolate_leaks = off\n")
+    result = gpuiso_spawn.run("--gpu-isolate", REPORT, "-k", "leaks_segment")
     result.assert_outcomes(passed=1)
-    assert leaks_of(gpuiso.records(), "test_leaks_segment") == []
+    assert leaks_of(gpuiso_spawn.records(), "test_leaks_segment") == []
     assert "leak summary" not in result.stdout.str()
     result.stdout.fnmatch_lines(["gpu-isolate: leak checks shm=off, process=off, gpu_memory=off*"])
 
@@ -286,10 +287,10 @@ def test_a_short_helper_a_leftover_runs_on_its_way_out_is_not_a_leak(
         assert [leak["pid"] for leak in record["leaks"]] == pids
 
 
-def test_process_policy_fail(gpuiso, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    gpuiso.copy("test_escape.py")
+def test_process_policy_fail(gpuiso_spawn, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    gpuiso_spawn.copy("test_escape.py")
     monkeypatch.setenv("GPUISO_PIDFILE", str(tmp_path / "pids"))
-    result = gpuiso.run("--gpu-isolate", "--gpu-isolate-leaks=process=fail", "-k", "setsid")
+    result = gpuiso_spawn.run("--gpu-isolate", "--gpu-isolate-leaks=process=fail", "-k", "setsid")
     result.assert_outcomes(passed=1, errors=1)
     result.stdout.fnmatch_lines(
         ["*ERROR at teardown of test_setsid_popen*", "  process: process * still running *"]
@@ -297,13 +298,13 @@ def test_process_policy_fail(gpuiso, tmp_path: Path, monkeypatch: pytest.MonkeyP
 
 
 def test_markdown_summary_and_github_step_summary(
-    gpuiso, shm_name, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    gpuiso_spawn, shm_name, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
-    gpuiso.copy(MOD, "test_crashes.py")
+    gpuiso_spawn.copy(MOD, "test_crashes.py")
     step = tmp_path / "step.md"
     step.write_text("earlier step\n")
     monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(step))
-    result = gpuiso.run(
+    result = gpuiso_spawn.run(
         "--gpu-isolate",
         "--gpu-isolate-summary=out/summary.md",
         f"{MOD}::test_leaks_segment",
@@ -311,7 +312,7 @@ def test_markdown_summary_and_github_step_summary(
         "test_crashes.py::test_segfault",
     )
     result.assert_outcomes(passed=2, failed=1, warnings=1)
-    text = (gpuiso.path / "out" / "summary.md").read_text()
+    text = (gpuiso_spawn.path / "out" / "summary.md").read_text()
     assert step.read_text() == "earlier step\n" + text
     lines = text.splitlines()
     assert lines[0] == "## pytest-gpuiso"
@@ -327,9 +328,9 @@ def test_markdown_summary_and_github_step_summary(
     )
 
 
-def test_xdist_controller_aggregates_leaks_of_every_worker(gpuiso, shm_name):
-    gpuiso.copy(MOD)
-    result = gpuiso.run(
+def test_xdist_controller_aggregates_leaks_of_every_worker(gpuiso_spawn, shm_name):
+    gpuiso_spawn.copy(MOD)
+    result = gpuiso_spawn.run(
         "--gpu-isolate",
         REPORT,
         "--gpu-isolate-summary=summary.md",
@@ -339,14 +340,14 @@ def test_xdist_controller_aggregates_leaks_of_every_worker(gpuiso, shm_name):
         "leaks_segment or raw_file or torch_style or clean_segment",
     )
     result.assert_outcomes(passed=4, warnings=3)
-    records = gpuiso.records()
+    records = gpuiso_spawn.records()
     assert sorted(len(r["leaks"]) for r in records.values()) == [0, 1, 1, 1]
-    assert "| 3 in 3 tests | 3 | 0 | 0 | 0 | 0 |" in (gpuiso.path / "summary.md").read_text()
+    assert "| 3 in 3 tests | 3 | 0 | 0 | 0 | 0 |" in (gpuiso_spawn.path / "summary.md").read_text()
 
 
-def test_records_of_a_crashed_worker_are_not_lost(gpuiso, shm_name):
+def test_records_of_a_crashed_worker_are_not_lost(gpuiso_spawn, shm_name):
     """Records ride on each test's reports: tests finished before a worker dies keep theirs."""
-    gpuiso.pytester.makepyfile(
+    gpuiso_spawn.pytester.makepyfile(
         test_kill_worker="""
         import os, signal, pytest
 
@@ -359,9 +360,9 @@ def test_records_of_a_crashed_worker_are_not_lost(gpuiso, shm_name):
             os.kill(os.getpid(), signal.SIGKILL)
         """
     )
-    result = gpuiso.run(REPORT, "-n", "1", "test_kill_worker.py")
+    result = gpuiso_spawn.run(REPORT, "-n", "1", "test_kill_worker.py")
     result.stdout.fnmatch_lines(["*worker 'gw0' crashed while running*test_2_kills_its_worker*"])
-    records = gpuiso.records()
+    records = gpuiso_spawn.records()
     [leak] = records["test_kill_worker.py::test_1_leaks"]["leaks"]
     assert leak["path"] == f"/dev/shm/{shm_name}-w"
 
@@ -379,17 +380,17 @@ def test_records_of_a_crashed_worker_are_not_lost(gpuiso, shm_name):
         (["-o", "gpu_isolate_torch_check=2"], "ini gpu_isolate_torch_check"),
     ],
 )
-def test_bad_leak_options_are_one_line_usage_errors(gpuiso, args, message):
-    gpuiso.copy(MOD)
-    result = gpuiso.run("--gpu-isolate", *args, "-k", "clean_segment")
+def test_bad_leak_options_are_one_line_usage_errors(gpuiso_spawn, args, message):
+    gpuiso_spawn.copy(MOD)
+    result = gpuiso_spawn.run("--gpu-isolate", *args, "-k", "clean_segment")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     errors = [line for line in result.stderr.lines if line.startswith("ERROR:")]
     assert len(errors) == 1 and message in errors[0], result.stderr.str()
     assert "Traceback" not in result.stderr.str()
 
 
-def test_bad_allow_leaks_marker_fails_only_its_test(gpuiso):
-    gpuiso.pytester.makepyfile(
+def test_bad_allow_leaks_marker_fails_only_its_test(gpuiso_spawn):
+    gpuiso_spawn.pytester.makepyfile(
         test_bad="""
         import pytest
 
@@ -402,7 +403,7 @@ def test_bad_allow_leaks_marker_fails_only_its_test(gpuiso):
             pass
         """
     )
-    result = gpuiso.run()
+    result = gpuiso_spawn.run()
     result.assert_outcomes(passed=1, errors=1)
     assert (
         "gpu-isolate: invalid value ['shm', 'gpu'] for gpu_isolated marker argument "
@@ -410,9 +411,9 @@ def test_bad_allow_leaks_marker_fails_only_its_test(gpuiso):
     ) in result.outlines
 
 
-def test_header_says_the_gpu_probe_is_unavailable_once(gpuiso, shm_name):
-    gpuiso.copy(MOD)
-    result = gpuiso.run(
+def test_header_says_the_gpu_probe_is_unavailable_once(gpuiso_spawn, shm_name):
+    gpuiso_spawn.copy(MOD)
+    result = gpuiso_spawn.run(
         "--gpu-isolate", "--gpu-isolate-devices=0,1", REPORT, "-k", "clean_segment or raw"
     )
     result.assert_outcomes(passed=2, warnings=1)
@@ -424,14 +425,14 @@ def test_header_says_the_gpu_probe_is_unavailable_once(gpuiso, shm_name):
         ["gpu-isolate: leak checks shm=warn, * (gpu_memory unavailable: *)"]
     )
     assert all(
-        leak["kind"] != "gpu_memory" for r in gpuiso.records().values() for leak in r["leaks"]
+        leak["kind"] != "gpu_memory" for r in gpuiso_spawn.records().values() for leak in r["leaks"]
     )
 
 
-def test_leak_records_in_json_have_kind_and_detail(gpuiso, shm_name):
-    gpuiso.copy(MOD)
-    gpuiso.run("--gpu-isolate", REPORT, "-k", "leaks_segment")
-    document = json.loads((gpuiso.path / "report.json").read_text())
+def test_leak_records_in_json_have_kind_and_detail(gpuiso_spawn, shm_name):
+    gpuiso_spawn.copy(MOD)
+    gpuiso_spawn.run("--gpu-isolate", REPORT, "-k", "leaks_segment")
+    document = json.loads((gpuiso_spawn.path / "report.json").read_text())
     [record] = document["tests"]
     [leak] = record["leaks"]
     assert set(leak) == {"kind", "detail", "path", "size", "pid", "cleaned"}

@@ -13,14 +13,6 @@ import pytest
 from tests.helpers import GpuIso
 
 
-@pytest.fixture
-def region(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A private lease table for this test, shared by every process it starts."""
-    path = tmp_path / "leases"
-    monkeypatch.setenv("PYTEST_GPUISO_LEASE_REGION", str(path))
-    return path
-
-
 def _log(path: Path) -> list[tuple[float, float, list[str]]]:
     rows = []
     for line in path.read_text().splitlines():
@@ -43,7 +35,7 @@ def _max_overlap(rows: list[tuple[float, float, list[str]]], device: str) -> int
 
 @pytest.mark.parametrize("devices", ["0", "0,1"])
 def test_no_two_tests_share_a_gpu_under_xdist(
-    gpuiso: GpuIso, region, tmp_path, monkeypatch, devices
+    gpuiso: GpuIso, lease_region, tmp_path, monkeypatch, devices
 ):
     """-n 4 over one or two fake GPUs: never two holders on a GPU; both GPUs get used;
     gpus=2 tests get both at once, or are skipped when only one GPU exists."""
@@ -64,19 +56,19 @@ def test_no_two_tests_share_a_gpu_under_xdist(
         assert _max_overlap(rows, name) == 1, rows
 
 
-def test_waiting_for_a_gpu_is_not_charged_to_the_timeout(gpuiso: GpuIso, region):
-    gpuiso.copy("lease_wait.py")
-    result = gpuiso.run(
+def test_waiting_for_a_gpu_is_not_charged_to_the_timeout(gpuiso_spawn: GpuIso, lease_region):
+    gpuiso_spawn.copy("lease_wait.py")
+    result = gpuiso_spawn.run(
         "-n", "2", "--gpu-isolate-devices=0", "--gpu-isolate-report=report.json", "lease_wait.py"
     )
     result.assert_outcomes(passed=2)
-    waits = sorted(r["lease_wait"] for r in gpuiso.report()["tests"])
+    waits = sorted(r["lease_wait"] for r in gpuiso_spawn.report()["tests"])
     assert waits[0] < 0.5 and waits[1] > 1.0, waits
 
 
-def test_lease_timeout_fails_naming_the_holder(gpuiso: GpuIso, region):
-    gpuiso.copy("lease_wait.py")
-    result = gpuiso.run(
+def test_lease_timeout_fails_naming_the_holder(gpuiso_spawn: GpuIso, lease_region):
+    gpuiso_spawn.copy("lease_wait.py")
+    result = gpuiso_spawn.run(
         "-n",
         "2",
         "--gpu-isolate-devices=0",
@@ -93,7 +85,7 @@ def test_lease_timeout_fails_naming_the_holder(gpuiso: GpuIso, region):
     )
 
 
-def test_worker_killed_while_holding_a_gpu_does_not_block_the_rest(gpuiso: GpuIso, region):
+def test_worker_killed_while_holding_a_gpu_does_not_block_the_rest(gpuiso: GpuIso, lease_region):
     gpuiso.copy("lease_killer.py")
     result = gpuiso.run(
         "-n",
@@ -111,8 +103,8 @@ def test_worker_killed_while_holding_a_gpu_does_not_block_the_rest(gpuiso: GpuIs
     assert max(waits) < 5, waits  # noticed at once, not after a timeout
 
 
-def test_too_many_gpus_on_a_machine_without_gpus_is_a_skip(gpuiso: GpuIso, region):
-    gpuiso.pytester.makepyfile(
+def test_too_many_gpus_on_a_machine_without_gpus_is_a_skip(gpuiso_spawn: GpuIso, lease_region):
+    gpuiso_spawn.pytester.makepyfile(
         test_two="""
         import os, pytest
 
@@ -125,7 +117,7 @@ def test_too_many_gpus_on_a_machine_without_gpus_is_a_skip(gpuiso: GpuIso, regio
             assert "PYTEST_GPUISO_LEASED" not in os.environ  # it ran, holding no lease
         """
     )
-    result = gpuiso.run("--gpu-isolate-devices=none", "-rs")
+    result = gpuiso_spawn.run("--gpu-isolate-devices=none", "-rs")
     result.assert_outcomes(passed=1, skipped=1)
     result.stdout.fnmatch_lines(["*gpu-isolate: test needs 2 GPUs, none available*"])
 
@@ -140,9 +132,9 @@ def test_too_many_gpus_on_a_machine_without_gpus_is_a_skip(gpuiso: GpuIso, regio
         (["--gpu-isolate-lease-timeout=-3"], "invalid value '-3' for --gpu-isolate-lease-timeout"),
     ],
 )
-def test_bad_lease_options_are_usage_errors(gpuiso: GpuIso, region, args, culprit):
-    gpuiso.copy("test_where.py")
-    result = gpuiso.run(*args)
+def test_bad_lease_options_are_usage_errors(gpuiso_spawn: GpuIso, lease_region, args, culprit):
+    gpuiso_spawn.copy("test_where.py")
+    result = gpuiso_spawn.run(*args)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([f"ERROR: gpu-isolate: {culprit}*"])
 
@@ -157,13 +149,13 @@ def _cli(*args: str, region: Path) -> subprocess.CompletedProcess:
     )
 
 
-def test_status_and_reset_commands(region: Path):
+def test_status_and_reset_commands(lease_region: Path):
     """status prints the table; reset refuses while a live holder exists, --force clears."""
     from pytest_gpuiso.leases import open_region
 
-    table = open_region(str(region))
+    table = open_region(str(lease_region))
     lease_id, _ = table.acquire(["0", "1"], 1, 1, "tests/test_x.py::test_held", None)
-    status = _cli("status", region=region)
+    status = _cli("status", region=lease_region)
     assert status.returncode == 0
     # per device its memory, leased and free (shares of a device of unknown size), then
     # each holder with its lease
@@ -171,32 +163,34 @@ def test_status_and_reset_commands(region: Path):
     assert re.search(
         r"^\s+100%\s+\d+\s+\S+\s+held\s+tests/test_x.py::test_held$", status.stdout, re.M
     )
-    refused = _cli("reset", region=region)
+    refused = _cli("reset", region=lease_region)
     assert refused.returncode == 1
     assert "refusing to reset" in refused.stderr and "test_held" in refused.stderr
-    assert _cli("reset", "--force", region=region).returncode == 0
+    assert _cli("reset", "--force", region=lease_region).returncode == 0
     assert table.snapshot()["holders"] == []
     table.release(lease_id)
 
 
-def test_reset_of_a_corrupted_table(region: Path):
-    region.write_bytes(b"\0" * 100)
-    region.chmod(0o600)
-    status = _cli("status", region=region)
+def test_reset_of_a_corrupted_table(lease_region: Path):
+    lease_region.write_bytes(b"\0" * 100)
+    lease_region.chmod(0o600)
+    status = _cli("status", region=lease_region)
     assert status.returncode == 1 and "has 100 bytes" in status.stderr
-    assert _cli("reset", region=region).returncode == 1
-    forced = _cli("reset", "--force", region=region)
-    assert forced.returncode == 0 and not region.exists()
+    assert _cli("reset", region=lease_region).returncode == 1
+    forced = _cli("reset", "--force", region=lease_region)
+    assert forced.returncode == 0 and not lease_region.exists()
     assert json.dumps(forced.stdout)  # printed something
 
 
-def test_two_sessions_at_once_share_the_gpu_safely(gpuiso: GpuIso, region, tmp_path, monkeypatch):
+def test_two_sessions_at_once_share_the_gpu_safely(
+    gpuiso_spawn: GpuIso, lease_region, tmp_path, monkeypatch
+):
     """Two independent pytest sessions (each with -n 2) on the same GPU never overlap."""
     log = tmp_path / "log"
     monkeypatch.setenv("GPUISO_LEASE_LOG", str(log))
-    gpuiso.copy("lease_log.py")
+    gpuiso_spawn.copy("lease_log.py")
     args = ("-n", "2", "--gpu-isolate-devices=0", "-k", "one_gpu", "lease_log.py")
-    sessions = [gpuiso.popen(*args), gpuiso.popen(*args)]
+    sessions = [gpuiso_spawn.popen(*args), gpuiso_spawn.popen(*args)]
     try:
         outputs = [p.communicate(timeout=120)[0].decode() for p in sessions]
     finally:

@@ -23,18 +23,16 @@ needs_torch = pytest.mark.skipif(
 )
 
 
-@pytest.fixture
-def region(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A private lease table for this test, shared by every process it starts."""
-    path = tmp_path / "leases"
-    monkeypatch.setenv("PYTEST_GPUISO_LEASE_REGION", str(path))
-    return path
-
-
-def test_the_lease_reaches_the_test_and_torchs_allocator(gpuiso: GpuIso, region: Path) -> None:
-    gpuiso.copy("lease19")
+def test_the_lease_reaches_the_test_and_torchs_allocator(
+    gpuiso: GpuIso, lease_region: Path
+) -> None:
+    gpuiso.copy("memory_lease")
     result = gpuiso.run(
-        DEVICE, "--gpu-isolate-gpu-memory=50%", "--gpu-isolate-report=report.json", "-rs", "lease19"
+        DEVICE,
+        "--gpu-isolate-gpu-memory=50%",
+        "--gpu-isolate-report=report.json",
+        "-rs",
+        "memory_lease",
     )
     result.assert_outcomes(passed=3, failed=1, skipped=1)
     out = result.stdout.str()
@@ -55,31 +53,35 @@ def test_the_lease_reaches_the_test_and_torchs_allocator(gpuiso: GpuIso, region:
         ]
     )
     records = gpuiso.records()
-    first = records["lease19/test_lease19_module.py::test_the_cap_is_set_when_cuda_starts"]
+    first = records[
+        "memory_lease/test_memory_lease_module.py::test_the_cap_is_set_when_cuda_starts"
+    ]
     assert first["gpus"] == ["0"] and first["gpu_memory"] == 2 * GIB
     assert first["gpu_memory_peak"] is None  # no NVML here
-    late = records["lease19/test_lease19_late.py::test_torch_imported_by_the_test_itself"]
+    late = records["memory_lease/test_memory_lease_late.py::test_torch_imported_by_the_test_itself"]
     assert late["gpu_memory"] == 4 * GIB  # 50% of the declared 8 GiB
 
 
 @needs_torch
-def test_the_real_torch_gets_the_cap_without_starting_cuda(gpuiso: GpuIso, region: Path) -> None:
+def test_the_real_torch_gets_the_cap_without_starting_cuda(
+    gpuiso: GpuIso, lease_region: Path
+) -> None:
     """With the real torch (its CPU build here), the cap is queued on torch's lazy-init
     queue whether torch came before the lease or with the test, and CPU work never
     initialises CUDA. Setting the cap on a real GPU is tests/gpu/test_gpu_memory_lease.py."""
-    gpuiso.copy("lease19_torch")
-    result = gpuiso.run("--gpu-isolate-devices=0:32GiB", "lease19_torch")
+    gpuiso.copy("memory_lease_torch")
+    result = gpuiso.run("--gpu-isolate-devices=0:32GiB", "memory_lease_torch")
     result.assert_outcomes(passed=3)
 
 
-def test_bytes_need_the_gpus_size(gpuiso_settings: GpuIso, region: Path) -> None:
+def test_bytes_need_the_gpus_size(gpuiso_spawn: GpuIso, lease_region: Path) -> None:
     """Without NVML or a declared size, gpu_memory in bytes cannot be checked: the test is
     skipped saying how to declare the size."""
-    gpuiso_settings.copy("lease19")
-    result = gpuiso_settings.run(
+    gpuiso_spawn.copy("memory_lease")
+    result = gpuiso_spawn.run(
         "--gpu-isolate-devices=0",
         "-rs",
-        "lease19/test_lease19_module.py",
+        "memory_lease/test_memory_lease_module.py",
         "-k",
         "cuda_starts",
     )
@@ -93,14 +95,14 @@ def test_bytes_need_the_gpus_size(gpuiso_settings: GpuIso, region: Path) -> None
 
 
 def test_two_sessions_pack_two_tests_onto_one_gpu(
-    gpuiso_settings: GpuIso, region: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    gpuiso_spawn: GpuIso, lease_region: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Two 4 GiB tests in two sessions each wait for the other to hold the 8 GiB GPU too:
     with whole-GPU leases the first would time out; with memory leases both pass."""
-    monkeypatch.setenv("LEASE19_DIR", str(tmp_path))
-    gpuiso_settings.copy("lease19_pack")
-    other = gpuiso_settings.popen(DEVICE, "lease19_pack/test_pack.py::test_a")
-    mine = gpuiso_settings.run(DEVICE, "lease19_pack/test_pack.py::test_b")
+    monkeypatch.setenv("GPUISO_LEASE_DIR", str(tmp_path))
+    gpuiso_spawn.copy("memory_lease_pack")
+    other = gpuiso_spawn.popen(DEVICE, "memory_lease_pack/test_pack.py::test_a")
+    mine = gpuiso_spawn.run(DEVICE, "memory_lease_pack/test_pack.py::test_b")
     out, _ = other.communicate(timeout=120)
     mine.assert_outcomes(passed=1)
     assert other.returncode == 0, out.decode()
@@ -108,12 +110,12 @@ def test_two_sessions_pack_two_tests_onto_one_gpu(
 
 
 def test_packing_never_overbooks_under_xdist(
-    gpuiso: GpuIso, region: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    gpuiso_spawn: GpuIso, lease_region: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Six 3 GiB tests on three workers and one 8 GiB GPU: never three at once."""
-    monkeypatch.setenv("LEASE19_DIR", str(tmp_path))
-    gpuiso.copy("lease19_pack")
-    result = gpuiso.run(DEVICE, "-n", "3", "lease19_pack/test_pack.py", "-k", "test_c")
+    monkeypatch.setenv("GPUISO_LEASE_DIR", str(tmp_path))
+    gpuiso_spawn.copy("memory_lease_pack")
+    result = gpuiso_spawn.run(DEVICE, "-n", "3", "memory_lease_pack/test_pack.py", "-k", "test_c")
     result.assert_outcomes(passed=6)
     held = [
         (*map(float, line.split()), 1)
@@ -123,27 +125,27 @@ def test_packing_never_overbooks_under_xdist(
     assert 1 <= max_overlap(held) <= 2, held
 
 
-def test_bad_sizes_are_one_line_usage_errors(gpuiso_settings: GpuIso, region: Path) -> None:
+def test_bad_sizes_are_one_line_usage_errors(gpuiso_spawn: GpuIso, lease_region: Path) -> None:
     for args, line in (
         (("--gpu-isolate-gpu-memory=lots",), "*--gpu-isolate-gpu-memory: expected bytes*"),
         (("--gpu-isolate-gpu-memory=0%",), "*expected a percentage 0-100*"),
         (("--gpu-isolate-devices=0:huge",), "*--gpu-isolate-devices (device 0): expected bytes*"),
         (("--gpu-isolate-devices=0:0",), "*more than 0 bytes*"),
     ):
-        result = gpuiso_settings.run(*args)
+        result = gpuiso_spawn.run(*args)
         assert result.ret == pytest.ExitCode.USAGE_ERROR, (args, result.stdout.str())
         result.stderr.fnmatch_lines([f"ERROR: gpu-isolate: invalid value{line}"])
         assert "Traceback" not in result.stderr.str()
 
 
-def test_status_shows_each_holders_lease_and_the_free_memory(region: Path) -> None:
+def test_status_shows_each_holders_lease_and_the_free_memory(lease_region: Path) -> None:
     from pytest_gpuiso.leases import Devices, Leases, status_table
     from pytest_gpuiso.settings import parse_memory
 
-    leases = Leases(Devices(("0",), "test", capacities=(8 * GIB,)), 1, str(region))
+    leases = Leases(Devices(("0",), "test", capacities=(8 * GIB,)), 1, str(lease_region))
     lease = leases.acquire(1, "tests/test_x.py::test_big", 0, parse_memory("6GiB", "t"))
     assert lease.memory == 6 * GIB
-    text = status_table(leases.region.snapshot(), str(region))
+    text = status_table(leases.region.snapshot(), str(lease_region))
     lines = text.splitlines()
     assert lines[1].split()[:4] == ["DEVICE", "MEMORY", "LEASED", "FREE"]
     assert lines[2].split() == ["0", "8", "GiB", "6", "GiB", "2", "GiB"]

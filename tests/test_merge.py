@@ -14,6 +14,9 @@ import pytest
 
 from pytest_gpuiso import report
 
+# pytest's report formats, hooks and internals: CI's lowest-versions stage runs them all
+pytestmark = pytest.mark.versions
+
 MIB = 1 << 20
 
 

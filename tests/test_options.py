@@ -6,6 +6,9 @@ import re
 
 import pytest
 
+# pytest's report formats, hooks and internals: CI's lowest-versions stage runs them all
+pytestmark = pytest.mark.versions
+
 USAGE_ERROR = 4
 
 
@@ -20,10 +23,10 @@ USAGE_ERROR = 4
         (["--gpu-isolate-grace=soon"], "invalid value 'soon' for --gpu-isolate-grace"),
     ],
 )
-def test_bad_command_line_value_is_a_usage_error(gpuiso_settings, args, culprit):
+def test_bad_command_line_value_is_a_usage_error(gpuiso_spawn, args, culprit):
     """A bad CLI value stops the session with one line naming the option and value."""
-    gpuiso_settings.copy("test_where.py")
-    result = gpuiso_settings.run(*args)
+    gpuiso_spawn.copy("test_where.py")
+    result = gpuiso_spawn.run(*args)
     assert result.ret == USAGE_ERROR
     result.stderr.fnmatch_lines([f"ERROR: gpu-isolate: {culprit}: expected a number of seconds*"])
     assert "Traceback" not in result.stderr.str() + result.stdout.str()
@@ -37,24 +40,24 @@ def test_bad_command_line_value_is_a_usage_error(gpuiso_settings, args, culprit)
         ("gpu_isolate = maybe", "invalid value 'maybe' for ini gpu_isolate"),
     ],
 )
-def test_bad_ini_value_is_a_usage_error(gpuiso_settings, ini, culprit):
-    gpuiso_settings.copy("test_where.py")
-    gpuiso_settings.pytester.makeini(f"[pytest]\n{ini}\n")
-    result = gpuiso_settings.run()
+def test_bad_ini_value_is_a_usage_error(gpuiso_spawn, ini, culprit):
+    gpuiso_spawn.copy("test_where.py")
+    gpuiso_spawn.pytester.makeini(f"[pytest]\n{ini}\n")
+    result = gpuiso_spawn.run()
     assert result.ret == USAGE_ERROR
     result.stderr.fnmatch_lines([f"ERROR: gpu-isolate: {culprit}*"])
     assert "Traceback" not in result.stderr.str()
 
 
-def test_grace_zero_is_valid(gpuiso):
-    gpuiso.copy("test_where.py")
-    gpuiso.run("--gpu-isolate-grace=0").assert_outcomes(passed=2)
+def test_grace_zero_is_valid(gpuiso_spawn):
+    gpuiso_spawn.copy("test_where.py")
+    gpuiso_spawn.run("--gpu-isolate-grace=0").assert_outcomes(passed=2)
 
 
-def test_bad_marker_arguments_fail_only_their_test(gpuiso):
+def test_bad_marker_arguments_fail_only_their_test(gpuiso_spawn):
     """Each bad marker argument is an error of that test, named in one line; neighbours run."""
-    gpuiso.copy("test_markers.py")
-    result = gpuiso.run("-rA")
+    gpuiso_spawn.copy("test_markers.py")
+    result = gpuiso_spawn.run("-rA")
     result.assert_outcomes(passed=2, errors=7)
     result.stdout.fnmatch_lines_random(
         [
@@ -94,27 +97,25 @@ def test_gpu_isolate_flag_isolates_every_test(gpuiso):
     result.stdout.fnmatch_lines(["FAILED test_where.py::test_unmarked_runs_in_process*"])
 
 
-def test_ini_gpu_isolate_true_isolates_every_test(gpuiso):
-    gpuiso.copy("test_where.py")
-    gpuiso.pytester.makeini("[pytest]\ngpu_isolate = true\n")
-    gpuiso.run().assert_outcomes(passed=1, failed=1)
+def test_ini_gpu_isolate_true_isolates_every_test(gpuiso_spawn):
+    gpuiso_spawn.copy("test_where.py")
+    gpuiso_spawn.pytester.makeini("[pytest]\ngpu_isolate = true\n")
+    gpuiso_spawn.run().assert_outcomes(passed=1, failed=1)
 
 
-def test_no_gpu_isolate_runs_everything_in_process(gpuiso):
+def test_no_gpu_isolate_runs_everything_in_process(gpuiso_spawn):
     """--no-gpu-isolate beats the ini file and the marker (for --pdb debugging)."""
-    gpuiso.copy("test_where.py")
-    gpuiso.pytester.makeini("[pytest]\ngpu_isolate = true\n")
-    result = gpuiso.run("--no-gpu-isolate", "-rA")
+    gpuiso_spawn.copy("test_where.py")
+    gpuiso_spawn.pytester.makeini("[pytest]\ngpu_isolate = true\n")
+    result = gpuiso_spawn.run("--no-gpu-isolate", "-rA")
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(["FAILED test_where.py::test_marked_runs_isolated*"])
     result.stdout.fnmatch_lines(["gpu-isolate: off*"])
 
 
-def test_report_header_describes_settings(gpuiso_settings):
-    gpuiso_settings.copy("test_where.py")
-    result = gpuiso_settings.run(
-        "--gpu-isolate", "--gpu-isolate-timeout=30", "--gpu-isolate-grace=2"
-    )
+def test_report_header_describes_settings(gpuiso_spawn):
+    gpuiso_spawn.copy("test_where.py")
+    result = gpuiso_spawn.run("--gpu-isolate", "--gpu-isolate-timeout=30", "--gpu-isolate-grace=2")
     result.stdout.fnmatch_lines(
         [
             "gpu-isolate: every test in a fresh process, timeout 30 s "
@@ -124,10 +125,10 @@ def test_report_header_describes_settings(gpuiso_settings):
     )
 
 
-def test_pdb_note_in_header(gpuiso_settings):
+def test_pdb_note_in_header(gpuiso_spawn):
     """--pdb turns isolation off (tests/test_pytest_semantics.py checks the runs)."""
-    gpuiso_settings.copy("test_where.py")
-    result = gpuiso_settings.run("--pdb", "-k", "unmarked")
+    gpuiso_spawn.copy("test_where.py")
+    result = gpuiso_spawn.run("--pdb", "-k", "unmarked")
     result.stdout.fnmatch_lines(["gpu-isolate: off (--pdb): every test runs in-process"])
 
 
@@ -137,54 +138,54 @@ def _timeout_line(result: pytest.RunResult) -> str:
     return lines[0]
 
 
-def test_precedence_ini_then_cli_then_marker(gpuiso):
+def test_precedence_ini_then_cli_then_marker(gpuiso_spawn):
     """ini < command line < marker: the most specific setting wins."""
-    gpuiso.copy("test_sleep_two.py")
+    gpuiso_spawn.copy("test_sleep_two.py")
     # Timeouts of 1 s or more: on a loaded machine a spawned process may take more than
     # 0.5 s from its go to the test's call, and a timeout before it fails the setup.
-    gpuiso.pytester.makeini("[pytest]\ngpu_isolate_timeout = 1\n")
+    gpuiso_spawn.pytester.makeini("[pytest]\ngpu_isolate_timeout = 1\n")
     # ini alone: 1 s is too short for a 2 s test
-    result = gpuiso.run("--gpu-isolate", "--gpu-isolate-grace=0")
+    result = gpuiso_spawn.run("--gpu-isolate", "--gpu-isolate-grace=0")
     result.assert_outcomes(failed=1)
     assert "timed out after 1 s (timeout from ini gpu_isolate_timeout)" in _timeout_line(result)
     # command line beats ini
-    result = gpuiso.run("--gpu-isolate", "--gpu-isolate-timeout=1.2", "--gpu-isolate-grace=0")
+    result = gpuiso_spawn.run("--gpu-isolate", "--gpu-isolate-timeout=1.2", "--gpu-isolate-grace=0")
     result.assert_outcomes(failed=1)
     assert "timed out after 1.2 s (timeout from --gpu-isolate-timeout)" in _timeout_line(result)
     # marker beats both
-    gpuiso.pytester.makeconftest(
+    gpuiso_spawn.pytester.makeconftest(
         "import pytest\n"
         "def pytest_collection_modifyitems(items):\n"
         "    for item in items:\n"
         "        item.add_marker(pytest.mark.gpu_isolated(timeout=30))\n"
     )
-    result = gpuiso.run("--gpu-isolate-timeout=1.2")
+    result = gpuiso_spawn.run("--gpu-isolate-timeout=1.2")
     result.assert_outcomes(passed=1)
 
 
-def test_marker_grace_is_used(gpuiso):
-    gpuiso.copy("test_hangs.py")
-    gpuiso.pytester.makeconftest(
+def test_marker_grace_is_used(gpuiso_spawn):
+    gpuiso_spawn.copy("test_hangs.py")
+    gpuiso_spawn.pytester.makeconftest(
         "import pytest\n"
         "def pytest_collection_modifyitems(items):\n"
         "    for item in items:\n"
         "        item.add_marker(pytest.mark.gpu_isolated(timeout=1, grace=0.25))\n"
     )
-    result = gpuiso.run("-k", "sleeps_forever")
+    result = gpuiso_spawn.run("-k", "sleeps_forever")
     result.assert_outcomes(failed=1)
     assert "0.25 s grace" in _timeout_line(result)
 
 
-def test_marker_on_module_and_class_and_closest_wins(gpuiso):
-    gpuiso.copy("test_marker_scopes.py")
-    result = gpuiso.run("--gpu-isolate-grace=0")
+def test_marker_on_module_and_class_and_closest_wins(gpuiso_spawn):
+    gpuiso_spawn.copy("test_marker_scopes.py")
+    result = gpuiso_spawn.run("--gpu-isolate-grace=0")
     result.assert_outcomes(passed=2, failed=1)
     assert "timed out after 1 s (timeout from marker)" in _timeout_line(result)
 
 
-def test_every_option_has_an_ini_key_and_typed_booleans(gpuiso_settings):
+def test_every_option_has_an_ini_key_and_typed_booleans(gpuiso_spawn):
     """The options come from one table: each flag names its ini key, booleans are pytest bools."""
-    result = gpuiso_settings.run("--help")
+    result = gpuiso_spawn.run("--help")
     out = result.stdout.str()
     flags = sorted(set(re.findall(r"--gpu-isolate[a-z-]*", out)))
     assert len(flags) >= 15, flags
@@ -206,15 +207,15 @@ def test_every_option_has_an_ini_key_and_typed_booleans(gpuiso_settings):
         ("env", "pytest-timeout PYTEST_TIMEOUT"),
     ],
 )
-def test_header_names_pytest_timeouts_value(gpuiso_settings, monkeypatch, how, source):
+def test_header_names_pytest_timeouts_value(gpuiso_spawn, monkeypatch, how, source):
     """Without a gpu-isolate timeout, the header gives pytest-timeout's, not our default."""
-    gpuiso_settings.copy("test_where.py")
+    gpuiso_spawn.copy("test_where.py")
     args = ["-p", "timeout"]
     if how == "env":
         monkeypatch.setenv("PYTEST_TIMEOUT", "9")
     else:
         args += how
-    result = gpuiso_settings.run(*args, "-k", "unmarked")
+    result = gpuiso_spawn.run(*args, "-k", "unmarked")
     seconds = "9" if how == "env" else how[-1].split("=")[-1]
     result.stdout.fnmatch_lines(
         [

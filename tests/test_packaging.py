@@ -22,6 +22,10 @@ import pytest
 import pytest_gpuiso
 from tests.helpers import ROOT
 
+# What is installed and how: CI's wheel stage runs it against the installed wheel
+# The module's tests share one build (the module-scoped dists): one xdist worker runs them.
+pytestmark = [pytest.mark.installation, pytest.mark.xdist_group("packaging")]
+
 PACKAGE_DIR = Path(pytest_gpuiso.__file__).resolve().parent
 BUILD_FILES = (
     "setup.py",

@@ -1,6 +1,6 @@
 """The pytest_gpuiso_* hooks: options down to the tests' processes, payloads back up.
 
-fixtures/programs/hooks17/conftest.py implements them; each run checks what reached
+fixtures/programs/plugin_hooks/conftest.py implements them; each run checks what reached
 pytest per test, under both start methods (the fork server's template included),
 with prewarming and under xdist.
 """
@@ -11,8 +11,11 @@ import json
 
 import pytest
 
-PROGRAM = "hooks17"
-VALUES = {f"hooks17/test_hooks17.py::test_value[{n}]": f"value-{n}" for n in (1, 2, 3)}
+# pytest's report formats, hooks and internals: CI's lowest-versions stage runs them all
+pytestmark = pytest.mark.versions
+
+PROGRAM = "plugin_hooks"
+VALUES = {f"plugin_hooks/test_hooks.py::test_value[{n}]": f"value-{n}" for n in (1, 2, 3)}
 
 
 def _payloads(gpuiso) -> dict[str, dict]:
@@ -26,7 +29,7 @@ def _payloads(gpuiso) -> dict[str, dict]:
 def _check(gpuiso, result: pytest.RunResult, workers: int = 0) -> None:
     result.assert_outcomes(passed=5, failed=1)
     payloads = _payloads(gpuiso)
-    assert set(payloads) == set(VALUES) | {"hooks17/test_hooks17.py::test_unpicklable"}
+    assert set(payloads) == set(VALUES) | {"plugin_hooks/test_hooks.py::test_unpicklable"}
     pids = set()
     for nodeid, value in VALUES.items():
         got = payloads[nodeid]
@@ -42,14 +45,14 @@ def _check(gpuiso, result: pytest.RunResult, workers: int = 0) -> None:
     # the parent hook's change to the reports is what pytest logged
     logged = (gpuiso.path / PROGRAM / "logged.txt").read_text().splitlines()
     expected = [f"{k} {v}" for k, v in VALUES.items()]
-    expected.append("hooks17/test_hooks17.py::test_unpicklable never-sent")
+    expected.append("plugin_hooks/test_hooks.py::test_unpicklable never-sent")
     # (under xdist the worker and the controller both log each report)
     assert sorted(logged) == sorted(expected * (2 if workers else 1))
     out = result.stdout.str()
     # a crashed process sends nothing; a failing child hook is a warning, its test passes
     assert "test_crashes" in out and "FAILED" in out
-    assert "pytest_gpuiso_child_payload failed: RuntimeError: hooks17 broke on purpose" in out
-    assert "pytest_gpuiso_child_payload: 'hooks17-bad' not sent: " in out  # only that key
+    assert "pytest_gpuiso_child_payload failed: RuntimeError: plugin_hooks broke on purpose" in out
+    assert "pytest_gpuiso_child_payload: 'plugin_hooks-bad' not sent: " in out  # only that key
 
 
 def test_options_down_and_payloads_up(gpuiso) -> None:

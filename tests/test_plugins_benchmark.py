@@ -1,7 +1,7 @@
 """pytest-benchmark with isolated tests: their timings are reported, saved and compared by
 pytest, as for in-process benchmarks, and no test's process writes results of its own.
 
-fixtures/programs/plug17_benchmark has two isolated benchmarks (one pedantic, in a group
+fixtures/programs/plugin_benchmark has two isolated benchmarks (one pedantic, in a group
 of its own, with extra_info) and one in-process benchmark.
 """
 
@@ -13,9 +13,12 @@ import pytest
 
 from tests.helpers import GpuIso
 
+# Other plugins' APIs, with every installed plugin loaded as users run them
+pytestmark = [pytest.mark.every_installed_plugin, pytest.mark.versions]
+
 pytest.importorskip("pytest_benchmark")
 
-PROGRAM = "plug17_benchmark"
+PROGRAM = "plugin_benchmark"
 NAMES = {"test_isolated_sum", "test_isolated_pedantic", "test_in_process_sum"}
 QUICK = ("--benchmark-max-time=0.02", "-W", "always")
 
@@ -56,13 +59,13 @@ def test_table_json_and_save_list_every_benchmark(gpuiso: GpuIso) -> None:
     assert [p.name for p in gpuiso.path.rglob("*.json")] == ["out.json", saved.name]
 
 
-def test_only_isolated_benchmarks(gpuiso: GpuIso) -> None:
+def test_only_isolated_benchmarks(gpuiso_spawn: GpuIso) -> None:
     """pytest ran no benchmark itself: it still reports and writes those of its tests' processes."""
-    gpuiso.copy(PROGRAM)
-    result = _run(gpuiso, "-k", "isolated", "--benchmark-json=out.json")
+    gpuiso_spawn.copy(PROGRAM)
+    result = _run(gpuiso_spawn, "-k", "isolated", "--benchmark-json=out.json")
     result.assert_outcomes(passed=2)
     assert "no benchmarks have been run" not in result.stdout.str() + result.stderr.str()
-    benchmarks = json.loads((gpuiso.path / "out.json").read_text())["benchmarks"]
+    benchmarks = json.loads((gpuiso_spawn.path / "out.json").read_text())["benchmarks"]
     assert {b["name"] for b in benchmarks} == NAMES - {"test_in_process_sum"}
 
 
@@ -87,16 +90,16 @@ def test_cprofile_of_isolated_benchmarks(gpuiso: GpuIso) -> None:
     assert len({prefix for prefix, _ in dumped}) == 1, dumped
 
 
-def test_compare_fail_sees_isolated_benchmarks(gpuiso: GpuIso) -> None:
-    gpuiso.copy(PROGRAM)
-    _run(gpuiso, "--benchmark-save=base").assert_outcomes(passed=3)
-    [saved] = _saved(gpuiso)
+def test_compare_fail_sees_isolated_benchmarks(gpuiso_spawn: GpuIso) -> None:
+    gpuiso_spawn.copy(PROGRAM)
+    _run(gpuiso_spawn, "--benchmark-save=base").assert_outcomes(passed=3)
+    [saved] = _saved(gpuiso_spawn)
     run = json.loads(saved.read_text())
     for bench in run["benchmarks"]:
         if bench["name"] == "test_isolated_sum":  # the saved run was a second faster
             bench["stats"]["min"] -= 1.0
     saved.write_text(json.dumps(run))
-    result = _run(gpuiso, "--benchmark-compare=0001", "--benchmark-compare-fail=min:0.5")
+    result = _run(gpuiso_spawn, "--benchmark-compare=0001", "--benchmark-compare-fail=min:0.5")
     assert result.ret != 0
     out = result.stdout.str() + result.stderr.str()
     assert "Performance has regressed" in out

@@ -1,6 +1,6 @@
 """pytest-cov with isolated tests: their lines count in pytest's report, nothing stray on disk.
 
-fixtures/programs/plug17_cov: calc.py has six functions, five called by isolated tests and
+fixtures/programs/plugin_cov: calc.py has six functions, five called by isolated tests and
 one by an in-process test (100% only when every process's lines count); extra.py has lines
 that a ``no_cover`` test and a crashing test run (never counted) and lines that a test with
 the ``cov`` fixture runs. Each run is checked under both start methods; the fork server
@@ -15,9 +15,12 @@ import time
 
 import pytest
 
+# Other plugins' APIs, with every installed plugin loaded as users run them
+pytestmark = [pytest.mark.every_installed_plugin, pytest.mark.versions]
+
 pytest.importorskip("pytest_cov")
 
-PROGRAM = "plug17_cov"
+PROGRAM = "plugin_cov"
 CALC = "--cov=calc"
 EXTRA = "--cov=extra"
 
@@ -152,7 +155,7 @@ def test_coverage_subprocess_patch(gpuiso) -> None:
 def test_other_pytest_cov_warns_once(gpuiso) -> None:
     """Without the private names the adapter needs: one warning, isolated lines missed, the
     in-process test's counted, nothing stray, no crash."""
-    gpuiso.copy(PROGRAM, "plug17_cov_old/conftest.py")
+    gpuiso.copy(PROGRAM, "plugin_cov_old/conftest.py")
     result = gpuiso.run(CALC, "--cov-report=term-missing", f"{PROGRAM}/test_calc.py")
     result.assert_outcomes(passed=6)
     out = result.stdout.str()
@@ -168,7 +171,7 @@ def test_other_pytest_cov_warns_once(gpuiso) -> None:
 def test_data_that_cannot_be_added_warns_once(gpuiso) -> None:
     """A test's data that coverage refuses to add (branches into lines): one warning,
     the run and the other lines' report stand."""
-    gpuiso.copy(PROGRAM, "plug17_cov_mismatch/conftest.py")
+    gpuiso.copy(PROGRAM, "plugin_cov_mismatch/conftest.py")
     result = gpuiso.run(
         "-W", "always", CALC, "--cov-report=term-missing", f"{PROGRAM}/test_calc.py"
     )

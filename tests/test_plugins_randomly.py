@@ -1,11 +1,11 @@
 """pytest-randomly with isolated tests: one seed for the session, whatever process runs a test.
 
-fixtures/programs/plug17_randomly has two isolated tests and one in-process test, each
+fixtures/programs/plugin_randomly has two isolated tests and one in-process test, each
 writing the ``random.random()`` it sees and its process's seed. Without ``--randomly-seed``
 pytest makes one; every test's process (the fork server's template included, which
 configures once for all its forks) must use it: the values equal those of an in-process
 run with that seed given explicitly, and the cache keeps the seed the header printed.
-These runs load pytest-randomly, unlike the rest of the suite's (helpers._FAST).
+These runs load pytest-randomly, which the rest of the suite turns off (helpers.py).
 """
 
 from __future__ import annotations
@@ -17,9 +17,12 @@ import pytest
 
 from tests.helpers import GpuIso
 
+# Other plugins' APIs, with every installed plugin loaded as users run them
+pytestmark = [pytest.mark.every_installed_plugin, pytest.mark.versions]
+
 pytest.importorskip("pytest_randomly")
 
-PROGRAM = "plug17_randomly"
+PROGRAM = "plugin_randomly"
 NAMES = {"test_isolated_one", "test_isolated_two", "test_in_process"}
 
 

@@ -1,6 +1,6 @@
 """pytest-rerunfailures with isolated tests: every attempt in a fresh process.
 
-fixtures/programs/plug17_rerun/test_rerun.py logs each attempt's pid and time: a
+fixtures/programs/plugin_rerun/test_rerun.py logs each attempt's pid and time: a
 test that fails twice then passes, a crash, a timeout, a failure its ``flaky``
 marker's ``only_rerun`` rules out, and an in-process test that rerunfailures
 reruns itself. Both start methods; the fork server's template pre-collects with
@@ -15,6 +15,9 @@ import pytest
 
 from pytest_gpuiso import report
 
+# Other plugins' APIs, with every installed plugin loaded as users run them
+pytestmark = [pytest.mark.every_installed_plugin, pytest.mark.versions]
+
 try:
     RERUNFAILURES = tuple(int(n) for n in version("pytest-rerunfailures").split(".")[:2])
 except PackageNotFoundError:
@@ -23,7 +26,7 @@ installed = pytest.mark.skipif(RERUNFAILURES == (0, 0), reason="no pytest-rerunf
 # The adapter's lowest release: older ones run isolated tests once, with a warning.
 supported = pytest.mark.skipif(RERUNFAILURES < (14, 0), reason="needs pytest-rerunfailures >= 14.0")
 
-PROGRAM = "plug17_rerun"
+PROGRAM = "plugin_rerun"
 MODULE = f"{PROGRAM}/test_rerun.py"
 # isolated attempts: flaky 3 (fails twice), abort 3, hang 3, only_value_errors 1
 PROCESSES = 10
@@ -101,49 +104,49 @@ def test_under_xdist(gpuiso) -> None:
 
 
 @supported
-def test_delay_and_fail_on_flaky(gpuiso) -> None:
+def test_delay_and_fail_on_flaky(gpuiso_spawn) -> None:
     """--reruns-delay between attempts; --fail-on-flaky (pytest-rerunfailures >= 15.0)."""
-    gpuiso.copy(PROGRAM)
+    gpuiso_spawn.copy(PROGRAM)
     flaky = ["--fail-on-flaky"] if RERUNFAILURES >= (15, 0) else []
-    result = gpuiso.run("--reruns=2", "--reruns-delay=0.5", *flaky, f"{MODULE}::test_flaky")
+    result = gpuiso_spawn.run("--reruns=2", "--reruns-delay=0.5", *flaky, f"{MODULE}::test_flaky")
     outcomes = result.parseoutcomes()
     assert (outcomes.get("passed"), outcomes.get("rerun")) == (1, 2), result.stdout.str()
     assert result.ret == (7 if flaky else 0)  # --fail-on-flaky: it passed only when rerun
-    times = [t for _, t in _attempts(gpuiso, "flaky")]
+    times = [t for _, t in _attempts(gpuiso_spawn, "flaky")]
     assert len(times) == 3
     assert all(b - a >= 0.5 for a, b in zip(times, times[1:], strict=False))
 
 
 @pytest.mark.skipif(RERUNFAILURES < (16, 5), reason="--max-suite-reruns: 16.5")
-def test_max_suite_reruns(gpuiso_settings) -> None:
+def test_max_suite_reruns(gpuiso_spawn) -> None:
     """The session's reruns are counted with isolated tests' attempts."""
-    gpuiso_settings.copy(PROGRAM)
-    result = gpuiso_settings.run(
+    gpuiso_spawn.copy(PROGRAM)
+    result = gpuiso_spawn.run(
         "--reruns=2", "--max-suite-reruns=1", "-k", "test_flaky or test_abort", MODULE
     )
     outcomes = result.parseoutcomes()
     assert (outcomes.get("failed"), outcomes.get("rerun")) == (2, 1), result.stdout.str()
-    assert len(_attempts(gpuiso_settings, "flaky")) == 2
-    assert len(_attempts(gpuiso_settings, "abort")) == 1
+    assert len(_attempts(gpuiso_spawn, "flaky")) == 2
+    assert len(_attempts(gpuiso_spawn, "abort")) == 1
 
 
 @installed
-def test_in_process_fixture_teardown_after_an_isolated_test(gpuiso_settings) -> None:
+def test_in_process_fixture_teardown_after_an_isolated_test(gpuiso_spawn) -> None:
     """pytest tears down what an in-process test left up after the isolated test that
     ends the module; rerunfailures' makereport wrapper sees a report of that test there."""
-    gpuiso_settings.copy("plug17_rerun_teardown")
-    result = gpuiso_settings.run("plug17_rerun_teardown")
+    gpuiso_spawn.copy("plugin_rerun_teardown")
+    result = gpuiso_spawn.run("plugin_rerun_teardown")
     assert "INTERNALERROR" not in result.stdout.str()
     result.assert_outcomes(passed=2, errors=1)
     result.stdout.fnmatch_lines(["*RuntimeError: module fixture teardown broke*"])
 
 
 @installed
-def test_a_release_without_what_the_adapter_needs(gpuiso_settings) -> None:
+def test_a_release_without_what_the_adapter_needs(gpuiso_spawn) -> None:
     """One warning; the isolated tests run once, and nothing breaks (older releases
     are refused by their version as well)."""
-    gpuiso_settings.copy("plug17_rerun_unsupported")
-    result = gpuiso_settings.run("--reruns=1", "plug17_rerun_unsupported")
+    gpuiso_spawn.copy("plugin_rerun_unsupported")
+    result = gpuiso_spawn.run("--reruns=1", "plugin_rerun_unsupported")
     result.assert_outcomes(failed=2)
     out = result.stdout.str()
     text = "reruns of isolated tests are not supported with this version (no get_reruns_condition"

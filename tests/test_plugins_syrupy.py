@@ -1,6 +1,6 @@
 """syrupy with isolated tests: their snapshots are written, counted and kept as in-process.
 
-fixtures/programs/plug17_syrupy has two isolated tests (one asserting twice, once with a
+fixtures/programs/plugin_syrupy has two isolated tests (one asserting twice, once with a
 named snapshot) and one in-process test sharing one .ambr file, and an isolated test whose
 JSON snapshot is a file of its own: five snapshots. The snapshot report must count all
 five, ``--snapshot-update`` must keep all five (a test's
@@ -17,9 +17,12 @@ import pytest
 
 from tests.helpers import GpuIso
 
+# Other plugins' APIs, with every installed plugin loaded as users run them
+pytestmark = [pytest.mark.every_installed_plugin, pytest.mark.versions]
+
 pytest.importorskip("syrupy")
 
-PROGRAM = "plug17_syrupy"
+PROGRAM = "plugin_syrupy"
 AMBR = f"{PROGRAM}/__snapshots__/test_snapshots.ambr"
 JSON = f"{PROGRAM}/__snapshots__/test_snapshots/test_isolated_json.json"
 NAMES = ["test_in_process", "test_isolated_one", "test_isolated_two", "test_isolated_two[named]"]

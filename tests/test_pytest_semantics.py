@@ -1,6 +1,6 @@
 """pytest's own semantics for isolated tests: warning filters on our warnings, --setup-show,
 --durations, --pdb/--trace, ini report paths, -qq, --help's ini types, overlapping shards.
-Each test runs the programs in fixtures/programs/ (sem17_*) through a real pytest session."""
+Each test runs the programs in fixtures/programs/ (sem_*) through a real pytest session."""
 
 from __future__ import annotations
 
@@ -14,8 +14,11 @@ import pytest
 
 import pytest_gpuiso
 
-LEAKS = "sem17_leaks.py"
-FIXTURES = "sem17_fixtures.py"
+# pytest's report formats, hooks and internals: CI's lowest-versions stage runs them all
+pytestmark = pytest.mark.versions
+
+LEAKS = "sem_leak_warnings.py"
+FIXTURES = "sem_debugger_fixtures.py"
 LEAK_ERROR = "-W error::pytest_gpuiso.GpuIsoLeakWarning"
 SHM = Path("/dev/shm")
 
@@ -23,7 +26,7 @@ SHM = Path("/dev/shm")
 @pytest.fixture
 def shm_name(monkeypatch: pytest.MonkeyPatch):
     """A unique prefix for the files the program leaves; whatever is left is removed."""
-    name = f"gpuiso-sem17-{uuid.uuid4().hex[:10]}"
+    name = f"gpuiso-sem-leak-{uuid.uuid4().hex[:10]}"
     monkeypatch.setenv("GPUISO_SHM_NAME", name)
     yield name
     for path in SHM.glob(f"*{name}*"):
@@ -43,21 +46,23 @@ def test_the_warning_classes_are_pytest_warnings_exported_by_the_package() -> No
     assert {"GpuIsoLeakWarning", "GpuIsoStartWarning"} <= set(pytest_gpuiso.__all__)
 
 
-def test_leak_warnings_obey_the_tests_filterwarnings_mark(gpuiso, shm_name) -> None:
-    gpuiso.copy(LEAKS)
-    result = gpuiso.run("--gpu-isolate-cleanup", "-rA", LEAKS)
+def test_leak_warnings_obey_the_tests_filterwarnings_mark(gpuiso_spawn, shm_name) -> None:
+    gpuiso_spawn.copy(LEAKS)
+    result = gpuiso_spawn.run("--gpu-isolate-cleanup", "-rA", LEAKS)
     result.assert_outcomes(passed=3)
     warned = _warning_lines(result, "GpuIsoLeakWarning")
     assert len(warned) == 1, result.stdout.str()
     assert f"{shm_name}-plain" in warned[0]
-    result.stdout.fnmatch_lines(["*sem17_leaks.py::test_leaks_file", "*GpuIsoLeakWarning: shm:*"])
+    result.stdout.fnmatch_lines(
+        ["*sem_leak_warnings.py::test_leaks_file", "*GpuIsoLeakWarning: shm:*"]
+    )
 
 
-def test_a_leak_warning_turned_error_fails_the_leaking_test(gpuiso, shm_name) -> None:
+def test_a_leak_warning_turned_error_fails_the_leaking_test(gpuiso_spawn, shm_name) -> None:
     """Not a crash of pytest: the leaking test gets an error in teardown (as the ``fail``
     level gives it); the test whose mark ignores the warning, and the clean one, pass."""
-    gpuiso.copy(LEAKS)
-    result = gpuiso.run("--gpu-isolate-cleanup", *LEAK_ERROR.split(), LEAKS)
+    gpuiso_spawn.copy(LEAKS)
+    result = gpuiso_spawn.run("--gpu-isolate-cleanup", *LEAK_ERROR.split(), LEAKS)
     result.assert_outcomes(passed=3, errors=1)
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()
@@ -66,18 +71,18 @@ def test_a_leak_warning_turned_error_fails_the_leaking_test(gpuiso, shm_name) ->
             "*ERROR at teardown of test_leaks_file*",
             "*the test left 1 leak behind*GpuIsoLeakWarning is an error by -W/filterwarnings*",
             f"*shm: *{shm_name}-plain-*",
-            "ERROR sem17_leaks.py::test_leaks_file*",  # pytest 8.0 adds no " - message"
+            "ERROR sem_leak_warnings.py::test_leaks_file*",  # pytest 8.0 adds no " - message"
         ]
     )
     assert _warning_lines(result, "GpuIsoLeakWarning") == []  # an error, not also a warning
 
 
-def test_ini_filterwarnings_ignore_drops_the_leak_warning(gpuiso_settings, shm_name) -> None:
-    gpuiso_settings.copy(LEAKS)
-    gpuiso_settings.pytester.makeini(
+def test_ini_filterwarnings_ignore_drops_the_leak_warning(gpuiso_spawn, shm_name) -> None:
+    gpuiso_spawn.copy(LEAKS)
+    gpuiso_spawn.pytester.makeini(
         "[pytest]\nfilterwarnings =\n    ignore::pytest_gpuiso.GpuIsoLeakWarning\n"
     )
-    result = gpuiso_settings.run("--gpu-isolate-cleanup", LEAKS)
+    result = gpuiso_spawn.run("--gpu-isolate-cleanup", LEAKS)
     result.assert_outcomes(passed=3)
     assert _warning_lines(result, "GpuIsoLeakWarning") == []
     assert "warnings summary" not in result.stdout.str()
@@ -85,16 +90,14 @@ def test_ini_filterwarnings_ignore_drops_the_leak_warning(gpuiso_settings, shm_n
     result.stdout.fnmatch_lines(["gpu-isolate: 2 leaks in 2 tests (2 shm, 0 process, *"])
 
 
-def test_a_start_warning_turned_error_is_a_usage_error(gpuiso_settings) -> None:
-    gpuiso_settings.copy(FIXTURES)
-    result = gpuiso_settings.run("--pdb", "-W", "error::pytest_gpuiso.GpuIsoStartWarning", FIXTURES)
+def test_a_start_warning_turned_error_is_a_usage_error(gpuiso_spawn) -> None:
+    gpuiso_spawn.copy(FIXTURES)
+    result = gpuiso_spawn.run("--pdb", "-W", "error::pytest_gpuiso.GpuIsoStartWarning", FIXTURES)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(
         ["ERROR: gpu-isolate: --pdb: every test runs in-process*(GpuIsoStartWarning is an error*"]
     )
-    ignored = gpuiso_settings.run(
-        "--pdb", "-W", "ignore::pytest_gpuiso.GpuIsoStartWarning", FIXTURES
-    )
+    ignored = gpuiso_spawn.run("--pdb", "-W", "ignore::pytest_gpuiso.GpuIsoStartWarning", FIXTURES)
     ignored.assert_outcomes(passed=2)
     assert _warning_lines(ignored, "GpuIsoStartWarning") == []
 
@@ -115,9 +118,9 @@ def test_setup_show_shows_the_isolated_tests_fixtures(gpuiso) -> None:
     )
 
 
-def test_durations_list_isolated_tests_and_their_start_up(gpuiso_settings) -> None:
-    gpuiso_settings.copy(FIXTURES)
-    result = gpuiso_settings.run("--durations=0", "--durations-min=0", FIXTURES)
+def test_durations_list_isolated_tests_and_their_start_up(gpuiso_spawn) -> None:
+    gpuiso_spawn.copy(FIXTURES)
+    result = gpuiso_spawn.run("--durations=0", "--durations-min=0", FIXTURES)
     result.assert_outcomes(passed=2)
     result.stdout.fnmatch_lines(
         [
@@ -136,12 +139,12 @@ def test_durations_list_isolated_tests_and_their_start_up(gpuiso_settings) -> No
 
 @pytest.mark.parametrize("debugger", ["--pdb", "--trace"])
 def test_a_debugger_runs_the_tests_in_process_and_says_so_under_q(
-    gpuiso_settings, tmp_path, monkeypatch, debugger
+    gpuiso_spawn, tmp_path, monkeypatch, debugger
 ) -> None:
-    gpuiso_settings.copy(FIXTURES)
+    gpuiso_spawn.copy(FIXTURES)
     where = tmp_path / "where"
-    monkeypatch.setenv("SEM17_WHERE", str(where))
-    pytester = gpuiso_settings.pytester
+    monkeypatch.setenv("GPUISO_WHERE", str(where))
+    pytester = gpuiso_spawn.pytester
     result = pytester.run(
         sys.executable,
         "-m",
@@ -150,7 +153,7 @@ def test_a_debugger_runs_the_tests_in_process_and_says_so_under_q(
         "no:cacheprovider",
         "-p",
         "no:randomly",
-        *gpuiso_settings.start_options,
+        *gpuiso_spawn.start_options,
         "-q",
         debugger,
         f"{FIXTURES}::test_where",
@@ -171,9 +174,9 @@ def test_a_debugger_runs_the_tests_in_process_and_says_so_under_q(
 
 
 def test_ini_report_paths_are_relative_to_the_inifile_cli_paths_to_the_cwd(
-    gpuiso_settings, monkeypatch
+    gpuiso_spawn, monkeypatch
 ) -> None:
-    pytester = gpuiso_settings.pytester
+    pytester = gpuiso_spawn.pytester
     sub = pytester.path / "sub"
     sub.mkdir()
     (sub / FIXTURES).write_text(
@@ -181,7 +184,7 @@ def test_ini_report_paths_are_relative_to_the_inifile_cli_paths_to_the_cwd(
     )
     pytester.makeini("[pytest]\ngpu_isolate_report = out/gpu.json\n")
     monkeypatch.chdir(sub)
-    result = gpuiso_settings.run("--gpu-isolate-summary=summary.md", FIXTURES)
+    result = gpuiso_spawn.run("--gpu-isolate-summary=summary.md", FIXTURES)
     result.assert_outcomes(passed=2)
     records = json.loads((pytester.path / "out" / "gpu.json").read_text())["tests"]
     assert len(records) == 2
@@ -191,15 +194,15 @@ def test_ini_report_paths_are_relative_to_the_inifile_cli_paths_to_the_cwd(
 
 
 def test_qq_prints_the_summary_only_when_there_is_something_to_report(
-    gpuiso_settings, shm_name
+    gpuiso_spawn, shm_name
 ) -> None:
-    gpuiso_settings.copy(FIXTURES, LEAKS)
-    clean = gpuiso_settings.run("-qq", FIXTURES)
+    gpuiso_spawn.copy(FIXTURES, LEAKS)
+    clean = gpuiso_spawn.run("-qq", FIXTURES)
     assert clean.ret == 0
     assert "gpu-isolate" not in clean.stdout.str()
-    quiet = gpuiso_settings.run("-q", FIXTURES)
+    quiet = gpuiso_spawn.run("-q", FIXTURES)
     quiet.stdout.fnmatch_lines(["gpu-isolate: 2 isolated, 0 timed out, 0 crashed"])
-    leaky = gpuiso_settings.run("-qq", "--gpu-isolate-cleanup", LEAKS)
+    leaky = gpuiso_spawn.run("-qq", "--gpu-isolate-cleanup", LEAKS)
     leaky.stdout.fnmatch_lines(["*- gpu-isolate leak summary -*"])
 
 
@@ -215,17 +218,17 @@ def test_help_shows_the_ini_keys_types(pytester: pytest.Pytester) -> None:
     result.stdout.fnmatch_lines(["  gpu_isolate_shm_ignore (args):*"])
 
 
-def test_merge_warns_about_a_test_in_two_shards(gpuiso_settings) -> None:
+def test_merge_warns_about_a_test_in_two_shards(gpuiso_spawn) -> None:
     """Shards from sessions without xdist merge; a test in both is named on stderr."""
-    gpuiso_settings.copy(FIXTURES)
-    one = gpuiso_settings.run("--gpu-isolate-report=one.json", "-k", "resource", FIXTURES)
+    gpuiso_spawn.copy(FIXTURES)
+    one = gpuiso_spawn.run("--gpu-isolate-report=one.json", "-k", "resource", FIXTURES)
     one.assert_outcomes(passed=1)
-    two = gpuiso_settings.run("--gpu-isolate-report=two.json", FIXTURES)
+    two = gpuiso_spawn.run("--gpu-isolate-report=two.json", FIXTURES)
     two.assert_outcomes(passed=2)
     merged = subprocess.run(
         [sys.executable, "-m", "pytest_gpuiso", "merge", "one.json", "two.json"]
         + ["--json", "all.json"],
-        cwd=gpuiso_settings.path,
+        cwd=gpuiso_spawn.path,
         capture_output=True,
         text=True,
         timeout=60,
@@ -234,7 +237,7 @@ def test_merge_warns_about_a_test_in_two_shards(gpuiso_settings) -> None:
     assert merged.stderr.splitlines() == [
         f"warning: {FIXTURES}::test_uses_resource is in 2 shards: one.json, two.json"
     ]
-    records = json.loads((gpuiso_settings.path / "all.json").read_text())["tests"]
+    records = json.loads((gpuiso_spawn.path / "all.json").read_text())["tests"]
     assert sorted((r["nodeid"], r["shard"]) for r in records) == [
         (f"{FIXTURES}::test_uses_resource", "one.json"),
         (f"{FIXTURES}::test_uses_resource", "two.json"),
@@ -242,7 +245,7 @@ def test_merge_warns_about_a_test_in_two_shards(gpuiso_settings) -> None:
     ]
     alone = subprocess.run(
         [sys.executable, "-m", "pytest_gpuiso", "merge", "two.json", "--json", "b.json"],
-        cwd=gpuiso_settings.path,
+        cwd=gpuiso_spawn.path,
         capture_output=True,
         text=True,
         timeout=60,

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+# pytest's report formats, hooks and internals: CI's lowest-versions stage runs them all
+pytestmark = pytest.mark.versions
+
 EXPECTED = {
     "test_crashes.py::test_segfault": ("failed", "SIGSEGV", -11),
     "test_crashes.py::test_abort": ("failed", "SIGABRT", -6),
@@ -35,11 +38,11 @@ def _check_schema(document: dict) -> dict[str, dict]:
 
 
 @pytest.mark.parametrize("xdist", [[], ["-n", "2"]], ids=["no-xdist", "xdist"])
-def test_json_report_records_every_isolated_test(gpuiso, xdist):
+def test_json_report_records_every_isolated_test(gpuiso_spawn, xdist):
     """Every isolated test appears once with its outcome and how its process ended."""
-    gpuiso.copy("test_crashes.py", "test_outcomes.py")
+    gpuiso_spawn.copy("test_crashes.py", "test_outcomes.py")
     args = ["--gpu-isolate", "--gpu-isolate-report=report.json", *xdist]
-    result = gpuiso.run(
+    result = gpuiso_spawn.run(
         *args,
         "test_crashes.py",
         "test_outcomes.py::test_passes",
@@ -48,7 +51,7 @@ def test_json_report_records_every_isolated_test(gpuiso, xdist):
         "test_outcomes.py::test_xfail_passes",
         "test_outcomes.py::test_setup_error",
     )
-    records = _check_schema(gpuiso.report())
+    records = _check_schema(gpuiso_spawn.report())
     assert set(records) == set(EXPECTED), result.stdout.str()
     for nodeid, (outcome, signal, code) in EXPECTED.items():
         record = records[nodeid]
@@ -59,17 +62,17 @@ def test_json_report_records_every_isolated_test(gpuiso, xdist):
     result.stdout.fnmatch_lines(["gpu-isolate: JSON report written to *report.json"])
 
 
-def test_report_path_from_ini_is_relative_to_invocation_dir(gpuiso):
-    gpuiso.copy("test_where.py")
-    gpuiso.pytester.makeini("[pytest]\ngpu_isolate_report = out/gpu.json\n")
-    gpuiso.run().assert_outcomes(passed=2)
-    records = _check_schema(gpuiso.report("out/gpu.json"))
+def test_report_path_from_ini_is_relative_to_invocation_dir(gpuiso_spawn):
+    gpuiso_spawn.copy("test_where.py")
+    gpuiso_spawn.pytester.makeini("[pytest]\ngpu_isolate_report = out/gpu.json\n")
+    gpuiso_spawn.run().assert_outcomes(passed=2)
+    records = _check_schema(gpuiso_spawn.report("out/gpu.json"))
     assert list(records) == ["test_where.py::test_marked_runs_isolated"]
 
 
-def test_terminal_summary_lists_timeouts_and_crashes(gpuiso):
-    gpuiso.copy("test_crashes.py", "test_hangs.py")
-    result = gpuiso.run(
+def test_terminal_summary_lists_timeouts_and_crashes(gpuiso_spawn):
+    gpuiso_spawn.copy("test_crashes.py", "test_hangs.py")
+    result = gpuiso_spawn.run(
         "--gpu-isolate",
         "--gpu-isolate-timeout=1",
         "--gpu-isolate-grace=0",

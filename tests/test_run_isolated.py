@@ -89,9 +89,9 @@ def test_bad_arguments_name_the_culprit(kwargs, culprit):
         run_isolated(funcs.add, 1, 2, **kwargs)
 
 
-def test_fixture_inside_a_pytest_session(gpuiso):
-    gpuiso.copy("isolated_funcs.py")
-    gpuiso.pytester.makepyfile(
+def test_fixture_inside_a_pytest_session(gpuiso_spawn):
+    gpuiso_spawn.copy("isolated_funcs.py")
+    gpuiso_spawn.pytester.makepyfile(
         test_phases="""
         import os
         import isolated_funcs
@@ -101,7 +101,7 @@ def test_fixture_inside_a_pytest_session(gpuiso):
             assert gpu_isolated_run(isolated_funcs.whoami) != os.getpid()
         """
     )
-    gpuiso.run().assert_outcomes(passed=1)
+    gpuiso_spawn.run().assert_outcomes(passed=1)
 
 
 def test_gpus_are_leased_and_visible(tmp_path, monkeypatch):

@@ -136,7 +136,7 @@ def test_a_holder_in_another_pid_namespace_keeps_its_gpu_until_it_dies(table: Pa
 
 @needs_root
 def test_a_table_file_of_another_user_is_a_one_line_error_naming_the_owner(
-    gpuiso_settings: GpuIso, table: Path
+    gpuiso_spawn: GpuIso, table: Path
 ) -> None:
     """Another user pre-created the victim's table path. A session that leases a GPU
     stops with one usage error naming that user and the variable that picks another
@@ -144,8 +144,8 @@ def test_a_table_file_of_another_user_is_a_one_line_error_naming_the_owner(
     table.write_bytes(b"planted")
     os.chown(table, NOBODY, NOBODY)
     table.chmod(0o600)
-    gpuiso_settings.copy("sec_lease_gpu.py")
-    result = gpuiso_settings.run("--gpu-isolate-devices=0", "sec_lease_gpu.py")
+    gpuiso_spawn.copy("sec_lease_gpu.py")
+    result = gpuiso_spawn.run("--gpu-isolate-devices=0", "sec_lease_gpu.py")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(
         [
@@ -249,7 +249,7 @@ def tiny_tmpfs(tmp_path: Path) -> Iterator[Path]:
 
 
 def test_a_full_file_system_fails_the_gpu_tests_with_one_line_and_leaves_nothing(
-    gpuiso_settings: GpuIso, tiny_tmpfs: Path, monkeypatch: pytest.MonkeyPatch
+    gpuiso_spawn: GpuIso, tiny_tmpfs: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The table's file system has no room for it: no SIGBUS; the test that leases a GPU
     errors with one line naming the directory and the way to pick another path, the
@@ -260,8 +260,8 @@ def test_a_full_file_system_fails_the_gpu_tests_with_one_line_and_leaves_nothing
     assert "\n" not in str(info.value)
     assert f"no space left in {tiny_tmpfs}" in str(info.value) and REGION_ENV in str(info.value)
     monkeypatch.setenv(REGION_ENV, str(path))
-    gpuiso_settings.copy("sec_lease_gpu.py")
-    result = gpuiso_settings.run("--gpu-isolate-devices=0", "sec_lease_gpu.py")
+    gpuiso_spawn.copy("sec_lease_gpu.py")
+    result = gpuiso_spawn.run("--gpu-isolate-devices=0", "sec_lease_gpu.py")
     result.assert_outcomes(passed=1, errors=1)
     result.stdout.fnmatch_lines(
         [f"*cannot create the lease table {path}: no space left in {tiny_tmpfs}*{REGION_ENV}=*"]
@@ -340,7 +340,7 @@ def locker(table: Path) -> Iterator[Callable[[Callable[[str, Connection], None]]
 
 @needs_layout
 def test_a_stopped_holder_of_the_table_lock_is_named_and_hangs_nothing(
-    gpuiso_settings: GpuIso, table: Path, locker
+    gpuiso_spawn: GpuIso, table: Path, locker
 ) -> None:
     """A process stopped while it holds the table's mutex: a pytest session's GPU test
     errors with one line naming it and the way out (kill -CONT, reset --force), the other
@@ -348,8 +348,8 @@ def test_a_stopped_holder_of_the_table_lock_is_named_and_hangs_nothing(
     pid = locker(_lock_table_mutex_and_stop)
     wait_until(lambda: psutil.Process(pid).status() == "stopped", "the locker to stop")
     named = f"is locked by pid {pid}, which is stopped: resume it with `kill -CONT {pid}`"
-    gpuiso_settings.copy("sec_lease_gpu.py")
-    result = gpuiso_settings.run("--gpu-isolate-devices=0", "sec_lease_gpu.py")
+    gpuiso_spawn.copy("sec_lease_gpu.py")
+    result = gpuiso_spawn.run("--gpu-isolate-devices=0", "sec_lease_gpu.py")
     result.assert_outcomes(passed=1, errors=1)
     result.stdout.fnmatch_lines([f"*{named}*reset --force*"])
     _no_crash(result)
@@ -402,7 +402,7 @@ def test_ctrl_c_reaches_a_process_waiting_for_the_table_lock(
     ids=["duplicate", "too-many-visible", "too-many-option"],
 )
 def test_device_lists_the_table_cannot_hold_are_usage_errors(
-    gpuiso_settings: GpuIso,
+    gpuiso_spawn: GpuIso,
     table: Path,
     monkeypatch: pytest.MonkeyPatch,
     env: dict[str, str],
@@ -411,15 +411,15 @@ def test_device_lists_the_table_cannot_hold_are_usage_errors(
 ) -> None:
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    gpuiso_settings.copy("sec_lease_gpu.py")
-    result = gpuiso_settings.run(*args, "sec_lease_gpu.py")
+    gpuiso_spawn.copy("sec_lease_gpu.py")
+    result = gpuiso_spawn.run(*args, "sec_lease_gpu.py")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([f"ERROR: gpu-isolate: {culprit}"])
     _no_crash(result)
 
 
 def test_two_sessions_that_disagree_on_a_gpus_memory_is_a_setup_error(
-    gpuiso_settings: GpuIso, table: Path
+    gpuiso_spawn: GpuIso, table: Path
 ) -> None:
     """Device 0 is held as an 80 GiB GPU (here); a session declaring it 40 GiB errors its
     GPU test in setup with one line naming the device, the holder, both sizes and the
@@ -428,8 +428,8 @@ def test_two_sessions_that_disagree_on_a_gpus_memory_is_a_setup_error(
     region = Region(str(table))
     got = region.acquire(["0"], 1, 1, "held as 80 GiB", None, amount=1 << 30, capacities=[80 << 30])
     assert got is not None
-    gpuiso_settings.copy("sec_lease_gpu.py")
-    result = gpuiso_settings.run("--gpu-isolate-devices=0:40GiB", "sec_lease_gpu.py")
+    gpuiso_spawn.copy("sec_lease_gpu.py")
+    result = gpuiso_spawn.run("--gpu-isolate-devices=0:40GiB", "sec_lease_gpu.py")
     result.assert_outcomes(passed=1, errors=1)
     result.stdout.fnmatch_lines(
         [

@@ -83,10 +83,10 @@ def _taken_line(taken: Path) -> str:
 
 
 def test_a_taken_work_directory_costs_a_session_without_isolated_tests_nothing(
-    gpuiso_settings, taken_tmpdir
+    gpuiso_spawn, taken_tmpdir
 ):
-    gpuiso_settings.pytester.makepyfile(test_plain="def test_plain():\n    pass\n")
-    result = gpuiso_settings.run()
+    gpuiso_spawn.pytester.makepyfile(test_plain="def test_plain():\n    pass\n")
+    result = gpuiso_spawn.run()
     result.assert_outcomes(passed=1)
     _no_traceback(result)
     assert sorted(os.listdir(taken_tmpdir)) == []  # nothing made in someone else's directory
@@ -104,10 +104,10 @@ def test_a_taken_work_directory_fails_only_what_needs_it(gpuiso, taken_tmpdir):
 
 
 def test_a_taken_work_directory_is_a_usage_error_when_every_test_is_isolated(
-    gpuiso_settings, taken_tmpdir
+    gpuiso_spawn, taken_tmpdir
 ):
-    gpuiso_settings.pytester.makepyfile(test_plain="def test_plain():\n    pass\n")
-    result = gpuiso_settings.run("--gpu-isolate")
+    gpuiso_spawn.pytester.makepyfile(test_plain="def test_plain():\n    pass\n")
+    result = gpuiso_spawn.run("--gpu-isolate")
     assert result.ret == USAGE_ERROR
     assert [line for line in result.errlines if line] == [
         "ERROR: gpu-isolate: "
@@ -115,7 +115,7 @@ def test_a_taken_work_directory_is_a_usage_error_when_every_test_is_isolated(
     ]
 
 
-def test_a_symlink_or_open_work_directory_is_refused(gpuiso_settings, tmp_path, monkeypatch):
+def test_a_symlink_or_open_work_directory_is_refused(gpuiso_spawn, tmp_path, monkeypatch):
     """Our own name as a symlink (to a directory of ours) or open to others: refused too."""
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
@@ -123,14 +123,14 @@ def test_a_symlink_or_open_work_directory_is_refused(gpuiso_settings, tmp_path, 
     name = tmpdir / f"pytest-gpuiso-{os.getuid()}"
     name.symlink_to(tmp_path / "elsewhere")
     monkeypatch.setenv("TMPDIR", str(tmpdir))
-    gpuiso_settings.pytester.makepyfile(test_plain="def test_plain():\n    pass\n")
-    result = gpuiso_settings.run("--gpu-isolate")
+    gpuiso_spawn.pytester.makepyfile(test_plain="def test_plain():\n    pass\n")
+    result = gpuiso_spawn.run("--gpu-isolate")
     assert result.ret == USAGE_ERROR
     result.stderr.fnmatch_lines([f"ERROR: gpu-isolate: the work directory {name} is a symbolic*"])
     name.unlink()
     name.mkdir(mode=0o700)
     name.chmod(0o777)
-    result = gpuiso_settings.run("--gpu-isolate")
+    result = gpuiso_spawn.run("--gpu-isolate")
     assert result.ret == USAGE_ERROR
     result.stderr.fnmatch_lines(
         [f"ERROR: gpu-isolate: the work directory {name} is open to other users (mode 0777);*"]
@@ -148,7 +148,7 @@ def _unshare_works() -> bool:
 
 
 def test_live_work_directories_in_another_pid_namespace_are_kept(
-    gpuiso_settings, tmp_path, monkeypatch
+    gpuiso_spawn, tmp_path, monkeypatch
 ):
     """A session in its own pid namespace (its pytest is pid 1 there) keeps its work
     directory while a session outside cleans stale ones from the same TMPDIR; a dead
@@ -159,13 +159,13 @@ def test_live_work_directories_in_another_pid_namespace_are_kept(
     tmpdir.mkdir()
     signals.mkdir()
     monkeypatch.setenv("TMPDIR", str(tmpdir))
-    gpuiso_settings.copy("sec_misc_test_wait.py")
+    gpuiso_spawn.copy("sec_misc_test_wait.py")
     env = {**os.environ, "SEC_MISC_DIR": str(signals)}
     inside = subprocess.Popen(
         ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-m", "pytest"]
         + ["-p", "no:cacheprovider", "-p", "no:randomly", "--basetemp", str(tmp_path / "bt")]
         + ["--gpu-isolate-preload=none", "sec_misc_test_wait.py"],
-        cwd=gpuiso_settings.path,
+        cwd=gpuiso_spawn.path,
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -181,8 +181,8 @@ def test_live_work_directories_in_another_pid_namespace_are_kept(
         (dead / "lock").write_text("")
         unknown = work / "4343-nolock"  # no lock file: not ours to judge
         unknown.mkdir(mode=0o700)
-        gpuiso_settings.pytester.makepyfile(test_plain="def test_plain():\n    pass\n")
-        gpuiso_settings.run("--gpu-isolate", "test_plain.py").assert_outcomes(passed=1)
+        gpuiso_spawn.pytester.makepyfile(test_plain="def test_plain():\n    pass\n")
+        gpuiso_spawn.run("--gpu-isolate", "test_plain.py").assert_outcomes(passed=1)
         left = sorted(os.listdir(work))
         assert live[0] in left, "the other namespace's live work directory was removed"
         assert "4343-nolock" in left
@@ -255,7 +255,7 @@ def test_no_descriptor_left_while_prewarming_costs_no_other_test(gpuiso):
     result.stdout.fnmatch_lines(["PASSED test_starved.py::test_after"])
 
 
-def test_no_process_left_fails_only_the_test_it_hit(gpuiso_settings, tmp_path):
+def test_no_process_left_fails_only_the_test_it_hit(gpuiso_spawn, tmp_path):
     """EAGAIN (ulimit -u) while spawning a test's process, as an unprivileged user: root's
     process limit is not enforced, so the session runs as nobody, keeping only the right
     to read and write root's files."""
@@ -267,11 +267,11 @@ def test_no_process_left_fails_only_the_test_it_hit(gpuiso_settings, tmp_path):
     as_nobody += [f"--inh-caps={caps}", f"--ambient-caps={caps}"]
     if subprocess.run([*as_nobody, "true"], capture_output=True).returncode != 0:
         pytest.skip("setpriv cannot run a command as another user here")
-    _starved(gpuiso_settings)
+    _starved(gpuiso_spawn)
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir(mode=0o777)
     tmpdir.chmod(0o777)
-    result = _run_as(gpuiso_settings, as_nobody, tmp_path, tmpdir)
+    result = _run_as(gpuiso_spawn, as_nobody, tmp_path, tmpdir)
     assert result.returncode == 1, result.stdout
     assert "INTERNALERROR" not in result.stdout and "Traceback" not in result.stdout
     assert (
@@ -314,19 +314,19 @@ def _run_as(gpuiso, prefix: list[str], tmp_path: Path, tmpdir: Path):
         (["--gpu-isolate-gpu-tolerance=inf"], "'inf' for --gpu-isolate-gpu-tolerance: * MiB >= 0"),
     ],
 )
-def test_durations_out_of_range_are_one_line_usage_errors(gpuiso_settings, args, culprit):
-    gpuiso_settings.copy("test_where.py")
-    result = gpuiso_settings.run(*args)
+def test_durations_out_of_range_are_one_line_usage_errors(gpuiso_spawn, args, culprit):
+    gpuiso_spawn.copy("test_where.py")
+    result = gpuiso_spawn.run(*args)
     assert result.ret == USAGE_ERROR
     assert len([line for line in result.errlines if line]) == 1, result.errlines
     result.stderr.fnmatch_lines([f"ERROR: gpu-isolate: invalid value {culprit}"])
     _no_traceback(result)
 
 
-def test_durations_out_of_range_in_the_ini_file(gpuiso_settings):
-    gpuiso_settings.copy("test_where.py")
-    gpuiso_settings.pytester.makeini("[pytest]\ngpu_isolate_startup_timeout = 1e10\n")
-    result = gpuiso_settings.run()
+def test_durations_out_of_range_in_the_ini_file(gpuiso_spawn):
+    gpuiso_spawn.copy("test_where.py")
+    gpuiso_spawn.pytester.makeini("[pytest]\ngpu_isolate_startup_timeout = 1e10\n")
+    result = gpuiso_spawn.run()
     assert result.ret == USAGE_ERROR
     result.stderr.fnmatch_lines(
         [
@@ -366,9 +366,9 @@ def test_neighbour():
 """
 
 
-def test_marker_durations_out_of_range_fail_only_their_test(gpuiso_settings):
-    gpuiso_settings.pytester.makepyfile(test_bad_markers=MARKERS)
-    result = gpuiso_settings.run("-rA")
+def test_marker_durations_out_of_range_fail_only_their_test(gpuiso_spawn):
+    gpuiso_spawn.pytester.makepyfile(test_bad_markers=MARKERS)
+    result = gpuiso_spawn.run("-rA")
     result.assert_outcomes(passed=1, errors=4)
     _no_traceback(result)
     result.stdout.fnmatch_lines_random(
@@ -402,12 +402,12 @@ def test_run_isolated_timeout_out_of_range_names_the_argument():
     ],
 )
 def test_an_unwritable_report_path_is_a_usage_error_at_configure(
-    gpuiso_settings, option, value, problem
+    gpuiso_spawn, option, value, problem
 ):
-    gpuiso_settings.copy("test_where.py")
-    (gpuiso_settings.path / "afile").write_text("")
-    (gpuiso_settings.path / "adir").mkdir()
-    result = gpuiso_settings.run(f"{option}={value}")
+    gpuiso_spawn.copy("test_where.py")
+    (gpuiso_spawn.path / "afile").write_text("")
+    (gpuiso_spawn.path / "adir").mkdir()
+    result = gpuiso_spawn.run(f"{option}={value}")
     assert result.ret == USAGE_ERROR
     assert [line for line in result.errlines if line] == [
         line for line in result.errlines if line.startswith("ERROR: gpu-isolate: invalid value")
@@ -418,10 +418,10 @@ def test_an_unwritable_report_path_is_a_usage_error_at_configure(
     assert "test_where" not in result.stdout.str()  # no test ran
 
 
-def test_an_unwritable_report_path_from_the_ini_file_names_the_key(gpuiso_settings):
-    gpuiso_settings.copy("test_where.py")
-    gpuiso_settings.pytester.makeini("[pytest]\ngpu_isolate_report = /proc/gpu.json\n")
-    result = gpuiso_settings.run()
+def test_an_unwritable_report_path_from_the_ini_file_names_the_key(gpuiso_spawn):
+    gpuiso_spawn.copy("test_where.py")
+    gpuiso_spawn.pytester.makeini("[pytest]\ngpu_isolate_report = /proc/gpu.json\n")
+    result = gpuiso_spawn.run()
     assert result.ret == USAGE_ERROR
     result.stderr.fnmatch_lines(
         ["ERROR: gpu-isolate: invalid value '/proc/gpu.json' for ini gpu_isolate_report: *"]
@@ -456,17 +456,17 @@ def test_merge_refuses_what_is_not_a_report_file(tmp_path, source):
 # -- report paths that are not regular files --------------------------------------------
 
 
-def test_a_report_path_that_is_a_device_is_written_into_not_replaced(gpuiso_settings):
+def test_a_report_path_that_is_a_device_is_written_into_not_replaced(gpuiso_spawn):
     """``--gpu-isolate-report=/dev/null``-like paths: written into; renaming a temporary
     file over one would turn root's device node into a regular file."""
     _need_root()
-    gpuiso_settings.pytester.makepyfile(test_one="def test_one():\n    pass\n")
-    null = gpuiso_settings.path / "null"
+    gpuiso_spawn.pytester.makepyfile(test_one="def test_one():\n    pass\n")
+    null = gpuiso_spawn.path / "null"
     try:
         os.mknod(null, 0o666 | stat.S_IFCHR, os.makedev(1, 3))  # a /dev/null of our own
     except OSError as exc:
         pytest.skip(f"cannot make a device node here: {exc}")
-    result = gpuiso_settings.run(
+    result = gpuiso_spawn.run(
         "--gpu-isolate", f"--gpu-isolate-report={null}", f"--gpu-isolate-summary={null}"
     )
     assert result.ret == 0, result.stdout.str()
@@ -474,16 +474,16 @@ def test_a_report_path_that_is_a_device_is_written_into_not_replaced(gpuiso_sett
     assert "could not write" not in result.stdout.str()
 
 
-def test_the_report_can_go_to_stdout(gpuiso_settings):
+def test_the_report_can_go_to_stdout(gpuiso_spawn):
     """``/dev/stdout`` (here a pipe) is checked at configure and written into at the end,
     not resolved into /proc/<pid>/fd/pipe:[...] nor replaced. (Where stdout is a regular
     file opened without O_APPEND, pytest's later output may overwrite the report.)"""
-    gpuiso_settings.pytester.makepyfile(test_one="def test_one():\n    pass\n")
+    gpuiso_spawn.pytester.makepyfile(test_one="def test_one():\n    pass\n")
     command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:randomly"]
-    command += [*gpuiso_settings.start_options, "--gpu-isolate"]
+    command += [*gpuiso_spawn.start_options, "--gpu-isolate"]
     command += ["--gpu-isolate-report=/dev/stdout"]
     done = subprocess.run(
-        command, cwd=gpuiso_settings.path, stdout=subprocess.PIPE, text=True, timeout=120
+        command, cwd=gpuiso_spawn.path, stdout=subprocess.PIPE, text=True, timeout=120
     )
     assert done.returncode == 0, done.stdout
     assert '"nodeid": "test_one.py::test_one"' in done.stdout

@@ -29,9 +29,8 @@ from pathlib import Path
 import pytest
 
 from pytest_gpuiso.leaks.shm import LOG_ENV, dispose_created, preload_env, read_log, shim_path
-from tests.helpers import kill_quietly, make_gpuiso, pid_alive, wait_for_file
+from tests.helpers import REPORT, kill_quietly, make_gpuiso, pid_alive, wait_for_file
 
-REPORT = "--gpu-isolate-report=report.json"
 SHM = Path("/dev/shm")
 PROGRAM = "sec_shm_tests.py"
 

@@ -20,6 +20,9 @@ import pytest
 
 from tests.helpers import GpuIso
 
+# pytest's report formats, hooks and internals: CI's lowest-versions stage runs them all
+pytestmark = pytest.mark.versions
+
 OUTCOMES_EXPECTED = {
     "failed": 3,
     "passed": 2,
@@ -347,10 +350,10 @@ def test_keyword_selection_and_last_failed(gpuiso: GpuIso) -> None:
     assert "test_passes" not in again.stdout.str()
 
 
-def test_exitfirst_stops_after_isolated_failure(gpuiso: GpuIso) -> None:
+def test_exitfirst_stops_after_isolated_failure(gpuiso_spawn: GpuIso) -> None:
     """-x stops the session after the first isolated failure: 2 of 11 tests ran."""
-    gpuiso.copy("test_outcomes.py")
-    result = gpuiso.run("--gpu-isolate", "-rA", "-x", "test_outcomes.py")
+    gpuiso_spawn.copy("test_outcomes.py")
+    result = gpuiso_spawn.run("--gpu-isolate", "-rA", "-x", "test_outcomes.py")
     assert result.parseoutcomes() == {"failed": 1, "passed": 1}
     result.stdout.fnmatch_lines(["*stopping after 1 failures*"])
     result.stdout.fnmatch_lines(["gpu-isolate: 2 isolated, 0 timed out, 0 crashed"])
@@ -360,13 +363,13 @@ def test_exitfirst_stops_after_isolated_failure(gpuiso: GpuIso) -> None:
     ]
 
 
-def test_maxfail_counts_isolated_failures_and_errors(gpuiso: GpuIso) -> None:
+def test_maxfail_counts_isolated_failures_and_errors(gpuiso_spawn: GpuIso) -> None:
     """--maxfail=2 stops after the second isolated failure (a setup error counts):
     3 of the 5 selected tests ran, as in-process."""
-    gpuiso.copy("test_outcomes.py")
+    gpuiso_spawn.copy("test_outcomes.py")
     args = ("--maxfail=2", "-rA", "-k", "not xfail and not skip", "test_outcomes.py")
-    inproc = gpuiso.run(*args)
-    iso = gpuiso.run("--gpu-isolate", *args)
+    inproc = gpuiso_spawn.run(*args)
+    iso = gpuiso_spawn.run("--gpu-isolate", *args)
     expected = {"failed": 1, "passed": 1, "errors": 1, "deselected": 6}
     assert iso.parseoutcomes() == inproc.parseoutcomes() == expected
     iso.stdout.fnmatch_lines(["*stopping after 2 failures*"])
@@ -459,11 +462,11 @@ def test_teardown_errors_in_either_process_are_reported_as_in_process(gpuiso: Gp
     }
 
 
-def test_no_gpu_isolate_runs_marked_tests_in_process(gpuiso: GpuIso) -> None:
+def test_no_gpu_isolate_runs_marked_tests_in_process(gpuiso_spawn: GpuIso) -> None:
     """--no-gpu-isolate runs the marked tests in-process: exactly the 2 tests of
     test_mixed.py that assert they are isolated fail, and nothing is isolated."""
-    gpuiso.copy("test_mixed.py")
-    result = gpuiso.run("--no-gpu-isolate", "--strict-markers", "-rA", "test_mixed.py")
+    gpuiso_spawn.copy("test_mixed.py")
+    result = gpuiso_spawn.run("--no-gpu-isolate", "--strict-markers", "-rA", "test_mixed.py")
     assert result.parseoutcomes() == {"failed": 2, "passed": 3}
     result.stdout.fnmatch_lines(["gpu-isolate: off (--no-gpu-isolate): every test runs in-process"])
     failed = sorted(line for line in summary_lines(result) if line.startswith("FAILED"))
@@ -474,9 +477,9 @@ def test_no_gpu_isolate_runs_marked_tests_in_process(gpuiso: GpuIso) -> None:
     assert "isolated, " not in result.stdout.str()
 
 
-def test_markers_lists_gpu_isolated(gpuiso_settings: GpuIso) -> None:
+def test_markers_lists_gpu_isolated(gpuiso_spawn: GpuIso) -> None:
     """``pytest --markers`` lists the registered gpu_isolated marker with its arguments."""
-    result = gpuiso_settings.run("--markers")
+    result = gpuiso_spawn.run("--markers")
     assert result.ret == pytest.ExitCode.OK
     result.stdout.fnmatch_lines(
         [
@@ -554,14 +557,14 @@ def test_capsys_disabled_output_reaches_terminal(gpuiso: GpuIso) -> None:
         assert "MARKER-CAPSYS-DISABLED" in iso.stdout.str()
 
 
-def test_nested_warning_category_keeps_its_name(gpuiso: GpuIso) -> None:
+def test_nested_warning_category_keeps_its_name(gpuiso_spawn: GpuIso) -> None:
     """The warnings summary names the warning's category; isolated, a category that
     is a nested class (dotted __qualname__) is not found and becomes UserWarning."""
-    gpuiso.copy("sem_warning_class.py")
-    inproc = gpuiso.run("sem_warning_class.py")
+    gpuiso_spawn.copy("sem_warning_class.py")
+    inproc = gpuiso_spawn.run("sem_warning_class.py")
     inproc.assert_outcomes(passed=1, warnings=1)
     inproc.stdout.fnmatch_lines(["*sem_warning_class.py:12: NestedWarning: MARKER-NESTED"])
-    iso = gpuiso.run("--gpu-isolate", "sem_warning_class.py")
+    iso = gpuiso_spawn.run("--gpu-isolate", "sem_warning_class.py")
     iso.assert_outcomes(passed=1, warnings=1)
     with isolated_side():
         iso.stdout.fnmatch_lines(["*sem_warning_class.py:12: NestedWarning: MARKER-NESTED"])

@@ -18,9 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import PROGRAMS, GpuIso, kill_quietly, make_gpuiso, wait_gone
+from tests.helpers import PROGRAMS, REPORT, GpuIso, kill_quietly, make_gpuiso, wait_gone
 
-REPORT = "--gpu-isolate-report=report.json"
 PRELOAD = "start_preload_mod"
 TICK = 1 / os.sysconf("SC_CLK_TCK")  # resolution of a process's creation time
 USAGE_ERROR = pytest.ExitCode.USAGE_ERROR
@@ -107,14 +106,6 @@ def fake_libcuda(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def fake_libnvml(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A fake NVIDIA management library (libnvidia-ml.so.1)."""
     return _fake_library(tmp_path_factory, "libnvidia-ml.so.1")
-
-
-@pytest.fixture
-def region(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A private lease table for the fake GPUs of this test."""
-    path = tmp_path / "leases"
-    monkeypatch.setenv("PYTEST_GPUISO_LEASE_REGION", str(path))
-    return path
 
 
 def _cuda_conftest(iso: GpuIso, monkeypatch: pytest.MonkeyPatch, lib: Path | None) -> None:
@@ -410,7 +401,7 @@ GPU_TESTS = [f"test_start_gpus.py::test_gets_a_gpu[{i}]" for i in range(3)]
     "conftest", ["loads-libcuda", "reads-cvd", "clean"], ids=lambda c: f"conftest-{c}"
 )
 def test_prewarmed_process_that_touched_cuda_is_replaced(
-    spawn_iso: GpuIso, logs: Logs, region, monkeypatch, request, conftest
+    spawn_iso: GpuIso, logs: Logs, lease_region, monkeypatch, request, conftest
 ) -> None:
     """Fake GPUs 0,1; a prewarmed process sees CUDA_VISIBLE_DEVICES="" until its go.
     One whose conftest loaded the driver (or read CUDA_VISIBLE_DEVICES) at import cannot
@@ -474,7 +465,7 @@ MODULE_GPU_TESTS = [
 
 @pytest.mark.parametrize("module", ["loads-libcuda", "reads-cvd"], ids=lambda m: f"module-{m}")
 def test_module_that_looks_at_gpus_at_import_is_not_collected_ahead(
-    spawn_iso: GpuIso, logs: Logs, region, monkeypatch, request, module
+    spawn_iso: GpuIso, logs: Logs, lease_region, monkeypatch, request, module
 ) -> None:
     """A test module that loads the driver (as torch.cuda.is_available() in a skipif does)
     or reads CUDA_VISIBLE_DEVICES at import, collected ahead by prewarmed processes that

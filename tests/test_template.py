@@ -39,11 +39,13 @@ import pytest
 
 from pytest_gpuiso.forkserver.fork import FORK_TWICE_ENV
 from pytest_gpuiso.settings import TEMPLATE_WAIT_ENV
-from tests.helpers import GpuIso, kill_quietly, make_gpuiso, wait_gone
+from tests.helpers import REPORT, GpuIso, kill_quietly, make_gpuiso, wait_gone
 from tests.test_semantics import normalized
 from tests.test_start import _fake_library
 
-REPORT = "--gpu-isolate-report=report.json"
+# pytest's report formats, hooks and internals: CI's lowest-versions stage runs them all
+pytestmark = pytest.mark.versions
+
 IDS = "test_template_ids.py"
 SEMANTICS = "test_template_semantics.py"
 SHM = Path("/dev/shm")

@@ -16,10 +16,9 @@ import sys
 import psutil
 import pytest
 
-from tests.helpers import PROGRAMS, kill_quietly, wait_gone
+from tests.helpers import PROGRAMS, REPORT, kill_quietly, wait_gone
 
 MOD = "gpu_leaks.py"
-REPORT = "--gpu-isolate-report=report.json"
 TIMEOUT = "--gpu-isolate-timeout=120"
 RUN_TIMEOUT = 420  # seconds for a whole pytester session (each test is bounded by 120 s)
 MIB = 1 << 20
