@@ -108,12 +108,18 @@ class Env:
             path.unlink(missing_ok=True)
 
 
-@pytest.fixture(params=["sibling", "twice"])
+# For what the forks' parentage changes (exit statuses and signals, reaping, zombies, the
+# sweep): each test twice, its processes forked once as pytest's children (fork_sibling)
+# and forked twice and re-parented (the fallback where clone3 is refused).
+each_fork = pytest.mark.parametrize("env", ["sibling", "twice"], indirect=True)
+
+
+@pytest.fixture
 def env(request: pytest.FixtureRequest, pytester: pytest.Pytester, monkeypatch):
-    """Each test twice: tests' processes forked once as pytest's children (fork_sibling),
-    and forked twice and re-parented (the fallback where clone3 is refused)."""
+    """Tests' processes forked once, as pytest's children (fork_sibling), unless the test
+    is marked ``each_fork``: what the template holds does not depend on the parentage."""
     found = Env(pytester, monkeypatch)
-    if request.param == "twice":
+    if getattr(request, "param", "sibling") == "twice":
         monkeypatch.setenv(FORK_TWICE_ENV, "1")
     yield found
     found.cleanup()
@@ -232,6 +238,7 @@ def fake_libcuda(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _fake_library(tmp_path_factory, "libcuda.so.1")
 
 
+@each_fork
 @pytest.mark.parametrize("cause", ["libcuda", "socket", "thread", "process", "daemon", "shm"])
 def test_unusable_template_falls_back(env: Env, request, cause: str) -> None:
     """A template that configured and collected into something it must not share says why
@@ -334,6 +341,7 @@ def test_collection_errors_are_reported_as_under_spawn(env: Env) -> None:
     ran_once_each(env, IDS_NODES)
 
 
+@each_fork
 @pytest.mark.parametrize("program", ["test_crashes.py", "sem_exit.py"])
 def test_crashes_and_exit_are_reported_as_under_spawn(env: Env, program: str) -> None:
     """Segfault, abort, SIGKILL, os._exit, sys.exit, and pytest.exit() ending the session,
@@ -665,6 +673,7 @@ def test_exited_background_job_keeps_the_template(env: Env) -> None:
     assert set(starts(env.iso).values()) == {(True, None)}
 
 
+@each_fork
 def test_repeated_sessions_in_one_process_leave_no_zombies(env: Env) -> None:
     """Three pytest.main() runs with the fork server in one Python process: each test forked
     from a template each time, and no zombie child of that process left afterwards."""
