@@ -74,7 +74,8 @@ EOF
 }
 
 step_tests() {
-    "$PYTHON" -m pytest tests/gpu -v -rs -p no:cacheprovider
+    # serially: the GPU tests measure one GPU's memory (and xdist may not be installed)
+    "$PYTHON" -m pytest tests/gpu -p no:xdist -v -rs -p no:cacheprovider
 }
 
 step_cuda-bench() {
