@@ -48,6 +48,10 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers",
         "every_installed_plugin: the pytest runs of this test load every installed plugin",
     )
+    config.addinivalue_line(
+        "markers",
+        "plugins(*entry_points): the pytest runs of this test also load these plugins",
+    )
     for name, why in STAGE_MARKERS.items():
         config.addinivalue_line("markers", f"{name}: {why}")
 
@@ -88,10 +92,14 @@ def _not_an_xdist_worker(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _make(request: pytest.FixtureRequest, start: str) -> GpuIso:
-    every_plugin = request.node.get_closest_marker("every_installed_plugin") is not None
+    plugins: tuple[str, ...] | None = ()
+    if request.node.get_closest_marker("every_installed_plugin"):
+        plugins = None
+    elif marker := request.node.get_closest_marker("plugins"):
+        plugins = marker.args
     pytester = request.getfixturevalue("pytester")
     monkeypatch = request.getfixturevalue("monkeypatch")
-    return make_gpuiso(pytester, monkeypatch, start, every_plugin=every_plugin)
+    return make_gpuiso(pytester, monkeypatch, start, plugins=plugins)
 
 
 @pytest.fixture(params=["spawn", "forkserver"])

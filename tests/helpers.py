@@ -24,14 +24,15 @@ REPORT = "--gpu-isolate-report=report.json"
 
 
 # The runs here load only the plugins they use: ours, pytest-xdist (-n) and pytest-timeout
-# (its ini keys and markers). Every installed plugin costs each process it is loaded in
-# (the run's pytest and each test's process) ~0.2 s at start-up, a third of this suite's
-# time. The tests of what other plugins change (tests/test_plugins_*.py, marked
-# every_installed_plugin) and the demo run with every installed plugin loaded, as users
-# run, less pytest-randomly (it would shuffle the runs' tests: only its own tests use it)
-# and hypothesis's plugin (~0.6 s a process; @given works without it).
+# (its ini keys and markers), plus those a test names with the ``plugins`` marker (the
+# adapters' tests: tests/test_plugins_*.py). The other installed plugins would cost each
+# process they are loaded in (the run's pytest and each test's process) ~0.2 s at start-up,
+# a third of this suite's time. Tests marked ``every_installed_plugin`` (and the demo) run
+# with every installed plugin loaded, as users run, less pytest-randomly (it would shuffle
+# the runs' tests: only its own tests use it) and hypothesis's plugin (~0.6 s a process;
+# @given works without it).
 AUTOLOAD_OFF = "PYTEST_DISABLE_PLUGIN_AUTOLOAD"
-_NEEDED = ("-p", "gpuiso", "-p", "xdist", "-p", "timeout")
+_NEEDED = ("gpuiso", "xdist", "timeout")
 _ALL = ("-p", "no:hypothesispytest", "-p", "no:randomly")
 
 
@@ -39,12 +40,15 @@ class GpuIso:
     """Copy fixture programs into a pytester directory and run pytest on them."""
 
     def __init__(
-        self, pytester: pytest.Pytester, start: str = "spawn", every_plugin: bool = False
+        self,
+        pytester: pytest.Pytester,
+        start: str = "spawn",
+        plugins: tuple[str, ...] | None = (),
     ) -> None:
         self.pytester = pytester
         self.path = pytester.path
         self.start = start
-        self.every_plugin = every_plugin
+        self.plugins = plugins  # pytest11 entry points beyond _NEEDED; None: every one
         # The programs here do not import torch: preloading it would only cost time.
         self.start_options = (f"--gpu-isolate-start={start}", "--gpu-isolate-preload=none")
 
@@ -72,10 +76,12 @@ class GpuIso:
 
     def plugin_env(self) -> dict[str, str]:
         """The environment that keeps a run to the plugins it uses (none: every plugin)."""
-        return {} if self.every_plugin else {AUTOLOAD_OFF: "1"}
+        return {} if self.plugins is None else {AUTOLOAD_OFF: "1"}
 
     def plugin_args(self) -> tuple[str, ...]:
-        return _ALL if self.every_plugin else _NEEDED
+        if self.plugins is None:
+            return _ALL
+        return tuple(arg for name in (*_NEEDED, *self.plugins) for arg in ("-p", name))
 
     def report(self, name: str = "report.json") -> dict:
         return json.loads((self.path / name).read_text())
@@ -127,11 +133,11 @@ def make_gpuiso(
     pytester: pytest.Pytester,
     monkeypatch: pytest.MonkeyPatch,
     start: str = "spawn",
-    every_plugin: bool = False,
+    plugins: tuple[str, ...] | None = (),
 ) -> GpuIso:
     """A ``GpuIso`` whose runs see the same terminal everywhere: pytest stops truncating
     summary lines when it detects CI (CI, BUILD_NUMBER), and wraps at the terminal's width.
-    Its runs load only the plugins they use, or with ``every_plugin`` every installed one.
+    Its runs load ours, xdist, timeout and ``plugins`` (None: every installed plugin).
 
     With the fork server, a fork waits for the template to finish collecting, so that a
     run takes one path whatever the timing (forked from the template, unless it gives up).
@@ -141,7 +147,7 @@ def make_gpuiso(
     monkeypatch.setenv("COLUMNS", "80")
     if start == "forkserver":  # every test's process from the collected template, if it can
         monkeypatch.setenv(TEMPLATE_WAIT_ENV, "120")
-    return GpuIso(pytester, start=start, every_plugin=every_plugin)
+    return GpuIso(pytester, start=start, plugins=plugins)
 
 
 def wait_for_file(path: Path, timeout: float = 60) -> str:

@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-# Other plugins' APIs, with every installed plugin loaded as users run them
-pytestmark = [pytest.mark.every_installed_plugin, pytest.mark.versions]
+# Another plugin's API: the runs load it beside ours
+pytestmark = [pytest.mark.plugins("pytest_cov"), pytest.mark.versions]
 
 pytest.importorskip("pytest_cov")
 

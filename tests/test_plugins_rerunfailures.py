@@ -15,8 +15,8 @@ import pytest
 
 from pytest_gpuiso import report
 
-# Other plugins' APIs, with every installed plugin loaded as users run them
-pytestmark = [pytest.mark.every_installed_plugin, pytest.mark.versions]
+# Another plugin's API: the runs load it beside ours
+pytestmark = [pytest.mark.plugins("rerunfailures"), pytest.mark.versions]
 
 try:
     RERUNFAILURES = tuple(int(n) for n in version("pytest-rerunfailures").split(".")[:2])

@@ -17,8 +17,8 @@ import pytest
 
 from tests.helpers import GpuIso
 
-# Other plugins' APIs, with every installed plugin loaded as users run them
-pytestmark = [pytest.mark.every_installed_plugin, pytest.mark.versions]
+# Another plugin's API: the runs load it beside ours
+pytestmark = [pytest.mark.plugins("syrupy"), pytest.mark.versions]
 
 pytest.importorskip("syrupy")
 
