@@ -1,9 +1,8 @@
 """Fixtures shared by the project's tests; the helpers themselves live in tests/helpers.py.
 
-The suite runs under pytest-xdist (tox.ini's addopts): most of its time is spent waiting on
-the pytest runs it starts. ``--sample I/N`` (CI's wheel and lowest-versions stages, see
-.ci/run) keeps share I of N of the tests, by a stable hash of their node ids, plus every
-test carrying one of the markers ``--sample-keep`` names.
+The suite runs under pytest-xdist (the root conftest.py). ``--sample I/N`` (CI's wheel and
+lowest-versions stages, see .ci/run) keeps share I of N of the tests, by a stable hash of
+their node ids, plus every test carrying one of the markers ``--sample-keep`` names.
 """
 
 from __future__ import annotations
@@ -44,10 +43,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers",
-        "every_installed_plugin: the pytest runs of this test load every installed plugin",
-    )
     config.addinivalue_line(
         "markers",
         "plugins(*entry_points): the pytest runs of this test also load these plugins",
@@ -92,11 +87,8 @@ def _not_an_xdist_worker(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _make(request: pytest.FixtureRequest, start: str) -> GpuIso:
-    plugins: tuple[str, ...] | None = ()
-    if request.node.get_closest_marker("every_installed_plugin"):
-        plugins = None
-    elif marker := request.node.get_closest_marker("plugins"):
-        plugins = marker.args
+    marker = request.node.get_closest_marker("plugins")
+    plugins = marker.args if marker else ()
     pytester = request.getfixturevalue("pytester")
     monkeypatch = request.getfixturevalue("monkeypatch")
     return make_gpuiso(pytester, monkeypatch, start, plugins=plugins)

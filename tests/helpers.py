@@ -27,13 +27,10 @@ REPORT = "--gpu-isolate-report=report.json"
 # (its ini keys and markers), plus those a test names with the ``plugins`` marker (the
 # adapters' tests: tests/test_plugins_*.py). The other installed plugins would cost each
 # process they are loaded in (the run's pytest and each test's process) ~0.2 s at start-up,
-# a third of this suite's time. Tests marked ``every_installed_plugin`` (and the demo) run
-# with every installed plugin loaded, as users run, less pytest-randomly (it would shuffle
-# the runs' tests: only its own tests use it) and hypothesis's plugin (~0.6 s a process;
-# @given works without it).
-AUTOLOAD_OFF = "PYTEST_DISABLE_PLUGIN_AUTOLOAD"
+# a third of this suite's time. The demo's test and pytest-randomly's tests start their
+# runs themselves, with every installed plugin loaded, as users run.
+_ONLY_NAMED_PLUGINS = {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
 _NEEDED = ("gpuiso", "xdist", "timeout")
-_ALL = ("-p", "no:hypothesispytest", "-p", "no:randomly")
 
 
 class GpuIso:
@@ -43,12 +40,13 @@ class GpuIso:
         self,
         pytester: pytest.Pytester,
         start: str = "spawn",
-        plugins: tuple[str, ...] | None = (),
+        plugins: tuple[str, ...] = (),
     ) -> None:
         self.pytester = pytester
         self.path = pytester.path
         self.start = start
-        self.plugins = plugins  # pytest11 entry points beyond _NEEDED; None: every one
+        # what its runs load: "-p" and a pytest11 entry point, for _NEEDED and ``plugins``
+        self.plugin_args = tuple(arg for name in (*_NEEDED, *plugins) for arg in ("-p", name))
         # The programs here do not import torch: preloading it would only cost time.
         self.start_options = (f"--gpu-isolate-start={start}", "--gpu-isolate-preload=none")
 
@@ -68,20 +66,11 @@ class GpuIso:
 
     def run_with_cache(self, *args: str, timeout: float = 180) -> pytest.RunResult:
         with pytest.MonkeyPatch.context() as patch:
-            for name, value in self.plugin_env().items():
+            for name, value in _ONLY_NAMED_PLUGINS.items():
                 patch.setenv(name, value)
             return self.pytester.runpytest_subprocess(
-                *self.plugin_args(), *self.start_options, *args, timeout=timeout
+                *self.plugin_args, *self.start_options, *args, timeout=timeout
             )
-
-    def plugin_env(self) -> dict[str, str]:
-        """The environment that keeps a run to the plugins it uses (none: every plugin)."""
-        return {} if self.plugins is None else {AUTOLOAD_OFF: "1"}
-
-    def plugin_args(self) -> tuple[str, ...]:
-        if self.plugins is None:
-            return _ALL
-        return tuple(arg for name in (*_NEEDED, *self.plugins) for arg in ("-p", name))
 
     def report(self, name: str = "report.json") -> dict:
         return json.loads((self.path / name).read_text())
@@ -104,12 +93,12 @@ class GpuIso:
                     "pytest",
                     "-p",
                     "no:cacheprovider",
-                    *self.plugin_args(),
+                    *self.plugin_args,
                     *self.start_options,
                     *args,
                 ],
                 cwd=self.path,
-                env={**os.environ, **self.plugin_env(), **(env or {})},
+                env={**os.environ, **_ONLY_NAMED_PLUGINS, **(env or {})},
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
@@ -133,11 +122,11 @@ def make_gpuiso(
     pytester: pytest.Pytester,
     monkeypatch: pytest.MonkeyPatch,
     start: str = "spawn",
-    plugins: tuple[str, ...] | None = (),
+    plugins: tuple[str, ...] = (),
 ) -> GpuIso:
     """A ``GpuIso`` whose runs see the same terminal everywhere: pytest stops truncating
     summary lines when it detects CI (CI, BUILD_NUMBER), and wraps at the terminal's width.
-    Its runs load ours, xdist, timeout and ``plugins`` (None: every installed plugin).
+    Its runs load ours, xdist, timeout and ``plugins`` (pytest11 entry points).
 
     With the fork server, a fork waits for the template to finish collecting, so that a
     run takes one path whatever the timing (forked from the template, unless it gives up).

@@ -17,8 +17,8 @@ import pytest
 
 from tests.helpers import GpuIso
 
-# Another plugin's API: the runs load it beside ours
-pytestmark = [pytest.mark.plugins("randomly"), pytest.mark.versions]
+# Another plugin's API; the runs (_run) start pytest themselves, with every installed plugin
+pytestmark = pytest.mark.versions
 
 pytest.importorskip("pytest_randomly")
 
