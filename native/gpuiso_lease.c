@@ -134,7 +134,7 @@ typedef struct {
     uint64_t next_ticket;
     uint64_t next_lease;
     uint32_t ndevices;
-    uint32_t generation; /* bumped by clear(): waiters re-resolve their rows */
+    uint32_t generation; /* bumped by clear() and by recycling a row: requests re-resolve */
     uint32_t next_key; /* where the search for a free key starts */
     uint32_t pad;
     device_t dev[MAX_DEVICES];
@@ -726,6 +726,42 @@ static void size_words(char *buf, size_t len, uint64_t size)
         snprintf(buf, len, "%.4g GiB", (double)size / (1ULL << 30));
 }
 
+/* A row that no live holder and no live waiter uses, other than the first `done` of
+ * `rows` (this request's own), to take for a new device name; -1 when every row is in use.
+ * Without it, after 64 distinct device names (MIG instances come and go) every new one
+ * would be refused until a reset. */
+static int recyclable_row(RegionObject *self, const int *rows, int done)
+{
+    region_t *r = self->r;
+    for (uint32_t d = 0; d < r->ndevices && d < MAX_DEVICES; d++) {
+        int used = 0;
+        for (int i = 0; i < done && !used; i++)
+            used = rows[i] == (int)d;
+        for (uint32_t s = 0; s < MAX_SLOTS && !used; s++)
+            used = r->dev[d].slot[s].owner.pid != 0 && owner_alive(self, &r->dev[d].slot[s].owner);
+        for (int w = 0; w < MAX_WAITERS && !used; w++)
+            used = r->waiter[w].owner.pid != 0 && (r->waiter[w].mask >> d & 1) &&
+                   owner_alive(self, &r->waiter[w].owner);
+        if (!used)
+            return (int)d;
+    }
+    return -1;
+}
+
+/* Give row `row` to device `name`: nameless until the very end, so that a process killed
+ * midway leaves a row no name matches (and that is recycled in its turn). */
+static void rename_row(device_t *dev, const char *name, uint64_t capacity)
+{
+    dev->name[0] = '\0';
+    memset(dev->slot, 0, sizeof dev->slot);
+    dev->capacity = capacity;
+    size_t len = strnlen(name, NAME_LEN - 1);
+    memset(dev->name + 1, 0, NAME_LEN - 1);
+    if (len > 1)
+        memcpy(dev->name + 1, name + 1, len - 1);
+    __atomic_store_n(&dev->name[0], name[0], __ATOMIC_RELEASE);
+}
+
 /* Find or add the rows of `names`; -1 and a message when a device is leased with
  * another capacity by a live holder (two sessions disagree about its size). */
 static int resolve_rows(RegionObject *self, char **names, int count, const uint64_t *capacities,
@@ -737,11 +773,19 @@ static int resolve_rows(RegionObject *self, char **names, int count, const uint6
         for (uint32_t d = 0; d < r->ndevices && d < MAX_DEVICES; d++)
             if (strncmp(r->dev[d].name, names[i], NAME_LEN) == 0)
                 row = (int)d;
-        if (row < 0) {
-            if (r->ndevices >= MAX_DEVICES) {
-                snprintf(err, errlen, "the lease region has no room for device %s", names[i]);
+        if (row < 0 && r->ndevices >= MAX_DEVICES) {
+            row = recyclable_row(self, rows, i);
+            if (row < 0) {
+                snprintf(err, errlen,
+                         "the lease region has no room for device %s: its %d device rows are "
+                         "all held or waited for",
+                         names[i], MAX_DEVICES);
                 return -1;
             }
+            rename_row(&r->dev[row], names[i], capacities[i]);
+            r->generation++; /* requests that resolved this row before find theirs again */
+        }
+        if (row < 0) {
             row = (int)r->ndevices;
             memset(&r->dev[row], 0, sizeof r->dev[row]);
             snprintf(r->dev[row].name, NAME_LEN, "%s", names[i]);
@@ -901,7 +945,9 @@ static int attempt(RegionObject *self, request_t *q, const char *label, double d
         withdraw(self, self->abandoned);
         self->abandoned = 0;
     }
-    if (q->generation != r->generation) { /* the table was cleared: rows and queue are gone */
+    if (q->generation != r->generation) { /* the table was cleared (rows and queue gone), or
+                                             * a row was recycled: find the rows again */
+        leave_queue(self, q); /* after a recycling, our entry may name another device's row */
         char *names[MAX_DEVICES];
         for (int i = 0; i < q->count; i++)
             names[i] = q->names[i];

@@ -23,6 +23,7 @@ import pytest
 
 from . import _compat, cuda_state, frames, memory_cap
 from .leaks import torch as torch_check
+from .leases import LEASED_ENV
 
 CHILD_PLUGIN = "gpuiso-child"
 
@@ -195,6 +196,10 @@ class ChildPlugin:
             )
             raise
         self.channel.send(frames.END, None)
+        if os.environ.get(LEASED_ENV) == "":  # there are GPUs, and this test leased none
+            loaded = cuda_state.driver_libraries()
+            if loaded:
+                self.channel.send(frames.DRIVER, loaded)
         if self.job.torch_check:
             for device, grown in torch_check.growth(before).items():
                 self.channel.send(frames.TORCH_LEAK, {"device": device, "bytes": grown})

@@ -11,12 +11,16 @@ context, but whoever loaded it has asked about the GPUs, and the answer (say
 ``torch.cuda.device_count()``, which goes through NVML) was computed for the
 GPUs visible then, which are not the ones a test will be leased.
 
-Importing ``torch`` loads neither; ``torch.cuda.is_available()``,
-``device_count()`` and any allocation do.
+``torch.cuda.is_available()``, ``device_count()`` and any allocation load the
+driver library. Importing ``torch`` loads neither in CUDA 12 builds, but torch
+2.11's CUDA 13 build maps ``libcuda.so`` at import (seen on an H200, 2026-11-26),
+as does ``import cupy``: a mapped driver library says a CUDA framework was
+imported, not that CUDA was initialised.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 DRIVER = "libcuda.so"
@@ -64,3 +68,9 @@ def touched() -> str | None:
     if path is not None:
         return f"the NVIDIA management library is loaded ({path}): GPUs were queried"
     return None
+
+
+def driver_libraries() -> list[str]:
+    """The file names of the CUDA driver and NVML libraries mapped in this process."""
+    maps = _maps()
+    return [os.path.basename(path) for lib in (DRIVER, NVML) if (path := loaded(lib, maps))]

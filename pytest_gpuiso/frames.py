@@ -31,6 +31,7 @@ REPORT = "report"  # a pytest report, as pytest_report_to_serializable data
 WARNING = "warning"  # a warning of the test (``encode_warning``)
 JUNIT = "junit"  # a record_xml_attribute / record_testsuite_property call, to replay
 TORCH_LEAK = "torch_leak"  # torch's CUDA allocator grew during the test ({device, bytes})
+DRIVER = "driver"  # a test that leased no GPU loaded CUDA's driver or NVML (their file names)
 EXIT = "exit"  # pytest.exit() or Ctrl-C in the test: the session ends ({interrupt, ...})
 ERROR = "error"  # why the process could not run its test (text)
 RESULT = "result"  # run_isolated: the function's value
@@ -49,6 +50,7 @@ KINDS = frozenset(
         WARNING,
         JUNIT,
         TORCH_LEAK,
+        DRIVER,
         EXIT,
         ERROR,
         RESULT,

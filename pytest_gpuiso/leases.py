@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from . import rocm
 from .leaks.gpu_memory import NvmlReader
 from .memory_cap import MEMORY_ENV  # set in an isolated child: its lease, bytes per GPU
 from .settings import CUDA_ID, WHOLE, GpuMemory, SpecError
@@ -28,6 +29,7 @@ from .workdir import user_name
 
 REGION_ENV = "PYTEST_GPUISO_LEASE_REGION"  # another table path (tests, or sharing across users)
 LEASED_ENV = "PYTEST_GPUISO_LEASED"  # set in an isolated child: the GPUs its test holds
+VIA_ENV = "PYTEST_GPUISO_LEASED_VIA"  # and the variable those names are for, when not CUDA's
 CHOOSE_PATH = f"choose another path with {REGION_ENV}=PATH"
 EXHAUSTED = {errno.ENOSPC, errno.EDQUOT, errno.ENOMEM, errno.EMFILE, errno.ENFILE}
 
@@ -96,6 +98,7 @@ class Devices:
     source: str  # "--gpu-isolate-devices", "CUDA_VISIBLE_DEVICES", "NVML", ...
     pci_order: bool = False  # names are NVML indices: children need CUDA_DEVICE_ORDER=PCI_BUS_ID
     capacities: tuple[int, ...] = ()  # bytes per device (0: unknown); () : all unknown
+    via: str = rocm.CUDA  # the variable the names are for: CUDA's, HIP's or ROCr's (AMD)
 
     def capacity(self, name: str) -> int:
         return self.capacities[self.names.index(name)] if self.capacities else 0
@@ -156,18 +159,41 @@ def discover(
     if setting is not None:
         devices = Devices(tuple(setting), what)
         return _sized(_checked(devices), declared, nvml)
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    variable = "CUDA_VISIBLE_DEVICES"
+    visible = os.environ.get(variable)
+    amd = rocm.from_environment() if visible is None else None
+    if amd is not None:
+        variable, visible = amd
     if visible is not None:
         names = []
-        for part in visible.split(","):  # CUDA stops at the first invalid entry
+        for part in visible.split(","):  # CUDA (and HIP) stop at the first invalid entry
             part = part.strip()
             if not CUDA_ID.match(part):
                 break
             names.append(part)
-        devices = Devices(tuple(names), "CUDA_VISIBLE_DEVICES")
+        devices = Devices(tuple(names), variable, via=variable)
+        if amd is not None:
+            return _sized_amd(_checked(devices, visible), declared)
         return _sized(_checked(devices, visible), declared, nvml)
-    devices = Devices(tuple(str(i) for i in range(nvml.count())), "NVML", pci_order=True)
+    names = tuple(nvml.devices())
+    if not names:
+        amd_gpus = _sized_amd(Devices((), "amdsmi", via=rocm.HIP), declared, found=True)
+        if amd_gpus.names:
+            return _checked(amd_gpus)
+    devices = Devices(names, "NVML", pci_order=all(name.isdigit() for name in names))
     return _sized(_checked(devices), declared, nvml)
+
+
+def _sized_amd(devices: Devices, declared: dict[str, int], found: bool = False) -> Devices:
+    """AMD ``devices`` with each one's memory, declared or from amdsmi; ``found``: the
+    devices are amdsmi's own GPUs (none listed yet)."""
+    smi = rocm.AmdSmi()
+    try:
+        names = tuple(smi.names()) if found else devices.names
+        sizes = tuple(declared.get(name) or smi.total(name) for name in names)
+    finally:
+        smi.close()
+    return Devices(names, devices.source, devices.pci_order, sizes if names else (), devices.via)
 
 
 def _sized(devices: Devices, declared: dict[str, int], nvml: NvmlReader) -> Devices:
@@ -175,7 +201,7 @@ def _sized(devices: Devices, declared: dict[str, int], nvml: NvmlReader) -> Devi
     if not devices.names:
         return devices
     sizes = tuple(declared.get(name) or nvml.total(name) for name in devices.names)
-    return Devices(devices.names, devices.source, devices.pci_order, sizes)
+    return Devices(devices.names, devices.source, devices.pci_order, sizes, devices.via)
 
 
 def _checked(devices: Devices, value: str | None = None) -> Devices:
@@ -213,10 +239,12 @@ class LeaseTimeout(LeaseError):
     """Waited longer than the lease timeout; the message names the holders."""
 
 
-def visible_env(devices: tuple[str, ...] | list[str]) -> dict[str, str]:
-    """Environment of a child that may use exactly ``devices`` (and no other GPU)."""
-    names = ",".join(devices)
-    return {"CUDA_VISIBLE_DEVICES": names, LEASED_ENV: names}
+def visible_env(devices: tuple[str, ...] | list[str], via: str | None = None) -> dict[str, str]:
+    """Environment of a child that may use exactly ``devices`` (and no other GPU), named
+    through ``via`` (default: what this process's own lease was named through)."""
+    via = via or os.environ.get(VIA_ENV, rocm.CUDA)
+    env = {**rocm.visible(devices, via), LEASED_ENV: ",".join(devices)}
+    return env if via == rocm.CUDA else {**env, VIA_ENV: via}
 
 
 class Leases:
@@ -308,7 +336,7 @@ class Leases:
         ``LEASED_ENV`` tells nested ``run_isolated`` calls in the child which GPUs
         their test already holds, so they use those instead of queueing behind them.
         """
-        env = visible_env(lease.devices if lease else ())
+        env = visible_env(lease.devices if lease else (), self.devices.via)
         if lease is not None and lease.memory:
             env[MEMORY_ENV] = str(lease.memory)
         if self.devices.pci_order and "CUDA_DEVICE_ORDER" not in os.environ:

@@ -93,6 +93,20 @@ OPTIONS: tuple[Option, ...] = (
         default="auto",
     ),
     Option(
+        "gpu_isolate_gpus",
+        "GPUs an isolated test leases unless its marker says gpus=; 0: none (the test sees no GPU)",
+        metavar="N",
+        default="1 where there are GPUs to lease, else 0",
+    ),
+    Option(
+        "gpu_isolate_pin_workers",
+        "each xdist worker (or this pytest process without xdist) leases --gpu-isolate-gpus "
+        "GPUs for its whole life, before the tests are collected, and its in-process tests see "
+        "only those in CUDA_VISIBLE_DEVICES",
+        type="bool",
+        ini_default=False,
+    ),
+    Option(
         "gpu_isolate_slots",
         "how many isolated tests may share one GPU at once: each takes 1/N of its memory "
         "unless it declares gpu_memory",

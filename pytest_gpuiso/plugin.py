@@ -14,8 +14,7 @@ from typing import Any
 
 import pytest
 
-from . import report, runner, workdir
-from ._compat import external_session_timeout
+from . import header, pinning, report, runner, workdir, workers
 from .call import call_isolated
 from .child_plugin import CHILD_PLUGIN
 from .leases import Leases, discover
@@ -24,7 +23,6 @@ from .record import record_of
 from .runner import STATE, State
 from .settings import (
     DEFAULT_GRACE,
-    DEFAULT_TIMEOUT,
     MARKER,
     Settings,
     SpecError,
@@ -88,6 +86,14 @@ def pytest_configure(config: pytest.Config) -> None:
                 state.leases = Leases(state.devices, settings.slots)
         except (RegionError, SpecError) as exc:  # a bad device list, a table not ours
             raise pytest.UsageError(f"gpu-isolate: {exc}") from None
+        problem = pinning.problem(config, settings, state.devices)
+        if problem is not None:
+            raise pytest.UsageError(f"gpu-isolate: {problem}")
+        # before any test module is collected; the controller's, before it starts workers
+        state.pins = pinning.pin(config, settings, state.leases)
+        state.pin = pinning.adopt(config, state.leases) or (state.pins[0] if state.pins else None)
+        if pinning.is_controller(config):
+            state.pin = None  # it runs no test
     config.stash[STATE] = state
     config.pluginmanager.register(Recorder(config, state), "gpuiso-recorder")
 
@@ -128,58 +134,31 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     state = config.stash.get(STATE, None)
     if state is None:
         return []
-    s = state.settings
-    if s.mode == "off":
-        why = _debugger(config) or "--no-gpu-isolate"
-        return [f"gpu-isolate: off ({why}): every test runs in-process"]
-    scope = "every test" if s.mode == "all" else f"tests marked {MARKER}"
-    seconds, source = s.timeout, s.timeout_source
-    if seconds is None:  # markers aside, pytest-timeout's value applies, else ours
-        seconds, source = external_session_timeout(config) or (DEFAULT_TIMEOUT, "default")
-    timeout = f"{seconds:g} s ({source})"
-    lines = [
-        f"gpu-isolate: {scope} in a fresh process, timeout {timeout}, grace {s.grace:g} s, "
-        f"start-up bound {s.startup_timeout:g} s",
-        _start_header(s),
-    ]
-    d = state.devices
-    if d.names:
-        lines.append(f"gpu-isolate: GPUs {d.describe()} (from {d.source}), {_packing(s)}")
-    else:
-        lines.append(f"gpu-isolate: no GPUs to lease (from {d.source})")
-    lines.append(_leak_header(s, state))
-    return lines
+    return header.lines(config, state, _debugger(config))
 
 
-def _packing(s: Settings) -> str:
-    if s.gpu_memory is not None:
-        return f"tests packed by memory, {s.gpu_memory.text} each unless marked gpu_memory="
-    return f"{s.slots} test{'s' if s.slots != 1 else ''} per GPU at once"
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """xdist's controller, before starting a worker: hand it its pinned GPUs."""
+    state = node.config.stash.get(STATE, None)
+    if state is not None and state.pins:
+        given = pinning.assign(state.pins, state.pinned_to, node.gateway.id)
+        if given is not None:
+            node.workerinput[pinning.WORKERINPUT] = given
 
 
-def _start_header(s: Settings) -> str:
-    line = f"gpu-isolate: start {s.start}"
-    if s.start == "forkserver":
-        how = "pre-collected session" if s.precollect else "parsed configuration"
-        line += f" (a server per pytest process that never initialises CUDA; forks from a {how})"
-    preload = ",".join(s.preload) or "none"
-    prewarm = f"next {s.prewarm} test{'s' if s.prewarm != 1 else ''}" if s.prewarm else "off"
-    return f"{line}, preload {preload}, prewarm {prewarm}"
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    """A worker ended (or crashed): a worker started in its place gets its GPUs."""
+    state = node.config.stash.get(STATE, None)
+    if state is not None:
+        state.pinned_to.pop(node.gateway.id, None)
 
 
-def _leak_header(s: Settings, state: State) -> str:
-    levels = ", ".join(f"{kind}={level}" for kind, level in s.leaks)
-    line = f"gpu-isolate: leak checks {levels}"
-    if s.cleanup:
-        line += ", leaked /dev/shm entries deleted"
-    if s.leak_level("gpu_memory") != "off":
-        if not state.devices.names:
-            line += " (gpu_memory: no GPUs to check)"
-        elif not state.nvml.available():
-            line += f" (gpu_memory unavailable: {state.nvml.error})"
-        else:
-            line += f" (gpu_memory tolerance {s.gpu_tolerance_mib:g} MiB)"
-    return line
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
+    """``-n auto`` under --gpu-isolate with GPUs: one worker per GPU slot (``workers``)."""
+    return workers.auto_workers(config, dict(os.environ))
 
 
 @pytest.hookimpl(tryfirst=True)

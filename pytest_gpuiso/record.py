@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from . import frames
 from .leaks import Verdict
 from .outcome import Outcome
 from .settings import IsolationSpec
@@ -53,6 +54,7 @@ def build_record(
     attempt: int = 1,
     rerun: bool = False,
     peak: int | None = None,
+    port: int | None = None,
 ) -> dict[str, Any]:
     """One test's entry in the JSON report (schema version 1): one per attempt.
 
@@ -93,6 +95,11 @@ def build_record(
             "uncollected": outcome.uncollected if outcome else None,
         },
     }
+    loaded = outcome.frames_of(frames.DRIVER) if outcome is not None else []
+    if loaded:  # it leased no GPU (there were GPUs) and loaded CUDA's driver or NVML
+        record["cuda_without_gpu"] = loaded[0]
+    if port is not None:
+        record["master_port"] = port  # leased for the test (MASTER_ADDR=127.0.0.1)
     if lease is not None:
         record["gpus"] = list(lease.devices)
         record["lease_wait"] = round(lease.waited, 6)

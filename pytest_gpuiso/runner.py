@@ -21,20 +21,17 @@ in ``State``, in the config's stash.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
-import sys
 import tempfile
-import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from . import _compat, frames, workdir
+from . import _compat, frames, pinning, ports, replay, workdir
 from ._linux import set_child_subreaper
 from .child import ItemJob
 from .forkserver import ServerBoot
@@ -47,9 +44,9 @@ from .outcome import Outcome
 from .prewarm import HIDDEN_GPUS, Prewarmer
 from .record import attach_record, build_record
 from .results import apply_xfail, item_reports, setup_error_reports, skip_reports
-from .settings import MARKER, IsolationSpec, Settings, SpecError, spec_for_item, wants_isolation
+from .settings import IsolationSpec, Settings, SpecError, spec_for_item, wants_isolation
 from .supervisor import Started, StartError, Supervisor
-from .warning_types import GpuIsoLeakWarning, GpuIsoStartWarning, warn_for_test, warn_session
+from .warning_types import GpuIsoStartWarning, warn_session
 
 
 @dataclass
@@ -69,6 +66,10 @@ class State:
     child_options: tuple[tuple[str, Any], ...] | None = None  # pytest_gpuiso_child_options
     positions: dict[int, int] | None = None  # id(item) -> index in session.items
     told: int = 0  # how many of the supervisor's notices were shown
+    master_port: bool = field(default_factory=ports.wanted)  # lease each test a MASTER_PORT
+    pin: Lease | None = None  # the GPUs this process has for life (--gpu-isolate-pin-workers)
+    pins: list[Lease] = field(default_factory=list)  # pinning leases this process took
+    pinned_to: dict[str, Lease] = field(default_factory=dict)  # controller: worker -> lease
 
 
 STATE = pytest.StashKey[State]()
@@ -86,6 +87,7 @@ class Ran:
     stop: dict[str, Any] | None = None  # pytest.exit() or Ctrl-C in the test: end the session
     payload: dict[str, Any] = field(default_factory=dict)  # pytest_gpuiso_child_payload's
     peak: int | None = None  # most GPU memory its processes held on one GPU (NVML)
+    port: int | None = None  # its MASTER_PORT (None: the user's own, or none leased)
 
     @property
     def complete(self) -> bool:
@@ -103,6 +105,7 @@ class Ran:
             attempt,
             rerun,
             self.peak,
+            self.port,
         )
 
 
@@ -172,12 +175,14 @@ def stop_session(stop: dict[str, Any]) -> None:
     pytest.exit(stop["message"], returncode=stop["returncode"])
 
 
-def gpus_wanted(item: pytest.Item, spec: IsolationSpec, state: State) -> int:
-    """The marker's gpus, else 1 for a marked test when there are GPUs; unmarked tests: 0."""
+def gpus_wanted(spec: IsolationSpec, state: State) -> int:
+    """What an isolated test (marked, or isolated by --gpu-isolate) leases: its marker's
+    gpus, else --gpu-isolate-gpus, else 1 where there are GPUs to lease and 0 where none."""
     if spec.gpus is not None:
         return spec.gpus
-    marked = item.get_closest_marker(MARKER) is not None
-    return 1 if marked and state.devices.names else 0
+    if state.settings.gpus is not None:
+        return state.settings.gpus
+    return 1 if state.devices.names else 0
 
 
 def _run(
@@ -194,23 +199,39 @@ def _run(
     their starts from delaying this one).
     """
     runs = supervisor(item.config, state)
-    n = gpus_wanted(item, spec, state)
-    lease = None
+    n = gpus_wanted(spec, state)
+    lease = port = None
+    owned = True  # the lease is the test's own (not its pinned worker's): release it
     try:
         missing = state.devices.shortfall(n, spec.gpu_memory)
         if missing is not None:
             return Ran(skip_reports(item, f"gpu-isolate: test needs {missing}"))
         job = started.job if started is not None else _item_job(item, state.settings)
         if n > 0 and state.leases is not None:
-            if started is None:  # start its process while it waits: the lease is then
-                started = _warm_while_waiting(job, state, runs)  # used from its first ms
+            lease = pinning.within(state.pin, n, spec.gpu_memory, state.devices)
+            owned = lease is None
+            never = pinning.never_granted(state.leases, state.pin, n) if owned else None
+            if never is not None:
+                return Ran(setup_error_reports(item, never), spec)
+            if started is None and owned:  # start its process while it waits: the lease
+                started = _warm_while_waiting(job, state, runs)  # is used from its first ms
             try:
-                lease = state.leases.acquire(
+                lease = lease or state.leases.acquire(
                     n, item.nodeid, state.settings.lease_timeout, spec.gpu_memory
                 )
             except LeaseError as exc:  # a timeout, a slot-count conflict, a stuck table
                 return Ran(setup_error_reports(item, str(exc)))
-        env = state.leases.child_env(lease) if state.leases is not None else None
+        env = state.leases.child_env(lease) if state.leases is not None else {}
+        if state.master_port:
+            try:
+                port = ports.lease()
+            except ports.PortError as exc:
+                return Ran(setup_error_reports(item, str(exc)), spec)
+            except OSError as exc:  # out of descriptors: starting its process fails too,
+                if exc.errno not in workdir.EXHAUSTED:  # and says why
+                    raise
+            if port is not None:
+                env.update(port.env())
         probes = _probes(spec, state, lease)
         outcome, started = (
             runs.run(
@@ -228,18 +249,21 @@ def _run(
     finally:
         if started is not None:
             runs.discard(started)
-        if lease is not None:
+        if lease is not None and owned:
             state.leases.release(lease)
+        if port is not None:
+            port.release()
     start_error = _tell_start_problems(item, state, runs)
     leaks = outcome.leaks + [
         torch_check.leak(data) for data in outcome.frames_of(frames.TORCH_LEAK)
     ]
     verdict = judge(leaks, dict(state.settings.leaks), spec.allow_leaks)
-    _replay_warnings(item.config, outcome.frames_of(frames.WARNING))
-    verdict = _warn_leaks(item, verdict)
-    _replay_junit(item.config, outcome.frames_of(frames.JUNIT))
+    replay.replay_warnings(item.config, outcome.frames_of(frames.WARNING))
+    verdict = replay.warn_leaks(item, verdict)
+    replay.replay_junit(item.config, outcome.frames_of(frames.JUNIT))
+    replay.warn_cuda_without_gpu(item, spec.gpus == 0, outcome.frames_of(frames.DRIVER))
     if outcome.finished and outcome.output:
-        _echo(item.config, outcome.output)
+        replay.echo(item.config, outcome.output)
     stop = outcome.frames_of(frames.EXIT) or start_error
     reports = item_reports(item, spec, outcome, verdict)
     payload: dict[str, Any] = {}
@@ -247,7 +271,9 @@ def _run(
         payload.update(sent)
         item.config.hook.pytest_gpuiso_parent_payload(item=item, payload=sent, reports=reports)
     peak = next((p.peak for p in probes if isinstance(p, GpuMemoryProbe)), None)
-    return Ran(reports, spec, outcome, lease, verdict, stop[0] if stop else None, payload, peak)
+    stopped = stop[0] if stop else None
+    number = port.port if port is not None else None
+    return Ran(reports, spec, outcome, lease, verdict, stopped, payload, peak, number)
 
 
 def _warm_while_waiting(job: ItemJob, state: State, runs: Supervisor) -> Started | None:
@@ -305,11 +331,15 @@ def child_options(config: pytest.Config, state: State) -> tuple[tuple[str, Any],
 
 
 def close(state: State) -> None:
-    """Discard prewarmed processes and stop the fork server."""
+    """Discard prewarmed processes, stop the fork server, release a pinned worker's GPUs."""
     if state.supervisor is not None:
         if state.prewarmer is not None:
             state.prewarmer.close()
         state.supervisor.close()
+    if state.leases is not None:
+        for lease in state.pins:
+            state.leases.release(lease)
+    state.pins, state.pin = [], None
 
 
 _SHM_LOGS = itertools.count(1)
@@ -361,7 +391,7 @@ def _prepare_warm(item: pytest.Item, state: State) -> tuple[ItemJob, dict[str, s
         spec = spec_for_item(item, state.settings)
     except SpecError:
         return None
-    n = gpus_wanted(item, spec, state)
+    n = gpus_wanted(spec, state)
     if state.devices.shortfall(n, spec.gpu_memory) is not None:
         return None
     env: dict[str, str] = {}
@@ -386,31 +416,11 @@ def _tell_start_problems(item: pytest.Item, state: State, runs: Supervisor) -> l
     return []
 
 
-def _warn_leaks(item: pytest.Item, verdict: Verdict) -> Verdict:
-    """``warn`` leaks reach pytest's warnings summary, like any warning of the test,
-    through the test's warning filters: ``ignore`` drops one; one that ``error`` turns
-    into an exception fails the test's teardown, as the ``fail`` level does."""
-    lineno = (item.location[1] or 0) + 1
-    warned: list = []
-    errors: list = []
-    for leak in verdict.warning:
-        warning = GpuIsoLeakWarning(f"{leak.kind}: {leak.detail}")
-        (warned if warn_for_test(warning, str(item.path), lineno) else errors).append(leak)
-    if not errors:
-        return verdict
-    return replace(
-        verdict,
-        failing=verdict.failing + errors,
-        warning=warned,
-        policy_text=f"{verdict.policy_text}; GpuIsoLeakWarning is an error by -W/filterwarnings",
-    )
-
-
 def _item_job(item: pytest.Item, settings: Settings) -> ItemJob:
     config = item.config
     factory = getattr(config, "_tmp_path_factory", None)
     parent = factory.getbasetemp() if factory is not None else Path(tempfile.gettempdir())
-    xml = _junit_xml(config)
+    xml = replay.junit_xml(config)
     return ItemJob(
         nodeid=item.nodeid,
         collect_arg=_collect_arg(item),
@@ -435,46 +445,6 @@ def _collect_arg(item: pytest.Item) -> str:
     if sep and names and all(part.isidentifier() for part in names.split("::")):
         return f"{path}::{names}"
     return path
-
-
-def _junit_xml(config: pytest.Config) -> Any:
-    """pytest's LogXML object when this process writes junitxml (not in xdist workers)."""
-    return config.stash.get(_compat.xml_key, None)
-
-
-def _replay_junit(config: pytest.Config, records: list[tuple[str, str | None, str, str]]) -> None:
-    """Apply the child's record_xml_attribute / record_testsuite_property calls."""
-    xml = _junit_xml(config)
-    if xml is None:
-        return
-    for kind, nodeid, name, value in records:
-        if kind == "attribute":
-            xml.node_reporter(nodeid).add_attribute(name, value)
-        else:
-            xml.add_global_property(name, value)
-
-
-def _echo(config: pytest.Config, text: str) -> None:
-    """Show what the test wrote outside capture (e.g. under capsys.disabled()), as in-process."""
-    capman = config.pluginmanager.get_plugin("capturemanager")
-    with capman.global_and_fixture_disabled() if capman else contextlib.nullcontext():
-        sys.stdout.write(text)
-        sys.stdout.flush()
-
-
-def _replay_warnings(config: pytest.Config, payloads: list[dict[str, Any]]) -> None:
-    """Hand the child's warnings to pytest's warnings summary, as in-process (the child's
-    filters already applied to them)."""
-    for data in payloads:
-        message, category = frames.decode_warning(data)
-        record = warnings.WarningMessage(
-            message=message, category=category, filename=data["filename"], lineno=data["lineno"]
-        )
-        config.hook.pytest_warning_recorded.call_historic(
-            kwargs=dict(
-                warning_message=record, when="runtest", nodeid=data["nodeid"], location=None
-            )
-        )
 
 
 def _teardown_parent_stack(item: pytest.Item, nextitem: pytest.Item | None, reports: list) -> None:

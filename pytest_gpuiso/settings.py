@@ -35,7 +35,7 @@ DEFAULT_GRACE = 5.0
 MAX_SECONDS = 7 * 24 * 3600.0
 DEFAULT_PREWARM = 1
 DEFAULT_SLOTS = 1
-MAX_SLOTS = 64  # tests on one GPU at once (the lease table's holders per device)
+MAX_SLOTS = MAX_GPUS = 64  # the lease table's holders per device; its devices
 WHOLE = 1_000_000  # a share of a GPU in parts per million (the lease table's unit)
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20}
@@ -44,10 +44,9 @@ DEFAULT_TOLERANCE_MIB = 64.0  # GPU memory growth the leak check ignores
 START_METHODS = ("spawn", "forkserver")
 KINDS = ("shm", "process", "gpu_memory")  # leak kinds
 LEVELS = ("warn", "fail", "off")  # what a leak of a kind does
-# Seconds, from the template's start, that fork requests wait for it to finish collecting
-# (then the server forks tests itself): a fork from the template costs ~10 ms, one that
-# collects for itself ~50 ms; the limit bounds a template stuck in an import. The test
-# suite sets a long one, so that its fork-server runs take one path, whatever the timing.
+# Seconds, from the template's start, that fork requests wait for it to collect (then the
+# server forks tests itself: ~50 ms a test, not ~10); bounds a template stuck in an import.
+# The test suite sets a long one, so that its fork-server runs take one path, whatever the timing.
 TEMPLATE_WAIT_ENV = "PYTEST_GPUISO_TEMPLATE_WAIT"
 TEMPLATE_WAIT_DEFAULT = 30.0
 TEMPLATE_WAIT_MAX = 240.0  # below the 300 s pytest waits for a fork's answer
@@ -130,11 +129,6 @@ def parse_preload(value: str, what: str) -> tuple[str, ...]:
         if not found:
             raise SpecError(f"invalid value {value!r} for {what}: no module named {top!r}")
     return names
-
-
-def default_preload() -> tuple[str, ...]:
-    """torch when it is installed (found, not imported)."""
-    return ("torch",) if importlib.util.find_spec("torch") is not None else ()
 
 
 @dataclass(frozen=True)
@@ -287,6 +281,9 @@ class Settings:
     devices_source: str = "auto"
     device_sizes: tuple[tuple[str, int], ...] = ()  # declared memory: --gpu-isolate-devices=0:8GiB
     slots: int = DEFAULT_SLOTS
+    gpus: int | None = None  # what a test leases unless marked gpus= (None: 1 where GPUs exist)
+    gpus_source: str = ""  # where gpus was set ("--gpu-isolate-gpus", "ini gpu_isolate_gpus")
+    pin_workers: bool = False  # each pytest process leases its GPUs for its whole life
     gpu_memory: GpuMemory | None = None  # each test's default lease (None: 1/slots of a GPU)
     lease_timeout: float | None = None
     leaks: tuple[tuple[str, str], ...] = tuple((kind, "warn") for kind in KINDS)
@@ -332,6 +329,8 @@ class Settings:
         )
         slots_text, slots_source = _text_option(config, "gpu_isolate_slots")
         slots = parse_int(slots_text, slots_source, 1, MAX_SLOTS) if slots_text else DEFAULT_SLOTS
+        gpus_text, gpus_source = _text_option(config, "gpu_isolate_gpus")
+        gpus = parse_int(gpus_text, gpus_source, 0, MAX_GPUS) if gpus_text else None
         memory_text, memory_source = _text_option(config, "gpu_isolate_gpu_memory")
         memory = parse_memory(memory_text, memory_source) if memory_text else None
         lease_timeout, _ = _option_or_ini(config, "gpu_isolate_lease_timeout", allow_zero=False)
@@ -348,7 +347,7 @@ class Settings:
         if start == "forkserver" and wait_text:
             what = f"environment variable {TEMPLATE_WAIT_ENV}"
             template_wait = parse_template_wait(wait_text, what)
-        preload = default_preload()
+        preload = ("torch",) if importlib.util.find_spec("torch") is not None else ()  # found
         preload_text, preload_source = _text_option(config, "gpu_isolate_preload")
         if preload_source:
             preload = parse_preload(preload_text, preload_source)
@@ -373,6 +372,9 @@ class Settings:
             devices_source=devices_source or "auto",
             device_sizes=tuple(sizes.items()),
             slots=slots,
+            gpus=gpus,
+            gpus_source=gpus_source,
+            pin_workers=_flag(config, "gpu_isolate_pin_workers"),
             gpu_memory=memory,
             lease_timeout=lease_timeout,
             mode=mode,

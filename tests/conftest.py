@@ -7,12 +7,14 @@ their node ids, plus every test carrying one of the markers ``--sample-keep`` na
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 import zlib
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import GpuIso, make_gpuiso
+from tests.helpers import PROGRAMS, GpuIso, make_gpuiso
 
 # The markers that say why a test must run in a CI stage that runs a sample of the suite.
 STAGE_MARKERS = {
@@ -120,3 +122,30 @@ def lease_region(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     path = tmp_path / "leases"
     monkeypatch.setenv("PYTEST_GPUISO_LEASE_REGION", str(path))
     return path
+
+
+def _fake_library(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
+    """A shared library called ``name``, built from fixtures/programs/start_fake_libcuda.c."""
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        pytest.skip(f"gcc is needed to build a fake {name}")
+    lib = tmp_path_factory.mktemp("fake-cuda") / name
+    subprocess.run(
+        [gcc, "-shared", "-fPIC", "-o", str(lib), str(PROGRAMS / "start_fake_libcuda.c")],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    return lib
+
+
+@pytest.fixture(scope="session")
+def fake_libcuda(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fake CUDA driver (libcuda.so.1)."""
+    return _fake_library(tmp_path_factory, "libcuda.so.1")
+
+
+@pytest.fixture(scope="session")
+def fake_libnvml(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fake NVIDIA management library (libnvidia-ml.so.1)."""
+    return _fake_library(tmp_path_factory, "libnvidia-ml.so.1")

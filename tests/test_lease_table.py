@@ -1214,13 +1214,10 @@ def test_duplicate_device_names_are_rejected(region: Region) -> None:
 
 def _create_rows_until_full(path: str) -> None:
     region = Region(path)
-    try:
-        for i in itertools.count():
-            got = region.acquire([f"d{i}"], 1, 1, "", 0)
-            assert got is not None
-            region.release(got[0])
-    except RegionError:  # "no room for device": all 64 rows made
-        pass
+    for i in range(MAX_DEVICES):  # all 64 rows made (a 65th name would recycle one)
+        got = region.acquire([f"d{i}"], 1, 1, "", 0)
+        assert got is not None
+        region.release(got[0])
 
 
 def test_a_creator_killed_while_adding_device_rows_leaves_no_broken_row(
@@ -1248,3 +1245,32 @@ def test_a_creator_killed_while_adding_device_rows_leaves_no_broken_row(
         assert all(name and cap == 0 for name, cap, _ in devices), f"broken row: {devices}"
         if len(devices) < MAX_DEVICES:
             assert region.acquire(["after"], 1, 1, "after", 0) is not None
+
+
+def test_device_rows_are_recycled_when_no_one_uses_them(region: Region) -> None:
+    """Device names come and go (MIG instances, UUIDs): past the table's 64 rows a new
+    name takes a row that no live holder or waiter uses; while all are held, it is refused
+    in one line, and gets the row freed first."""
+    held = []
+    for i in range(MAX_DEVICES):
+        got = region.acquire([f"d{i}"], 1, 1, f"holder {i}", 0)
+        assert got is not None
+        held.append(got[0])
+    with pytest.raises(
+        RegionError, match="no room for device new: its 64 device rows are all held"
+    ):
+        region.acquire(["new"], 1, 1, "new", 0)
+    region.release(held.pop(7))  # d7's row is free now
+    lease, devices = region.acquire(["new"], 1, 1, "new", 0)
+    assert devices == ["new"]
+    names = [name for name, _, _ in region.snapshot()["devices"]]
+    assert len(names) == MAX_DEVICES and "new" in names and "d7" not in names
+    assert region.acquire(["d8"], 1, 1, "again", 0) is None  # still held: not recycled
+    for lease_id in [*held, lease]:
+        region.release(lease_id)
+    # every row free: two new names in one request take two distinct rows
+    lease, devices = region.acquire(["x", "y"], 1, 2, "two new", 0)
+    assert sorted(devices) == ["x", "y"]
+    names = [name for name, _, _ in region.snapshot()["devices"]]
+    assert {"x", "y"} <= set(names) and len(names) == MAX_DEVICES
+    region.release(lease)

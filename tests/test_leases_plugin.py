@@ -130,6 +130,24 @@ def test_too_many_gpus_on_a_machine_without_gpus_is_a_skip(gpuiso_spawn: GpuIso,
         (["--gpu-isolate-slots=0"], "invalid value '0' for --gpu-isolate-slots"),
         (["--gpu-isolate-slots=two"], "invalid value 'two' for --gpu-isolate-slots"),
         (["--gpu-isolate-lease-timeout=-3"], "invalid value '-3' for --gpu-isolate-lease-timeout"),
+        (["--gpu-isolate-gpus=-1"], "invalid value '-1' for --gpu-isolate-gpus: expected an int"),
+        (["--gpu-isolate-gpus=abc"], "invalid value 'abc' for --gpu-isolate-gpus"),
+        (["--gpu-isolate-gpus=1.5"], "invalid value '1.5' for --gpu-isolate-gpus"),
+        (["-o", "gpu_isolate_gpus=65"], "invalid value '65' for ini gpu_isolate_gpus"),
+        (
+            ["--gpu-isolate-pin-workers", "--gpu-isolate-devices=none"],
+            "--gpu-isolate-pin-workers needs GPUs to pin, but --gpu-isolate-devices is none",
+        ),
+        (
+            ["--gpu-isolate-pin-workers", "--gpu-isolate-devices=0", "--gpu-isolate-gpus=0"],
+            "--gpu-isolate-pin-workers pins --gpu-isolate-gpus GPUs to each worker, and "
+            "--gpu-isolate-gpus is 0: choose 1 or more",
+        ),
+        (
+            ["--gpu-isolate-pin-workers", "--gpu-isolate-devices=0,1", "-n", "3"],
+            "--gpu-isolate-pin-workers: 3 xdist workers, but only 2 GPU slots (2 GPUs from "
+            "--gpu-isolate-devices, 1 per worker): the rest could never get one; use -n 2",
+        ),
     ],
 )
 def test_bad_lease_options_are_usage_errors(gpuiso_spawn: GpuIso, lease_region, args, culprit):

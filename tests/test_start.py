@@ -81,33 +81,6 @@ def logs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Logs:
     return Logs(directory, monkeypatch)
 
 
-def _fake_library(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
-    """A shared library called ``name``, built from fixtures/programs/start_fake_libcuda.c."""
-    gcc = shutil.which("gcc")
-    if gcc is None:
-        pytest.skip(f"gcc is needed to build a fake {name}")
-    lib = tmp_path_factory.mktemp("fake-cuda") / name
-    subprocess.run(
-        [gcc, "-shared", "-fPIC", "-o", str(lib), str(PROGRAMS / "start_fake_libcuda.c")],
-        check=True,
-        capture_output=True,
-        timeout=60,
-    )
-    return lib
-
-
-@pytest.fixture(scope="session")
-def fake_libcuda(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A fake CUDA driver (libcuda.so.1)."""
-    return _fake_library(tmp_path_factory, "libcuda.so.1")
-
-
-@pytest.fixture(scope="session")
-def fake_libnvml(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A fake NVIDIA management library (libnvidia-ml.so.1)."""
-    return _fake_library(tmp_path_factory, "libnvidia-ml.so.1")
-
-
 def _cuda_conftest(iso: GpuIso, monkeypatch: pytest.MonkeyPatch, lib: Path | None) -> None:
     """A conftest.py that loads ``lib`` (the fake driver) at import, in every process."""
     shutil.copy(PROGRAMS / "start_cuda_conftest.py", iso.path / "conftest.py")

@@ -41,7 +41,6 @@ from pytest_gpuiso.forkserver.fork import FORK_TWICE_ENV
 from pytest_gpuiso.settings import TEMPLATE_WAIT_ENV
 from tests.helpers import REPORT, GpuIso, kill_quietly, make_gpuiso, wait_gone
 from tests.test_semantics import normalized
-from tests.test_start import _fake_library
 
 # pytest's report formats, hooks and internals: CI's lowest-versions stage runs them all
 pytestmark = pytest.mark.versions
@@ -231,11 +230,6 @@ def test_template_keeps_away_from_the_session_basetemp(env: Env) -> None:
 
 
 # --------------------------------------------------------------------------- an unusable template
-
-
-@pytest.fixture(scope="session")
-def fake_libcuda(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _fake_library(tmp_path_factory, "libcuda.so.1")
 
 
 @each_fork

@@ -102,6 +102,46 @@ class NvmlReader:
         except Exception:
             return 0
 
+    def devices(self) -> list[str]:
+        """The GPUs NVML sees, as names for CUDA_VISIBLE_DEVICES: their indices; where a GPU
+        is in MIG mode, its MIG instances' UUIDs instead (and every other GPU's UUID, since
+        CUDA_VISIBLE_DEVICES cannot mix MIG UUIDs with indices). [] without a driver."""
+        if not self.available():
+            return []
+        nvml = self._nvml
+        try:
+            gpus = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(self.count())]
+            migs = [self._mig_instances(handle) for handle in gpus]
+            if not any(migs):
+                return [str(i) for i in range(len(gpus))]
+            names = []
+            for handle, instances in zip(gpus, migs, strict=True):
+                names += instances or [_text(nvml.nvmlDeviceGetUUID(handle))]
+            return names
+        except Exception:  # NVMLError: as without a driver
+            return []
+
+    def _mig_instances(self, handle: Any) -> list[str]:
+        """The UUIDs of a GPU's MIG instances; [] when it is not in MIG mode."""
+        nvml = self._nvml
+        try:
+            current, _pending = nvml.nvmlDeviceGetMigMode(handle)
+        except Exception:  # not supported: no MIG on this GPU
+            return []
+        if current != getattr(nvml, "NVML_DEVICE_MIG_ENABLE", 1):
+            return []
+        found = []
+        for i in range(int(nvml.nvmlDeviceGetMaxMigDeviceCount(handle))):
+            try:
+                found.append(
+                    _text(
+                        nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, i))
+                    )
+                )
+            except Exception:  # NVML_ERROR_NOT_FOUND: no instance at that index
+                continue
+        return found
+
     def total(self, device: str) -> int:
         """The device's memory in bytes; 0 when NVML cannot tell."""
         if not self.available():
@@ -127,6 +167,11 @@ class NvmlReader:
                 for p in getattr(nvml, query)(handle):
                     processes[int(p.pid)] = int(p.usedGpuMemory or 0)
         return Sample(used, processes)
+
+
+def _text(value: Any) -> str:
+    """NVML's strings are bytes in old nvidia-ml-py releases."""
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _nvml_reason(exc: Exception) -> str:

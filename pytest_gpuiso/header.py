@@ -1,0 +1,112 @@
+"""The gpu-isolate lines of pytest's header: what is isolated, how processes start,
+the GPUs and what each test leases, its MASTER_PORT, the leak checks, -n auto."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from . import ports, workers
+from ._compat import external_session_timeout
+from .runner import State
+from .settings import DEFAULT_TIMEOUT, MARKER, Settings
+
+
+def lines(config: pytest.Config, state: State, debugger: str) -> list[str]:
+    """The header's gpu-isolate lines (``debugger``: --pdb or --trace when given)."""
+    s = state.settings
+    if s.mode == "off":
+        why = debugger or "--no-gpu-isolate"
+        return [f"gpu-isolate: off ({why}): every test runs in-process"]
+    scope = "every test" if s.mode == "all" else f"tests marked {MARKER}"
+    seconds, source = s.timeout, s.timeout_source
+    if seconds is None:  # markers aside, pytest-timeout's value applies, else ours
+        seconds, source = external_session_timeout(config) or (DEFAULT_TIMEOUT, "default")
+    timeout = f"{seconds:g} s ({source})"
+    auto = config.stash.get(workers.AUTO, None)
+    lines = [
+        f"gpu-isolate: {scope} in a fresh process, timeout {timeout}, grace {s.grace:g} s, "
+        f"start-up bound {s.startup_timeout:g} s",
+        _start_header(s),
+    ]
+    d = state.devices
+    if d.names:
+        lines.append(f"gpu-isolate: GPUs {d.describe()} (from {d.source}), {_packing(s)}")
+    else:
+        lines.append(f"gpu-isolate: no GPUs to lease (from {d.source})")
+    lines.append(_each_test_leases(s, d.names))
+    if s.pin_workers:
+        lines.append(_pin_header(config, s, state))
+    lines.append(_port_header(state.master_port))
+    lines.append(_leak_header(s, state))
+    if auto is not None:
+        lines.append(auto.describe())
+    return lines
+
+
+def _each_test_leases(s: Settings, names: tuple[str, ...]) -> str:
+    """What an isolated test leases unless its marker says gpus=, and why."""
+    n = s.gpus if s.gpus is not None else (1 if names else 0)
+    why = f"({s.gpus_source})" if s.gpus is not None else "(default where there are GPUs)"
+    what = "no GPU: it sees none" if n == 0 else f"{n} GPU{'s' if n != 1 else ''}"
+    if s.gpus is None and not names:
+        what, why = "no GPU", "(no GPUs to lease)"
+    return f"gpu-isolate: each isolated test leases {what} {why}, unless marked gpus="
+
+
+def _pin_header(config: pytest.Config, s: Settings, state: State) -> str:
+    line = "gpu-isolate: pinned workers (--gpu-isolate-pin-workers): "
+    n = s.gpus or 1
+    if state.pin is not None:
+        names = ", ".join(state.pin.devices)
+        return line + f"this process holds GPU {names} for its whole life; its tests see only that"
+    if not state.devices.names:
+        return line + "no GPUs to pin"
+    slots = len(state.devices.names) * workers.tests_per_gpu(s, state.devices) // n
+    count = len(config.getoption("tx", None) or [])
+    return line + (
+        f"each of the {count} xdist workers holds {n} GPU{'s' if n != 1 else ''} for its "
+        f"whole life, before its tests are collected ({slots} GPU slots)"
+    )
+
+
+def _port_header(leased: bool) -> str:
+    if not leased:
+        port = os.environ.get(ports.PORT_ENV)
+        return f"gpu-isolate: MASTER_PORT={port} from the environment: left alone"
+    span = f"{ports.PORTS.start}-{ports.PORTS.stop - 1}"
+    return (
+        f"gpu-isolate: each test gets MASTER_ADDR=127.0.0.1 and a MASTER_PORT of its own ({span})"
+    )
+
+
+def _packing(s: Settings) -> str:
+    if s.gpu_memory is not None:
+        return f"tests packed by memory, {s.gpu_memory.text} each unless marked gpu_memory="
+    return f"{s.slots} test{'s' if s.slots != 1 else ''} per GPU at once"
+
+
+def _start_header(s: Settings) -> str:
+    line = f"gpu-isolate: start {s.start}"
+    if s.start == "forkserver":
+        how = "pre-collected session" if s.precollect else "parsed configuration"
+        line += f" (a server per pytest process that never initialises CUDA; forks from a {how})"
+    preload = ",".join(s.preload) or "none"
+    prewarm = f"next {s.prewarm} test{'s' if s.prewarm != 1 else ''}" if s.prewarm else "off"
+    return f"{line}, preload {preload}, prewarm {prewarm}"
+
+
+def _leak_header(s: Settings, state: State) -> str:
+    levels = ", ".join(f"{kind}={level}" for kind, level in s.leaks)
+    line = f"gpu-isolate: leak checks {levels}"
+    if s.cleanup:
+        line += ", leaked /dev/shm entries deleted"
+    if s.leak_level("gpu_memory") != "off":
+        if not state.devices.names:
+            line += " (gpu_memory: no GPUs to check)"
+        elif not state.nvml.available():
+            line += f" (gpu_memory unavailable: {state.nvml.error})"
+        else:
+            line += f" (gpu_memory tolerance {s.gpu_tolerance_mib:g} MiB)"
+    return line
