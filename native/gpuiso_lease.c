@@ -92,6 +92,7 @@
 #define NAME_LEN 64
 #define LOCK_SLICE_NS 100000000L /* the mutex is waited for in slices of 100 ms */
 #define STUCK_S 3.0 /* a lock held this long by a stopped process is reported */
+#define LOCK_BOUND_S 10.0 /* a lock held this long by anyone is reported (no wait is longer) */
 
 typedef struct {
     int32_t pid; /* 0: free; in the owner's pid namespace */
@@ -438,6 +439,60 @@ static int own_fds(RegionObject *self)
     return 0;
 }
 
+/* Every Region of this process, for the fork handler below. */
+#define MAX_LIVE 64
+static RegionObject *live_regions[MAX_LIVE];
+
+static void remember(RegionObject *self, int on)
+{
+    for (int i = 0; i < MAX_LIVE; i++)
+        if (live_regions[i] == (on ? NULL : self)) {
+            live_regions[i] = on ? self : NULL;
+            return;
+        }
+}
+
+/* In a child just forked (multiprocessing's fork context, a conftest's helper): let go of
+ * the parent's open file description at once, and with it the parent's key lock, even if
+ * the child never uses the table. Else a child that outlives a SIGKILLed pytest keeps its
+ * leases alive for sessions in other pid namespaces. Only system calls here (the child of
+ * a threaded parent may not take locks); own_fds() makes the rest its own on first use. */
+static void fork_child(void)
+{
+    for (int i = 0; i < MAX_LIVE; i++) {
+        RegionObject *self = live_regions[i];
+        if (self == NULL || self->fd < 0)
+            continue;
+        char proc[32] = "/proc/self/fd/", digits[12];
+        int n = 0, at = 14;
+        for (unsigned v = (unsigned)self->fd; n == 0 || v > 0; v /= 10)
+            digits[n++] = (char)('0' + v % 10);
+        while (n > 0)
+            proc[at++] = digits[--n];
+        proc[at] = '\0';
+        /* The same file, in a description of its own (no lock on it), and mapped through
+         * it: the inherited mapping holds the parent's description too. Where that fails,
+         * the table is dropped here (ready() then says it is not open). */
+        int fd = open(proc, O_RDWR | O_CLOEXEC);
+        void *mapped = MAP_FAILED;
+        if (fd >= 0 && self->r != NULL)
+            mapped = mmap(self->r, sizeof(region_t), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED,
+                      fd, 0);
+        if (mapped == MAP_FAILED) {
+            if (self->r != NULL)
+                munmap(self->r, sizeof(region_t));
+            self->r = NULL;
+            if (fd >= 0)
+                close(fd);
+            fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+        }
+        if (fd >= 0) {
+            dup3(fd, self->fd, O_CLOEXEC);
+            close(fd);
+        }
+    }
+}
+
 static void unlock_region(region_t *r) { pthread_mutex_unlock(&r->lock); }
 
 /* Take the mutex, GIL held on entry and return: in slices, so that Python's signal
@@ -487,8 +542,16 @@ static int lock_region(RegionObject *self, double limit)
             return -1;
         }
         if (limit >= 0 && waited >= limit) {
-            region_error(ETIMEDOUT, "the lease region %s has been locked for %.0f s by thread %d",
-                         self->path, waited, (int)r->lock.__data.__owner);
+            region_error(ETIMEDOUT, "the lease region %s has been locked for %ld s by thread %d",
+                         self->path, (long)(waited + 0.5), (int)r->lock.__data.__owner);
+            return -1;
+        }
+        if (limit < 0 && waited >= LOCK_BOUND_S) { /* held far longer than any critical section */
+            region_error(ETIMEDOUT,
+                         "the lease region %s has been locked for %ld s by thread %d, which "
+                         "never lets go (a table scribbled over, or a process stuck inside it): "
+                         "reset it with `python -m pytest_gpuiso reset --force`",
+                         self->path, (long)(waited + 0.5), (int)r->lock.__data.__owner);
             return -1;
         }
     }
@@ -623,9 +686,19 @@ static int Region_init(RegionObject *self, PyObject *args, PyObject *kwds)
     if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_uid != geteuid() ||
         (st.st_mode & 077) != 0) {
         region_error(EPERM,
-                     "lease region %s is not a private file of uid %d (mode 0600); "
-                     "remove it",
+                     "lease region %s is not a private file of uid %d (mode 0600), so not a "
+                     "lease table of this user: choose another path with "
+                     "PYTEST_GPUISO_LEASE_REGION=PATH",
                      path, (int)geteuid());
+        return -1;
+    }
+    uint64_t magic = 0; /* written last when a table is made, published whole by link() */
+    if (pread(fd, &magic, sizeof magic, 0) != (ssize_t)sizeof magic || magic != GPUISO_MAGIC) {
+        region_error(0,
+                     "%s is not a pytest-gpuiso lease table (no lease-table header): choose "
+                     "another path with PYTEST_GPUISO_LEASE_REGION=PATH (a table of yours whose "
+                     "header was overwritten must be removed by hand)",
+                     path);
         return -1;
     }
     if ((size_t)st.st_size != sizeof(region_t)) {
@@ -661,11 +734,13 @@ static int Region_init(RegionObject *self, PyObject *args, PyObject *kwds)
         region_error(errno, "cannot watch the lease region %s: %s", path, strerror(errno));
         return -1;
     }
+    remember(self, 1);
     return 0;
 }
 
 static void Region_dealloc(RegionObject *self)
 {
+    remember(self, 0);
     if (self->r != NULL)
         munmap(self->r, sizeof(region_t));
     if (self->fd >= 0)
@@ -762,6 +837,18 @@ static void rename_row(device_t *dev, const char *name, uint64_t capacity)
     __atomic_store_n(&dev->name[0], name[0], __ATOMIC_RELEASE);
 }
 
+/* "device 0 is leased as 80 GiB of memory by pid 12 (label); this session says 40 GiB" */
+static void size_conflict(char *err, size_t errlen, const char *name, const char *how,
+                          uint64_t was, uint64_t now, pid_t pid, const char *label)
+{
+    char text[81], was_words[32], now_words[32];
+    copy_text(text, label, sizeof text);
+    size_words(was_words, sizeof was_words, was);
+    size_words(now_words, sizeof now_words, now);
+    snprintf(err, errlen, "device %s is %s as %s of memory by pid %d (%s); this session says %s",
+             name, how, was_words, (int)pid, text, now_words);
+}
+
 /* Find or add the rows of `names`; -1 and a message when a device is leased with
  * another capacity by a live holder (two sessions disagree about its size). */
 static int resolve_rows(RegionObject *self, char **names, int count, const uint64_t *capacities,
@@ -794,20 +881,23 @@ static int resolve_rows(RegionObject *self, char **names, int count, const uint6
         }
         device_t *dev = &r->dev[row];
         if (dev->capacity != capacities[i]) {
+            /* Neither a live holder nor a live waiter sized against the old capacity may
+             * have it changed under it: the waiter's request might never fit again, and
+             * every later request would queue behind it. */
             for (uint32_t s = 0; s < MAX_SLOTS; s++)
                 if (dev->slot[s].owner.pid != 0 && owner_alive(self, &dev->slot[s].owner)) {
-                    char label[81];
-                    slot_t *held = &dev->slot[s];
-                    copy_text(label, held->label, sizeof label);
-                    char was[32], now[32];
-                    size_words(was, sizeof was, dev->capacity);
-                    size_words(now, sizeof now, capacities[i]);
-                    snprintf(err, errlen,
-                             "device %s is leased as %s of memory by pid %d (%s); this session "
-                             "says %s",
-                             names[i], was, held->owner.pid, label, now);
+                    size_conflict(err, errlen, names[i], "leased", dev->capacity, capacities[i],
+                                  dev->slot[s].owner.pid, dev->slot[s].label);
                     return -1;
                 }
+            for (int w = 0; w < MAX_WAITERS; w++) {
+                waiter_t *wt = &r->waiter[w];
+                if (wt->owner.pid != 0 && (wt->mask >> row & 1) && owner_alive(self, &wt->owner)) {
+                    size_conflict(err, errlen, names[i], "waited for", dev->capacity,
+                                  capacities[i], wt->owner.pid, wt->label);
+                    return -1;
+                }
+            }
             memset(dev->slot, 0, sizeof dev->slot);
             dev->capacity = capacities[i];
         }
@@ -932,7 +1022,7 @@ static int attempt(RegionObject *self, request_t *q, const char *label, double d
     if (fstat(self->fd, &st) == 0 && st.st_nlink == 0) {
         unlock_region(r);
         snprintf(q->err, sizeof q->err,
-                 "the lease region %s was deleted while this process waited (reset --force?)",
+                 "the lease region %s was deleted (reset --force?) while this process used it",
                  self->path);
         goto out_failed;
     }
@@ -1437,8 +1527,17 @@ static PyMethodDef Region_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+/* True once the file this Region is attached to has been deleted (reset --force): a
+ * session then attaches to the table that replaces it. */
+static PyObject *Region_get_unlinked(RegionObject *self, void *Py_UNUSED(closure))
+{
+    struct stat st;
+    return PyBool_FromLong(self->fd >= 0 && fstat(self->fd, &st) == 0 && st.st_nlink == 0);
+}
+
 static PyGetSetDef Region_getset[] = {
     {"path", (getter)Region_get_path, NULL, "the region file", NULL},
+    {"unlinked", (getter)Region_get_unlinked, NULL, "whether the region file was deleted", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -1467,12 +1566,14 @@ PyMODINIT_FUNC PyInit__lease(void)
     if (m == NULL)
         return NULL;
     RegionError = PyErr_NewException("pytest_gpuiso._lease.RegionError", PyExc_RuntimeError, NULL);
+    pthread_atfork(NULL, NULL, fork_child);
     Py_INCREF(&RegionType);
     if (PyModule_AddObject(m, "Region", (PyObject *)&RegionType) < 0 ||
         PyModule_AddObject(m, "RegionError", RegionError) < 0 ||
         PyModule_AddIntConstant(m, "ABI_VERSION", GPUISO_ABI) < 0 ||
         PyModule_AddIntConstant(m, "REGION_SIZE", (long)sizeof(region_t)) < 0 ||
         PyModule_AddIntConstant(m, "MAX_DEVICES", MAX_DEVICES) < 0 ||
+        PyModule_AddIntConstant(m, "MAGIC", (long)GPUISO_MAGIC) < 0 ||
         PyModule_AddIntConstant(m, "MAX_SLOTS", MAX_SLOTS) < 0 ||
         PyModule_AddIntConstant(m, "WHOLE", (long)WHOLE) < 0 ||
         PyModule_AddIntConstant(m, "LABEL_LEN", LABEL_LEN) < 0) {

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import stat
 import sys
 from pathlib import Path
 
@@ -167,8 +168,30 @@ def main(argv: list[str] | None = None) -> int:
 FORCE_LOCK_WAIT = 3.0  # seconds reset --force waits for the table's lock before deleting it
 
 
+def _is_lease_table(path: str) -> bool:
+    """Whether ``path`` is a regular file that starts with the lease table's magic (read
+    without following a link or blocking on a FIFO)."""
+    from ._lease import MAGIC
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        head = os.pread(fd, 8, 0) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+    except OSError:
+        head = b""
+    finally:
+        os.close(fd)
+    return len(head) == 8 and int.from_bytes(head, sys.byteorder) == MAGIC
+
+
 def _delete(path: str, why: str) -> int:
-    """Delete our own table file that cannot be cleared; the next GPU lease creates one."""
+    """Delete our own table file that cannot be cleared; the next GPU lease creates one.
+    Only a lease table (its magic) is ever deleted: any other file is left alone."""
+    if not _is_lease_table(path):
+        print(f"error: {path} is not a pytest-gpuiso lease table: left alone", file=sys.stderr)
+        return 1
     try:
         os.unlink(path)
     except OSError as exc:

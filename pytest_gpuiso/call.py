@@ -18,7 +18,7 @@ from typing import Any
 from . import frames, workdir
 from .child import CallJob
 from .leaks.process import Mark
-from .leases import LEASED_ENV, Leases, discover, visible_env
+from .leases import Leases, discover, held_lease, visible_env
 from .outcome import Outcome
 from .settings import DEFAULT_GRACE, parse_count, parse_seconds
 from .supervisor import Supervisor
@@ -90,9 +90,8 @@ def call_isolated(
     parse_count(gpus, "run_isolated argument gpus")
     name = _label(func)
     lease, env = None, None
-    held = os.environ.get(LEASED_ENV)
-    if held is not None:  # inside an isolated test: use the GPUs it holds
-        have = [d for d in held.split(",") if d]
+    have = held_lease(os.environ)
+    if have is not None:  # inside an isolated test: use the GPUs it holds
         if gpus > len(have):
             raise IsolationError(
                 f"run_isolated({name}) needs {gpus} GPUs, its test holds {len(have)}"

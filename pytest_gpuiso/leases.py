@@ -29,6 +29,7 @@ from .workdir import user_name
 
 REGION_ENV = "PYTEST_GPUISO_LEASE_REGION"  # another table path (tests, or sharing across users)
 LEASED_ENV = "PYTEST_GPUISO_LEASED"  # set in an isolated child: the GPUs its test holds
+LEASE_ID_ENV = "PYTEST_GPUISO_LEASE_ID"  # the lease those GPUs are held under
 VIA_ENV = "PYTEST_GPUISO_LEASED_VIA"  # and the variable those names are for, when not CUDA's
 CHOOSE_PATH = f"choose another path with {REGION_ENV}=PATH"
 EXHAUSTED = {errno.ENOSPC, errno.EDQUOT, errno.ENOMEM, errno.EMFILE, errno.ENFILE}
@@ -123,6 +124,8 @@ class Devices:
         if n == 0 or memory is None or not memory.size:
             return None
         sizes = self.sizes()
+        if sum(size >= memory.size for size in sizes if size) >= n:
+            return None  # enough GPUs of known size fit it (the others are never chosen)
         if not all(sizes):  # bytes on a device of unknown size: say how to declare it
             name = self.names[sizes.index(0)]
             return (
@@ -130,8 +133,6 @@ class Devices:
                 f"GPU {name} is unknown (no NVML): declare it with --gpu-isolate-devices="
                 f"{name}:80GiB"
             )
-        if sum(size >= memory.size for size in sizes) >= n:
-            return None
         largest = sorted(sizes, reverse=True)[n - 1]
         return (
             f"gpu_memory={memory.text} ({size_text(memory.size)}) on {n} GPU"
@@ -223,6 +224,24 @@ def _checked(devices: Devices, value: str | None = None) -> Devices:
     return devices
 
 
+def held_lease(environ: dict[str, str] | os._Environ) -> list[str] | None:
+    """The GPUs this process's test holds (``LEASED_ENV``), when a live holder of the
+    table holds them under ``LEASE_ID_ENV``'s lease; None when there is no such lease: a
+    ``PYTEST_GPUISO_LEASED`` exported outside any test grants nothing."""
+    names = [name for name in environ.get(LEASED_ENV, "").split(",") if name]
+    lease_id = environ.get(LEASE_ID_ENV, "")
+    if LEASED_ENV not in environ or (names and not lease_id.isdigit()):
+        return None
+    if not names:
+        return []  # inside a test that leased none
+    try:
+        holders = open_region().snapshot()["holders"]
+    except Exception:  # RegionError: no table to vouch for it
+        return None
+    mine = {h["device"] for h in holders if h["alive"] and h["lease"] == int(lease_id)}
+    return names if set(names) <= mine else None
+
+
 @dataclass(frozen=True)
 class Lease:
     lease_id: int
@@ -264,6 +283,8 @@ class Leases:
     def _attach(self, exhausted_ok: bool = False) -> Any:
         from ._lease import RegionError
 
+        if self.region is not None and self.region.unlinked:  # reset --force: the new table
+            self.region, self._unreleased = None, []  # (leases of the old one went with it)
         if self.region is None:
             try:
                 self.region = open_region(self.path)
@@ -287,7 +308,14 @@ class Leases:
         try:
             region = self._attach()
             self._release_pending()
-            got = region.acquire(list(self.devices.names), self.slots, n, label, timeout, **how)
+            try:
+                got = region.acquire(list(self.devices.names), self.slots, n, label, timeout, **how)
+            except RegionError:
+                if not region.unlinked:
+                    raise
+                left = None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
+                region = self._attach()  # deleted while it waited: wait in the new table
+                got = region.acquire(list(self.devices.names), self.slots, n, label, left, **how)
         except RegionError as exc:
             hint = " (--gpu-isolate-devices)" if "this session says" in str(exc) else ""
             raise LeaseError(f"{exc}{hint}") from None
@@ -334,9 +362,12 @@ class Leases:
         """What the isolated child must see: exactly its leased devices.
 
         ``LEASED_ENV`` tells nested ``run_isolated`` calls in the child which GPUs
-        their test already holds, so they use those instead of queueing behind them.
+        their test already holds, so they use those instead of queueing behind them;
+        ``LEASE_ID_ENV`` lets them check that the lease is real (``held_lease``).
         """
         env = visible_env(lease.devices if lease else (), self.devices.via)
+        if lease is not None:
+            env[LEASE_ID_ENV] = str(lease.lease_id)
         if lease is not None and lease.memory:
             env[MEMORY_ENV] = str(lease.memory)
         if self.devices.pci_order and "CUDA_DEVICE_ORDER" not in os.environ:

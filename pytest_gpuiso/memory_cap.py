@@ -21,8 +21,8 @@ MEMORY_ENV = "PYTEST_GPUISO_GPU_MEMORY"  # bytes on each leased GPU (set by the 
 
 def lease() -> int:
     """This process's lease in bytes per GPU; 0 when it has none."""
-    text = os.environ.get(MEMORY_ENV, "")
-    return int(text) if text.isdigit() else 0
+    text = os.environ.get(MEMORY_ENV, "")  # set by the parent for every isolated test
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= 19 else 0
 
 
 def install() -> None:

@@ -122,6 +122,8 @@ def _ended(record: dict[str, Any]) -> str | None:
     if exit_["timed_out"]:
         how = f", ended by {exit_['signal']}" if exit_["signal"] else ""
         return f"{_bound(record)}{how}"
+    if record["outcome"] == "interrupted":  # Ctrl-C: pytest stopped it, it did not crash
+        return "interrupted"
     if exit_["signal"]:
         return f"crashed with {exit_['signal']}"
     return None
@@ -162,7 +164,11 @@ def _attempt(record: dict[str, Any]) -> str:
 
 def terminal_summary(tr: Any, records: list[dict[str, Any]], path: Path | None) -> None:
     timed_out = [r for r in records if r["exit"]["timed_out"]]
-    crashed = [r for r in records if r["exit"]["signal"] and not r["exit"]["timed_out"]]
+    crashed = [
+        r
+        for r in records
+        if r["exit"]["signal"] and not r["exit"]["timed_out"] and r["outcome"] != "interrupted"
+    ]
     escaped = sum(len(r.get("escaped", [])) for r in records)
     reruns = sum(1 for r in records if r["outcome"] == "rerun")
     tr.write_sep("-", "gpu-isolate")

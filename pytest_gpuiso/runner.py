@@ -40,6 +40,7 @@ from .leaks import torch as torch_check
 from .leaks.gpu_memory import GpuMemoryProbe, NvmlReader
 from .leaks.shm import ShmProbe, preload_env
 from .leases import Devices, Lease, LeaseError, Leases
+from .memory_cap import MEMORY_ENV
 from .outcome import Outcome
 from .prewarm import HIDDEN_GPUS, Prewarmer
 from .record import attach_record, build_record
@@ -222,6 +223,7 @@ def _run(
             except LeaseError as exc:  # a timeout, a slot-count conflict, a stuck table
                 return Ran(setup_error_reports(item, str(exc)))
         env = state.leases.child_env(lease) if state.leases is not None else {}
+        env.setdefault(MEMORY_ENV, "")  # no lease of memory: never one inherited from our env
         if state.master_port:
             try:
                 port = ports.lease()

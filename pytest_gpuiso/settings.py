@@ -5,9 +5,8 @@ CLI, ini, marker, environment and pytest-timeout values become two frozen record
 raises ``SpecError`` with one line naming where the bad value came from
 (``--gpu-isolate-timeout``, ``ini gpu_isolate_timeout``, ``marker argument timeout``);
 callers turn it into a usage error (CLI, ini) or the test's setup error (marker).
-Precedence, lowest to highest: built-in default < ini < command line < marker.
-pytest-timeout's value is used as the isolated test's timeout only when no
-gpu-isolate timeout was given anywhere.
+Precedence: built-in default < ini < command line < marker; pytest-timeout's value is
+the isolated test's timeout only when no gpu-isolate timeout was given anywhere.
 
 This module imports nothing of pytest-gpuiso's: everything else may import it.
 """
@@ -26,9 +25,7 @@ import pytest
 MARKER = "gpu_isolated"
 MARKER_KWARGS = ("timeout", "startup_timeout", "grace", "gpus", "gpu_memory", "allow_leaks")
 DEFAULT_TIMEOUT = 900.0
-# Bounds what is not the test's time: from the test's turn until its protocol begins
-# (interpreter, plugins, conftests, module import), and from its end to the exit.
-DEFAULT_STARTUP_TIMEOUT = 300.0
+DEFAULT_STARTUP_TIMEOUT = 300.0  # bounds start-up (until the test's protocol) and exit
 DEFAULT_GRACE = 5.0
 # The longest duration any bound accepts (a week): waits below it fit the kernel's poll
 # timeout (2**31 ms, 24.8 days), where 1e10 seconds overflowed mid-session.
@@ -37,8 +34,8 @@ DEFAULT_PREWARM = 1
 DEFAULT_SLOTS = 1
 MAX_SLOTS = MAX_GPUS = 64  # the lease table's holders per device; its devices
 WHOLE = 1_000_000  # a share of a GPU in parts per million (the lease table's unit)
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20}
+_SIZE = re.compile(r"^\s*(\d{1,30})(?:\.(\d{1,30}))?\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20}
 _UNITS |= {"GIB": 2**30, "TIB": 2**40}
 DEFAULT_TOLERANCE_MIB = 64.0  # GPU memory growth the leak check ignores
 START_METHODS = ("spawn", "forkserver")
@@ -145,11 +142,13 @@ class GpuMemory:
 
 def parse_size(value: Any, what: str) -> int:
     """Bytes from an int or ``"12GiB"``, ``"512 MiB"``, ``"1.5GB"``, ``"80000000"``."""
-    problem = f"invalid value {value!r} for {what}: expected bytes or a size like 12GiB or 8GB"
+    shown = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:36]}...'"  # 400 digits
+    problem = f"invalid value {shown} for {what}: expected bytes or a size like 12GiB or 8GB"
     if isinstance(value, int) and not isinstance(value, bool):
         size = value
     elif isinstance(value, str) and (m := _SIZE.match(value)):
-        size = int(float(m.group(1)) * _UNITS[(m.group(2) or "B").upper()])
+        whole, fraction, unit = m.group(1), m.group(2) or "", (m.group(3) or "B").upper()
+        size = int(whole + fraction) * _UNITS[unit] // 10 ** len(fraction)  # exact
     else:
         raise SpecError(problem)
     if not 0 < size < 1 << 63:

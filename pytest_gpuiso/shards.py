@@ -8,6 +8,7 @@ one ``ReportError`` line naming the file. Merged records name their shard.
 from __future__ import annotations
 
 import json
+import math
 import os
 import stat
 from typing import Any
@@ -27,10 +28,36 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+MAX_INT = (1 << 63) - 1  # no field of ours holds more (bytes, ports, counts)
+
+
+def _bad_number(value: Any, where: str) -> str | None:
+    """The first number in ``value`` (at ``where``) that no record of ours can hold: NaN,
+    an infinity (JSON has neither, Python's json reads both) or an int beyond 63 bits."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{where!r} is {value!r}, not a finite number"
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
+        return f"{where!r} is an integer of {len(str(abs(value)))} digits, beyond 64 bits"
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found = _bad_number(item, f"{where}.{key}" if where else str(key))
+            if found:
+                return found
+    if isinstance(value, list):
+        for n, item in enumerate(value):
+            found = _bad_number(item, f"{where}[{n}]")
+            if found:
+                return found
+    return None
+
+
 def _record_problem(record: Any) -> str | None:
     """What makes a test record unusable for the reports, None if nothing does."""
     if not isinstance(record, dict):
         return "not an object"
+    bad = _bad_number(record, "")
+    if bad:
+        return bad
     for key in ("nodeid", "outcome"):
         if not isinstance(record.get(key), str):
             return f"{key!r} is not a string"

@@ -528,6 +528,8 @@ def test_ctrl_c_takes_the_child_group_down(gpuiso, tmp_path: Path, private_tmpdi
         text = out.decode(errors="replace")
         assert proc.returncode == 2, text
         assert "KeyboardInterrupt" in text
+        # interrupted by Ctrl-C, not crashed (its record says "interrupted" too)
+        assert "CRASHED" not in text and "0 crashed" in text, text
         assert not pid_alive(child)
         assert group_members(child) == []
         assert not pid_alive(grandchild)

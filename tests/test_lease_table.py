@@ -30,6 +30,7 @@ import resource
 import signal
 import stat
 import struct
+import sys
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
@@ -44,6 +45,7 @@ from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 from pytest_gpuiso._lease import (
     ABI_VERSION,
+    MAGIC,
     MAX_DEVICES,
     MAX_SLOTS,
     REGION_SIZE,
@@ -657,38 +659,35 @@ def _symlink(path: str) -> None:
     os.symlink(path + ".real", path)
 
 
+NOT_A_TABLE = r"is not a pytest-gpuiso lease table \(no lease-table header\): choose another path"
+HEAD = MAGIC.to_bytes(8, sys.byteorder)  # what every table starts with
+
 BAD_FILES: list[tuple[str, Callable[[str], None], str]] = [
+    ("garbage", _garbage, NOT_A_TABLE),  # never "reset it": reset --force leaves it alone
+    ("zeros", lambda p: _write_private(p, bytes(REGION_SIZE)), NOT_A_TABLE),
+    ("short", lambda p: _write_private(p, b"x" * 100), NOT_A_TABLE),
+    ("empty", lambda p: _write_private(p, b""), NOT_A_TABLE),
+    ("long", lambda p: _write_private(p, bytes(REGION_SIZE + 1)), NOT_A_TABLE),
     (
-        "garbage",
-        _garbage,
+        "table-of-another-size",
+        lambda p: _write_private(p, HEAD + bytes(92)),
+        rf"has 100 bytes, this pytest-gpuiso expects {REGION_SIZE} .*reset it with",
+    ),
+    (
+        "header-scribbled",
+        lambda p: _write_private(p, HEAD + bytes(REGION_SIZE - 8)),
         r"is corrupted \(bad header\); reset it with `python -m pytest_gpuiso reset",
-    ),
-    (
-        "zeros",
-        lambda p: _write_private(p, bytes(REGION_SIZE)),
-        r"is corrupted \(bad header\); reset",
-    ),
-    (
-        "short",
-        lambda p: _write_private(p, b"x" * 100),
-        rf"has 100 bytes, this pytest-gpuiso expects {REGION_SIZE} ",
-    ),
-    (
-        "empty",
-        lambda p: _write_private(p, b""),
-        rf"has 0 bytes, this pytest-gpuiso expects {REGION_SIZE} ",
-    ),
-    (
-        "long",
-        lambda p: _write_private(p, bytes(REGION_SIZE + 1)),
-        rf"has {REGION_SIZE + 1} bytes, .* expects {REGION_SIZE} ",
     ),
     (
         "abi",
         _other_abi,
         rf"has ABI version {ABI_VERSION + 1}, this pytest-gpuiso expects {ABI_VERSION}; reset",
     ),
-    ("mode-0644", _group_readable, r"is not a private file of uid \d+ \(mode 0600\); remove it"),
+    (
+        "mode-0644",
+        _group_readable,
+        r"is not a private file of uid \d+ \(mode 0600\), so not a lease table of this user",
+    ),
     ("symlink", _symlink, r"cannot open the lease region .*: Too many levels of symbolic links"),
     ("directory", os.mkdir, r"cannot open the lease region .*: Is a directory"),
 ]
@@ -993,6 +992,31 @@ def test_sessions_with_other_slot_counts_share_a_device_by_its_shares(
     assert region.acquire(["0"], 2, 1, "other half", 0) is not None
     assert region.acquire(["0"], 2, 1, "third half", 0) is None
     assert region.snapshot()["devices"] == [("0", 0, WHOLE)]
+
+
+def test_capacity_conflict_with_a_live_waiter_is_an_error(
+    clients: Callable[..., Client], region: Region
+) -> None:
+    """n2: a waiter sized against 80 GiB GPUs is queued (GPU 1 held); a session that says
+    GPU 0 has 40 GiB must not re-size it under the waiter (whose request might then never
+    fit, with every later request queued behind it): RegionError naming the waiter."""
+    holder, waiter = clients(), clients()
+    caps = [80 * GIB, 80 * GIB]
+    assert holder.acquire(["1"], 1, 1, "a1", amount=70 * GIB, capacities=[80 * GIB]) is not None
+    waiter.start_acquire(["0", "1"], 1, 2, "a2 needs both", None, amount=60 * GIB, capacities=caps)
+    deadline = time.monotonic() + 10
+    while not region.snapshot()["waiters"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert region.snapshot()["waiters"], "the two-GPU request never queued"
+    with pytest.raises(
+        RegionError,
+        match=rf"device 0 is waited for as 80 GiB of memory by pid {waiter.pid} \(a2 needs "
+        r"both\); this session says 40 GiB$",
+    ):
+        region.acquire(["0"], 1, 1, "b", 0, amount=30 * GIB, capacities=[40 * GIB])
+    waiter.kill()
+    waiter.process.join(10)
+    assert region.acquire(["0"], 1, 1, "b", 0, amount=30 * GIB, capacities=[40 * GIB]) is not None
 
 
 def test_capacity_conflict_with_a_live_holder_is_an_error(

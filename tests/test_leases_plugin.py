@@ -190,7 +190,9 @@ def test_status_and_reset_commands(lease_region: Path):
 
 
 def test_reset_of_a_corrupted_table(lease_region: Path):
-    lease_region.write_bytes(b"\0" * 100)
+    from pytest_gpuiso._lease import MAGIC
+
+    lease_region.write_bytes(MAGIC.to_bytes(8, sys.byteorder) + b"\0" * 92)  # a table's start
     lease_region.chmod(0o600)
     status = _cli("status", region=lease_region)
     assert status.returncode == 1 and "has 100 bytes" in status.stderr

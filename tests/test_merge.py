@@ -283,6 +283,23 @@ def _bad(kind: str, path: Path) -> str:
             {**record, "leaks": [{"kind": "gpu", "detail": "x"}]},
             "leak 0 has kind 'gpu', expected one of shm, process, gpu_memory",
         ),
+        # Python's json reads NaN, Infinity and ints of any length: none fits a record
+        "peak NaN": (
+            {**record, "gpu_memory_peak": float("nan")},
+            "'gpu_memory_peak' is nan, not a finite number",
+        ),
+        "peak Infinity": (
+            {**record, "gpu_memory_peak": float("inf")},
+            "'gpu_memory_peak' is inf, not a finite number",
+        ),
+        "peak of 401 digits": (
+            {**record, "gpu_memory_peak": 10**400},
+            "'gpu_memory_peak' is an integer of 401 digits, beyond 64 bits",
+        ),
+        "timeout NaN": (
+            {**record, "timeout": float("nan"), "exit": {**record["exit"], "timed_out": True}},
+            "'timeout' is nan, not a finite number",
+        ),
     }
     bad_record, problem = broken[kind]
     _write(path, [SHARD_2[1], bad_record])
@@ -316,6 +333,10 @@ BAD_KINDS = [
     "leak not an object",
     "leak without detail",
     "unknown leak kind",
+    "peak NaN",
+    "peak Infinity",
+    "peak of 401 digits",
+    "timeout NaN",
 ]
 
 
