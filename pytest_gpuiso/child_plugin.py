@@ -14,7 +14,6 @@ from __future__ import annotations
 import gc
 import itertools
 import os
-import pickle
 import sys
 import warnings
 from typing import Any
@@ -100,6 +99,7 @@ class ChildPlugin:
         self.collect_errors: list[str] = []
         self.config: Any = None
         self.ran: Any = None  # the item, once its protocol ran here
+        self.told: set[str] = set()  # user properties already warned about
 
     @pytest.hookimpl(trylast=True)
     def pytest_configure(self, config: Any) -> None:
@@ -216,12 +216,10 @@ class ChildPlugin:
             item.config.hook.pytest_gpuiso_child_payload(item=item, payload=payload)
         except Exception as exc:  # noqa: BLE001 - a plugin's bug must not cost the result
             self._warn(item, f"pytest_gpuiso_child_payload failed: {type(exc).__name__}: {exc}")
-        for key, value in list(payload.items()):  # a key that won't pickle: only it is lost
-            try:
-                pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-            except Exception as exc:  # noqa: BLE001 - whatever a plugin put there
-                del payload[key]
-                self._warn(item, f"pytest_gpuiso_child_payload: {key!r} not sent: {exc!r}")
+        problems: list[str] = []
+        payload = frames.portable(payload, "pytest_gpuiso_child_payload", problems)
+        for problem in problems:  # a value that can't come back: only it becomes its repr
+            self._warn(item, f"{problem} sent instead")
         if payload:
             self.channel.send(frames.PAYLOAD, payload)
 
@@ -241,6 +239,15 @@ class ChildPlugin:
         return report
 
     def pytest_runtest_logreport(self, report: Any) -> None:
+        problems: list[str] = []
+        report.user_properties = [
+            (name, frames.portable(value, f"record_property {name!r}", problems))
+            for name, value in report.user_properties
+        ]
+        for problem in problems:  # once: the same property rides on every phase's report
+            if problem not in self.told and self.ran is not None:
+                self.told.add(problem)
+                self._warn(self.ran, f"{problem} sent instead")
         data = self.config.hook.pytest_report_to_serializable(config=self.config, report=report)
         self.channel.send(frames.REPORT, data)
 

@@ -68,6 +68,32 @@ class FrameError(ValueError):
     """A frame that is not one of ``KINDS``."""
 
 
+def portable(value: Any, where: str, problems: list[str]) -> Any:
+    """``value`` as it can come back to pytest's process: itself when it pickles and
+    unpickles here, else its dicts, lists and tuples rebuilt of portable parts, and any
+    other part that cannot come back replaced by its ``repr`` (noted in ``problems``).
+
+    An object that pickles but cannot be rebuilt (an exception whose ``__init__`` takes
+    other arguments than it passes to ``Exception``) would otherwise fail pytest's read
+    of the frame, and with it the test's result."""
+    try:
+        pickle.loads(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+        return value
+    except Exception as exc:  # noqa: BLE001 - whatever a test or plugin put there
+        error = exc
+    if isinstance(value, dict):
+        return {k: portable(v, f"{where}[{k!r}]", problems) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        parts = [portable(v, f"{where}[{n}]", problems) for n, v in enumerate(value)]
+        return parts if isinstance(value, list) else tuple(parts)
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - a broken __repr__
+        text = f"<{type(value).__name__} object>"
+    problems.append(f"{where} cannot be sent to pytest's process ({error!r}): its repr is")
+    return text
+
+
 def send_frame(conn: Connection, kind: str, payload: Any, spill_dir: str) -> None:
     """Send one frame; spill it to a private file when it is large."""
     if kind not in KINDS:

@@ -250,3 +250,52 @@ def test_a_session_goes_on_in_the_table_that_replaces_a_deleted_one(lease_region
     assert [h["label"] for h in holders] == ["after the reset"]
     leases.release(again)
     assert open_region(str(lease_region)).snapshot()["holders"] == []
+
+
+UNREBUILDABLE = """
+class RunError(Exception):  # pickles, but unpickling calls RunError("1: x"): TypeError
+    def __init__(self, code, why):
+        super().__init__(f"{code}: {why}")
+"""
+
+
+def test_a_value_that_cannot_come_back_is_its_repr_not_the_tests_result(
+    gpuiso_spawn: GpuIso, lease_region
+):
+    """n1: an exception with its own __init__ in a plugin's payload and in record_property
+    (of a test that also prints 200 kB): in-process both pass; isolated, each value comes
+    back as its repr with one warning, the tests pass, and nobody waits out a timeout."""
+    gpuiso_spawn.pytester.makepyfile(helpers_n1=UNREBUILDABLE)
+    gpuiso_spawn.pytester.makeconftest(
+        """
+        from helpers_n1 import RunError
+
+        def pytest_gpuiso_child_payload(item, payload):
+            payload["myplugin"] = {"last_error": RunError(3, "retry"), "count": 2}
+
+        def pytest_gpuiso_parent_payload(item, payload, reports):
+            with open("parent_got.txt", "w") as f:
+                f.write(repr(payload["myplugin"]))
+        """
+    )
+    gpuiso_spawn.pytester.makepyfile(
+        test_values="""
+        import pytest
+        from helpers_n1 import RunError
+
+        @pytest.mark.gpu_isolated(timeout=60)
+        def test_prop(record_property):
+            record_property("error", RunError(1, "x"))
+            print("x" * 200_000)
+        """
+    )
+    result = gpuiso_spawn.run("--junitxml=junit.xml", "-o", "junit_family=legacy")
+    result.assert_outcomes(passed=1, warnings=2)
+    text = result.stdout.str()
+    assert "record_property 'error' cannot be sent to pytest's process (TypeError(" in text
+    assert "pytest_gpuiso_child_payload['myplugin']['last_error'] cannot be sent" in text
+    assert text.count("its repr is sent instead") == 2, text[-3000:]
+    got = (gpuiso_spawn.path / "parent_got.txt").read_text()
+    assert got == "{'last_error': \"RunError('3: retry')\", 'count': 2}", got
+    junit = (gpuiso_spawn.path / "junit.xml").read_text()
+    assert 'name="error" value="RunError(\'1: x\')"' in junit, junit
