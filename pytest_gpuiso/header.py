@@ -9,7 +9,7 @@ import pytest
 
 from . import ports, workers
 from ._compat import external_session_timeout
-from .runner import State
+from .runner import State, default_gpus
 from .settings import DEFAULT_TIMEOUT, MARKER, Settings
 
 
@@ -35,7 +35,7 @@ def lines(config: pytest.Config, state: State, debugger: str) -> list[str]:
         lines.append(f"gpu-isolate: GPUs {d.describe()} (from {d.source}), {_packing(s)}")
     else:
         lines.append(f"gpu-isolate: no GPUs to lease (from {d.source})")
-    lines.append(_each_test_leases(s, d.names))
+    lines.append(_each_test_leases(s, state))
     if s.pin_workers:
         lines.append(_pin_header(config, s, state))
     lines.append(_port_header(state.master_port))
@@ -45,12 +45,12 @@ def lines(config: pytest.Config, state: State, debugger: str) -> list[str]:
     return lines
 
 
-def _each_test_leases(s: Settings, names: tuple[str, ...]) -> str:
+def _each_test_leases(s: Settings, state: State) -> str:
     """What an isolated test leases unless its marker says gpus=, and why."""
-    n = s.gpus if s.gpus is not None else (1 if names else 0)
+    n = default_gpus(s, state.devices)
     why = f"({s.gpus_source})" if s.gpus is not None else "(default where there are GPUs)"
     what = "no GPU: it sees none" if n == 0 else f"{n} GPU{'s' if n != 1 else ''}"
-    if s.gpus is None and not names:
+    if s.gpus is None and not state.devices.names:
         what, why = "no GPU", "(no GPUs to lease)"
     return f"gpu-isolate: each isolated test leases {what} {why}, unless marked gpus="
 
@@ -63,7 +63,7 @@ def _pin_header(config: pytest.Config, s: Settings, state: State) -> str:
         return line + f"this process holds GPU {names} for its whole life; its tests see only that"
     if not state.devices.names:
         return line + "no GPUs to pin"
-    slots = len(state.devices.names) * workers.tests_per_gpu(s, state.devices) // n
+    slots = workers.gpu_slots(s, state.devices)
     count = len(config.getoption("tx", None) or [])
     return line + (
         f"each of the {count} xdist workers holds {n} GPU{'s' if n != 1 else ''} for its "

@@ -34,7 +34,7 @@ import pytest
 
 from .leases import Devices, Lease, LeaseError, Leases, LeaseTimeout
 from .settings import GpuMemory, Settings
-from .workers import tests_per_gpu
+from .workers import gpu_slots
 
 PINNED = "pinned"  # the first word of a pinned worker's label in the lease table
 FLAG = "--gpu-isolate-pin-workers"
@@ -66,7 +66,7 @@ def problem(config: pytest.Config, settings: Settings, devices: Devices) -> str 
             f"({devices.describe()}, from {devices.source})"
         )
     if devices.names and is_controller(config):
-        slots = len(devices.names) * tests_per_gpu(settings, devices) // n
+        slots = gpu_slots(settings, devices)
         count = len(config.getoption("tx"))
         if count > slots:
             return (
@@ -135,7 +135,16 @@ def assign(pins: list[Lease], taken: dict[str, Lease], worker: str) -> dict[str,
     return {"id": lease.lease_id, "devices": list(lease.devices), "memory": lease.memory}
 
 
-def adopt(config: pytest.Config, leases: Leases | None) -> Lease | None:
+def own(config: pytest.Config, pins: list[Lease], leases: Leases | None) -> Lease | None:
+    """The pinned GPUs this process's tests run under: a worker's, handed over by its
+    controller (``_adopt``); the lone pytest process's own (``pins``); none in the
+    controller, which runs no test."""
+    if is_controller(config):
+        return None
+    return _adopt(config, leases) or (pins[0] if pins else None)
+
+
+def _adopt(config: pytest.Config, leases: Leases | None) -> Lease | None:
     """In a worker: the lease its controller handed it, made the GPUs this process sees."""
     given = getattr(config, "workerinput", {}).get(WORKERINPUT)
     if not given or leases is None:

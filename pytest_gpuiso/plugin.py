@@ -91,9 +91,7 @@ def pytest_configure(config: pytest.Config) -> None:
             raise pytest.UsageError(f"gpu-isolate: {problem}")
         # before any test module is collected; the controller's, before it starts workers
         state.pins = pinning.pin(config, settings, state.leases)
-        state.pin = pinning.adopt(config, state.leases) or (state.pins[0] if state.pins else None)
-        if pinning.is_controller(config):
-            state.pin = None  # it runs no test
+        state.pin = pinning.own(config, state.pins, state.leases)
     config.stash[STATE] = state
     config.pluginmanager.register(Recorder(config, state), "gpuiso-recorder")
 

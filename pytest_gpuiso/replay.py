@@ -22,7 +22,7 @@ def warn_leaks(item: pytest.Item, verdict: Verdict) -> Verdict:
     """``warn`` leaks reach pytest's warnings summary, like any warning of the test,
     through the test's warning filters: ``ignore`` drops one; one that ``error`` turns
     into an exception fails the test's teardown, as the ``fail`` level does."""
-    lineno = (item.location[1] or 0) + 1
+    lineno = _line(item)
     warned: list = []
     errors: list = []
     for leak in verdict.warning:
@@ -92,4 +92,9 @@ def warn_cuda_without_gpu(item: pytest.Item, explicit: bool, loaded: list[list[s
     pytest's warnings summary lists the tests under one entry."""
     if loaded and not explicit:
         text = NO_GPU.format(libraries=" and ".join(loaded[0]))
-        warn_for_test(GpuIsoStartWarning(text), str(item.path), (item.location[1] or 0) + 1)
+        warn_for_test(GpuIsoStartWarning(text), str(item.path), _line(item))
+
+
+def _line(item: pytest.Item) -> int:
+    """The 1-based line of the test's definition, where its warnings point."""
+    return (item.location[1] or 0) + 1

@@ -179,11 +179,15 @@ def stop_session(stop: dict[str, Any]) -> None:
 def gpus_wanted(spec: IsolationSpec, state: State) -> int:
     """What an isolated test (marked, or isolated by --gpu-isolate) leases: its marker's
     gpus, else --gpu-isolate-gpus, else 1 where there are GPUs to lease and 0 where none."""
-    if spec.gpus is not None:
-        return spec.gpus
-    if state.settings.gpus is not None:
-        return state.settings.gpus
-    return 1 if state.devices.names else 0
+    return spec.gpus if spec.gpus is not None else default_gpus(state.settings, state.devices)
+
+
+def default_gpus(settings: Settings, devices: Devices) -> int:
+    """What a test leases when its marker does not say: --gpu-isolate-gpus, else 1 where
+    there are GPUs to lease and 0 where none."""
+    if settings.gpus is not None:
+        return settings.gpus
+    return 1 if devices.names else 0
 
 
 def _run(

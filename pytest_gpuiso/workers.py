@@ -61,11 +61,17 @@ def auto_workers(config: pytest.Config, environ: dict[str, str]) -> int | None:
         raise pytest.UsageError(f"gpu-isolate: {exc}") from None
     if not devices.names:
         return None
-    per_gpu = tests_per_gpu(settings, devices)
-    gpus_each = settings.gpus or 1
-    workers = max(1, len(devices.names) * per_gpu // gpus_each)
-    config.stash[AUTO] = AutoWorkers(workers, devices, per_gpu, gpus_each)
+    workers = gpu_slots(settings, devices)
+    config.stash[AUTO] = AutoWorkers(
+        workers, devices, tests_per_gpu(settings, devices), settings.gpus or 1
+    )
     return workers
+
+
+def gpu_slots(settings: Settings, devices: Devices) -> int:
+    """How many tests (or pinned workers) of ``--gpu-isolate-gpus`` GPUs each the devices
+    hold at once: GPUs x tests per GPU / GPUs a test (at least 1)."""
+    return max(1, len(devices.names) * tests_per_gpu(settings, devices) // (settings.gpus or 1))
 
 
 def tests_per_gpu(settings: Settings, devices: Devices) -> int:

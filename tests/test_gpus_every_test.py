@@ -16,10 +16,17 @@ import psutil
 import pytest
 
 from pytest_gpuiso import ports
-from tests.helpers import GpuIso
+from tests.helpers import REPORT, GpuIso
 
 PROGRAM = "gpus_every_test.py"
 DEVICES = "--gpu-isolate-devices=0,1"
+_SHORT = {
+    "test_unmarked_sees_one_gpu": "unmarked",
+    "test_marked_two_sees_both": "two",
+    "test_marked_none_loads_the_driver": "none",
+    "test_unmarked_loads_the_driver": "driver",
+    "test_binds_its_master_port": "port",
+}
 NO_GPU = "*this test loaded libcuda.so.1 but leased no GPU, so it saw none*gpus=1*"
 
 
@@ -39,7 +46,7 @@ def program(gpuiso: GpuIso, lease_region, fake_libcuda: Path, tmp_path, monkeypa
 def test_gpu_isolate_gives_every_test_a_gpu_and_a_port(gpuiso: GpuIso, program: Path):
     """Under xdist: the unmarked tests lease one GPU each, gpus=2 both, gpus=0 none (its
     driver load is recorded, not warned: its marker said so); every test its port."""
-    result = gpuiso.run("--gpu-isolate", DEVICES, "-n", "2", "-p", "no:randomly", REPORT_ARG)
+    result = gpuiso.run("--gpu-isolate", DEVICES, "-n", "2", "-p", "no:randomly", REPORT)
     result.assert_outcomes(passed=5)
     result.stdout.fnmatch_lines(
         [
@@ -63,16 +70,6 @@ def test_gpu_isolate_gives_every_test_a_gpu_and_a_port(gpuiso: GpuIso, program: 
         assert str(record["master_port"]) == seen[_SHORT[name]]["MASTER_PORT"], name
 
 
-_SHORT = {
-    "test_unmarked_sees_one_gpu": "unmarked",
-    "test_marked_two_sees_both": "two",
-    "test_marked_none_loads_the_driver": "none",
-    "test_unmarked_loads_the_driver": "driver",
-    "test_binds_its_master_port": "port",
-}
-REPORT_ARG = "--gpu-isolate-report=report.json"
-
-
 def test_no_gpus_by_default_names_the_tests_that_load_cuda(
     gpuiso_spawn: GpuIso, lease_region, fake_libcuda: Path, tmp_path, monkeypatch
 ):
@@ -82,7 +79,7 @@ def test_no_gpus_by_default_names_the_tests_that_load_cuda(
     monkeypatch.setenv("GPUISO_SEEN", str(tmp_path / "seen"))
     monkeypatch.setenv("MASTER_PORT", "12345")
     gpuiso_spawn.copy(PROGRAM)
-    args = ("--gpu-isolate", DEVICES, "--gpu-isolate-gpus=0", REPORT_ARG, "-k", "driver")
+    args = ("--gpu-isolate", DEVICES, "--gpu-isolate-gpus=0", REPORT, "-k", "driver")
     result = gpuiso_spawn.run(*args)
     result.assert_outcomes(passed=2, warnings=1)
     result.stdout.fnmatch_lines(

@@ -8,7 +8,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from tests.helpers import GpuIso
+from tests.helpers import REPORT, GpuIso
 
 PROGRAM = "pinned_workers.py"
 PIN = ("--gpu-isolate-pin-workers", "--gpu-isolate-devices=0,1")
@@ -28,7 +28,7 @@ def test_each_worker_holds_one_gpu_for_its_life(
     log = tmp_path / "log"
     monkeypatch.setenv("GPUISO_PIN_LOG", str(log))
     gpuiso.copy(PROGRAM)
-    result = gpuiso.run(*PIN, "-n", "2", "-rE", REPORT_ARG, PROGRAM)
+    result = gpuiso.run(*PIN, "-n", "2", "-rE", REPORT, PROGRAM)
     result.assert_outcomes(passed=6, errors=1)
     result.stdout.fnmatch_lines(
         [
@@ -71,9 +71,6 @@ def test_two_sessions_of_pinned_workers_never_overbook(
         spans = sorted((start, end, tag) for start, end, cvd, _, tag in rows if cvd == device)
         for (_, end, tag), (start, _, other) in zip(spans, spans[1:], strict=False):
             assert tag == other or start >= end, f"GPU {device} overbooked: {spans}"
-
-
-REPORT_ARG = "--gpu-isolate-report=report.json"
 
 
 def test_a_session_waiting_for_its_workers_gpus_holds_none(

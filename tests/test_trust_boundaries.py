@@ -12,9 +12,8 @@ import sys
 import psutil
 import pytest
 
-from tests.helpers import GpuIso
+from tests.helpers import REPORT, GpuIso
 
-REPORT = "--gpu-isolate-report=report.json"
 HUGE = "9" * 400  # parsed as a float, this was inf: an OverflowError INTERNALERROR (n5)
 
 
