@@ -126,8 +126,15 @@ def _label(func: Callable[..., Any]) -> str:
 
 def _unwrap(func: Callable[..., Any], outcome: Outcome, timeout: float | None) -> Any:
     results = outcome.frames_of(frames.RESULT)
-    if results:
-        return results[0]
+    if results:  # the value the caller asked for, pickled by the function's process
+        try:
+            return pickle.loads(results[0])
+        except Exception as exc:
+            raise IsolationError(
+                f"run_isolated({_label(func)}): its return value cannot be rebuilt in this "
+                f"process: {exc!r}",
+                outcome,
+            ) from None
     exceptions = outcome.frames_of(frames.EXCEPTION)
     if exceptions:
         info = exceptions[0]

@@ -56,7 +56,7 @@ class Bootstrap:
     output: str | None  # file for fds 1 and 2; None: keep the parent's (pytest -s)
     stack_file: str
     stack_signal: int
-    spill_dir: str
+    spill_prefix: str
     capture_prefix: str  # pytest's capture files get these names, so a crash can't lose them
     env: tuple[tuple[str, str], ...] = ()  # e.g. CUDA_VISIBLE_DEVICES of the leased GPUs
     preload: tuple[str, ...] = ()  # modules to import while waiting for the go (prewarming)
@@ -81,7 +81,7 @@ def main(
     forked this process; an ``ItemJob`` uses it when it was parsed from its arguments.
     """
     bootstrap(boot, conn)
-    channel = Channel(conn, boot.spill_dir, go, boot.output, boot.collect_ahead)
+    channel = Channel(conn, boot.spill_prefix, go, boot.output, boot.collect_ahead)
     status = 0
     try:
         refuse_inherited_cuda()
@@ -91,7 +91,7 @@ def main(
     except BaseException:
         status = 1
         with contextlib.suppress(Exception):
-            send_frame(conn, frames.ERROR, internal_error(), boot.spill_dir)
+            send_frame(conn, frames.ERROR, internal_error(), boot.spill_prefix)
     flush_and_exit(status)
 
 
@@ -169,13 +169,13 @@ class Channel:
     def __init__(
         self,
         conn: Connection,
-        spill_dir: str,
+        spill_prefix: str,
         go: Connection | None = None,
         output: str | None = None,
         collect_ahead: bool = False,
     ) -> None:
         self.conn = conn
-        self.spill_dir = spill_dir
+        self.spill_prefix = spill_prefix
         self.go = go
         self.output = output  # the file fds 1 and 2 write to (None: pytest's terminal)
         self.collect_ahead = collect_ahead and go is not None
@@ -184,7 +184,7 @@ class Channel:
             _EnvReads.start()
 
     def send(self, kind: str, payload: Any) -> None:
-        send_frame(self.conn, kind, payload, self.spill_dir)
+        send_frame(self.conn, kind, payload, self.spill_prefix)
 
     def collecting_ahead(self, module: str) -> None:
         """The test's module is about to be imported before the go (``collect_ahead``)."""
@@ -329,8 +329,8 @@ class CallJob:
             channel.send(frames.EXCEPTION, describe_exception(exc))
         else:
             channel.send(frames.END, None)
-            try:
-                channel.send(frames.RESULT, value)
+            try:  # its caller, and only it, unpickles it (frames are plain data)
+                channel.send(frames.RESULT, pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
             except Exception as exc:
                 channel.send(
                     frames.EXCEPTION,

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from . import _compat, cuda_state, frames, memory_cap
+from . import _compat, cuda_state, frames, memory_cap, wire
 from .leaks import torch as torch_check
 from .leases import LEASED_ENV
 
@@ -99,7 +99,6 @@ class ChildPlugin:
         self.collect_errors: list[str] = []
         self.config: Any = None
         self.ran: Any = None  # the item, once its protocol ran here
-        self.told: set[str] = set()  # user properties already warned about
 
     @pytest.hookimpl(trylast=True)
     def pytest_configure(self, config: Any) -> None:
@@ -217,8 +216,8 @@ class ChildPlugin:
         except Exception as exc:  # noqa: BLE001 - a plugin's bug must not cost the result
             self._warn(item, f"pytest_gpuiso_child_payload failed: {type(exc).__name__}: {exc}")
         problems: list[str] = []
-        payload = frames.portable(payload, "pytest_gpuiso_child_payload", problems)
-        for problem in problems:  # a value that can't come back: only it becomes its repr
+        payload = wire.plain(payload, "pytest_gpuiso_child_payload", problems)
+        for problem in problems:  # a value that isn't plain data: only it becomes its repr
             self._warn(item, f"{problem} sent instead")
         if payload:
             self.channel.send(frames.PAYLOAD, payload)
@@ -239,15 +238,12 @@ class ChildPlugin:
         return report
 
     def pytest_runtest_logreport(self, report: Any) -> None:
-        problems: list[str] = []
+        # record_property values as plain data; any other value as its str(), which is
+        # what junitxml writes of it
         report.user_properties = [
-            (name, frames.portable(value, f"record_property {name!r}", problems))
-            for name, value in report.user_properties
+            wire.plain(prop, "record_property", [], str) for prop in report.user_properties
         ]
-        for problem in problems:  # once: the same property rides on every phase's report
-            if problem not in self.told and self.ran is not None:
-                self.told.add(problem)
-                self._warn(self.ran, f"{problem} sent instead")
+        report.sections = [(title, keep_end(text)) for title, text in report.sections]
         data = self.config.hook.pytest_report_to_serializable(config=self.config, report=report)
         self.channel.send(frames.REPORT, data)
 
@@ -269,6 +265,22 @@ class ChildPlugin:
         self.channel.send(
             frames.ERROR, f"internal pytest error in the isolated process:\n{excrepr}"
         )
+
+
+SECTION_KEEP = 16 << 20  # characters of one captured output section sent to pytest
+
+
+def keep_end(text: Any) -> Any:
+    """A captured output section, cut to its last ``SECTION_KEEP`` characters (from a
+    line's start) with a line that says how much is not kept."""
+    if not isinstance(text, str) or len(text) <= SECTION_KEEP:
+        return text
+    end = text[-SECTION_KEEP:]
+    end = end.split("\n", 1)[1] if "\n" in end else end
+    return (
+        f"[gpu-isolate: the first {len(text) - len(end)} of its {len(text)} characters "
+        "are not kept]\n" + end
+    )
 
 
 class QuietReporter(_compat.TerminalReporter):

@@ -1,25 +1,31 @@
-"""The wire from an isolated process to pytest: frame kinds, send and receive, spill files.
+"""The wire from an isolated process to pytest: frame kinds, their shapes, send and read.
 
-A frame is ``(kind, payload)``, pickled; ``kind`` is one of the constants below,
-which are the whole vocabulary: a frame of another kind is an error
-(``FrameError``), never silently dropped. Frames larger than ``SPILL_BYTES`` are
-written to a private (0600) file in the session directory and only the file's
-path crosses the pipe, so the pipe never carries more than a small message and
-the parent, which drains it while waiting on the child, never blocks on a
-multi-megabyte ``recv``. The parent deletes spill files as it reads them.
+A frame is ``(kind, payload)`` in plain data (``wire``: reading it runs no code);
+``kind`` is one of the constants below, which are the whole vocabulary, and each
+kind's payload has one shape (``SHAPES``): a frame of another kind or shape is the
+test's error, never silently dropped and never pytest's. Frames larger than
+``SPILL_BYTES`` are written to a private (0600) file in the session directory, under
+a name pytest chose for the test (``spill-<tag>-N``); only ``N`` crosses the pipe,
+so the pipe never carries more than a small message. pytest reads the pipe without
+blocking (``Reader``): a frame that never completes costs it nothing past the
+test's deadline, and what it keeps of one test's frames is bounded (``KEEP_BYTES``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
-import pickle
-import tempfile
+import stat
+import struct
 import time
 import warnings
 from importlib import import_module
 from multiprocessing.connection import Connection, wait
+from pathlib import Path
 from typing import Any
+
+from . import wire
 
 READY = "ready"  # the bootstrap is done: the process can answer a stack-dump request (pid)
 PHASE = "phase"  # what the process is doing while it starts: "importing test_x.py" (text)
@@ -60,79 +66,262 @@ KINDS = frozenset(
     }
 )
 
-SPILL_BYTES = 1 << 20  # 1 MiB
-_SPILL = "__spill__"  # a frame in a file: the payload is its path
+SPILL_BYTES = 1 << 20  # 1 MiB: a larger frame goes in a file
+SPILL_MAX = 256 << 20  # the largest spill file read
+KEEP_BYTES = 512 << 20  # of one test's frames, at most this much is kept
+_SPILL = "spill"  # a frame in a file: its payload is the file's number
+_HEADER = struct.Struct("!i")  # multiprocessing's framing of send_bytes
+_READ = 1 << 16
+
+_TEXT = (str,)
+_MAYBE_TEXT = (str, type(None))
+_INT = (int,)
+# The shape of each kind's payload: a type tuple, a dict of field shapes (those keys,
+# and no others), a tuple of shapes (that many items), or a list of one shape.
+SHAPES: dict[str, Any] = {
+    READY: _INT,
+    PHASE: _TEXT,
+    BEGIN: _TEXT,
+    END: (type(None),),
+    AHEAD: _TEXT,
+    STALE: {"cuda": _MAYBE_TEXT, "read": _MAYBE_TEXT, "module": _MAYBE_TEXT},
+    REPORT: (dict,),  # pytest_report_to_serializable data; pytest's hook checks the rest
+    WARNING: {
+        "message": _TEXT,
+        "category_module": _TEXT,
+        "category_name": _TEXT,
+        "filename": _TEXT,
+        "lineno": (int, type(None)),
+        "nodeid": _TEXT,
+    },
+    JUNIT: (_TEXT, _MAYBE_TEXT, _TEXT, _TEXT),
+    TORCH_LEAK: {"device": (int, str), "bytes": _INT},
+    DRIVER: [_TEXT],
+    EXIT: {"interrupt": (bool,), "message": _TEXT, "returncode": (int, type(None))},
+    ERROR: _TEXT,
+    RESULT: (bytes,),  # run_isolated's value, pickled: only its caller unpickles it
+    EXCEPTION: {
+        "type": _TEXT,
+        "message": _TEXT,
+        "traceback": _TEXT,
+        "pickled": (bytes, type(None)),
+    },
+    PAYLOAD: (dict,),
+    DONE: _INT,
+}
+
+
+UNREADABLE = "unreadable message from the test process: "  # an ERROR frame of the Reader's
 
 
 class FrameError(ValueError):
-    """A frame that is not one of ``KINDS``."""
+    """A frame that is not one of ``KINDS``, or not of its kind's shape."""
 
 
-def portable(value: Any, where: str, problems: list[str]) -> Any:
-    """``value`` as it can come back to pytest's process: itself when it pickles and
-    unpickles here, else its dicts, lists and tuples rebuilt of portable parts, and any
-    other part that cannot come back replaced by its ``repr`` (noted in ``problems``).
-
-    An object that pickles but cannot be rebuilt (an exception whose ``__init__`` takes
-    other arguments than it passes to ``Exception``) would otherwise fail pytest's read
-    of the frame, and with it the test's result."""
-    try:
-        pickle.loads(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
-        return value
-    except Exception as exc:  # noqa: BLE001 - whatever a test or plugin put there
-        error = exc
-    if isinstance(value, dict):
-        return {k: portable(v, f"{where}[{k!r}]", problems) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        parts = [portable(v, f"{where}[{n}]", problems) for n, v in enumerate(value)]
-        return parts if isinstance(value, list) else tuple(parts)
-    try:
-        text = repr(value)
-    except Exception:  # noqa: BLE001 - a broken __repr__
-        text = f"<{type(value).__name__} object>"
-    problems.append(f"{where} cannot be sent to pytest's process ({error!r}): its repr is")
-    return text
+def _fits(value: Any, shape: Any) -> bool:
+    if isinstance(shape, dict):
+        return (
+            isinstance(value, dict)
+            and value.keys() == shape.keys()
+            and all(_fits(value[k], s) for k, s in shape.items())
+        )
+    if isinstance(shape, list):
+        return isinstance(value, list) and all(_fits(v, shape[0]) for v in value)
+    if shape and not isinstance(shape[0], type):  # a tuple of shapes
+        return (
+            isinstance(value, tuple)
+            and len(value) == len(shape)
+            and all(_fits(v, s) for v, s in zip(value, shape, strict=True))
+        )
+    return type(value) in shape
 
 
-def send_frame(conn: Connection, kind: str, payload: Any, spill_dir: str) -> None:
-    """Send one frame; spill it to a private file when it is large."""
+def check(frame: Any) -> tuple[str, Any]:
+    """``frame`` when it is a ``(kind, payload)`` of a known kind and its shape, else
+    ``FrameError`` saying what is wrong."""
+    if not (isinstance(frame, tuple) and len(frame) == 2 and isinstance(frame[0], str)):
+        raise FrameError(f"not a (kind, payload) pair: {type(frame).__name__}")
+    kind, payload = frame
     if kind not in KINDS:
-        raise FrameError(f"unknown frame kind {kind!r}")
-    data = pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL)
+        raise FrameError(f"unknown frame kind {kind[:40]!r}")
+    if not _fits(payload, SHAPES[kind]):
+        raise FrameError(f"a {kind!r} frame of the wrong shape: {_sketch(payload)}")
+    return kind, payload
+
+
+def _sketch(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+_spills = itertools.count(1)
+
+
+def send_frame(conn: Connection, kind: str, payload: Any, spill_prefix: str) -> None:
+    """Send one frame; spill it to a private file (``spill_prefix`` + a number) when it
+    is large. ``wire.WireError`` for a payload that is not plain data."""
+    check((kind, payload))
+    data = wire.encode((kind, payload))
     if len(data) > SPILL_BYTES:
-        fd, path = tempfile.mkstemp(prefix="spill-", suffix=".pickle", dir=spill_dir)  # 0600
+        number = next(_spills)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(f"{spill_prefix}{number}", flags, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-        data = pickle.dumps((_SPILL, path), protocol=pickle.HIGHEST_PROTOCOL)
+        data = wire.encode((_SPILL, number))
     conn.send_bytes(data)
 
 
-def recv_frame(conn: Connection) -> tuple[str, Any]:
-    """Receive one frame, reading (and deleting) its spill file if it has one.
+class Reader:
+    """pytest's end of a test process's pipe: frames read without ever blocking.
 
-    Raises ``EOFError`` when the child has closed its end, ``FrameError`` for a
-    frame of an unknown kind.
+    ``fill()`` reads what the pipe holds; ``next()`` gives the frames read so far, one
+    at a time. A frame the process never finishes, a spill file that is not one of
+    ours (a link, a FIFO, too large), a frame of the wrong shape: each becomes an
+    ``ERROR`` frame saying so, and the rest of the stream is read and dropped (it can
+    no longer be trusted). Past ``KEEP_BYTES`` of frames, only the small ones that
+    time the test are kept.
     """
-    kind, payload = pickle.loads(conn.recv_bytes())
-    if kind == _SPILL:
-        path = payload
+
+    def __init__(self, conn: Connection, directory: Path, spill_name: str) -> None:
+        self.conn = conn
+        self.fd = conn.fileno()
+        os.set_blocking(self.fd, False)
+        self.dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        self.spill_name = spill_name  # the spill files of this test: spill_name + N
+        self.buffer = bytearray()
+        self.eof = False  # the write end is closed
+        self.broken = False  # a bad frame came: the rest is read and dropped
+        self.kept = 0  # bytes of frames kept
+        self.dropped = 0  # frames not kept past KEEP_BYTES
+        self.errors: list[tuple[str, Any]] = []  # ERROR frames of our own, not yet given
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def close(self) -> None:
+        """Close the pipe; remove the spill files not read (a second call does nothing)."""
+        self.conn.close()
+        if self.dir_fd < 0:
+            return
+        with contextlib.suppress(OSError):
+            for name in os.listdir(self.dir_fd):
+                if name.startswith(self.spill_name):
+                    with contextlib.suppress(OSError):
+                        os.unlink(name, dir_fd=self.dir_fd)
+        os.close(self.dir_fd)
+        self.dir_fd = -1
+
+    def fill(self, rounds: int = 16) -> None:
+        """Read what the pipe holds now (up to ``rounds`` reads)."""
+        for _ in range(rounds):
+            try:
+                chunk = os.read(self.fd, _READ)
+            except BlockingIOError:
+                return
+            except InterruptedError:
+                continue
+            except OSError:
+                chunk = b""
+            if not chunk:
+                self.eof = True
+                return
+            if not self.broken:
+                self.buffer += chunk
+
+    def next(self) -> tuple[str, Any] | None:
+        """The next frame read, or None until more arrives."""
+        while True:
+            if self.errors:
+                return self.errors.pop(0)
+            if self.broken or not self.buffer:
+                return None
+            if len(self.buffer) >= _HEADER.size:
+                (size,) = _HEADER.unpack_from(self.buffer)
+                if not 0 <= size <= SPILL_BYTES + _HEADER.size:
+                    self._break(f"it sent a message of {size} bytes (at most {SPILL_BYTES})")
+                    continue
+                end = _HEADER.size + size
+                if len(self.buffer) >= end:
+                    data = bytes(self.buffer[_HEADER.size : end])
+                    del self.buffer[:end]
+                    frame = self._frame(data)
+                    if frame is not None:
+                        return frame
+                    continue
+            if not self.eof:
+                return None
+            self._break(
+                f"its last message was cut off ({len(self.buffer)} bytes of it arrived "
+                "before it closed the pipe)"
+            )
+
+    def _frame(self, data: bytes) -> tuple[str, Any] | None:
         try:
-            with open(path, "rb") as f:
-                kind, payload = pickle.loads(f.read())
+            frame = wire.decode(data)
+            if isinstance(frame, tuple) and len(frame) == 2 and frame[0] == _SPILL:
+                data = self._spilled(frame[1])
+                frame = wire.decode(data)
+            kind, payload = check(frame)
+        except (wire.WireError, FrameError) as exc:
+            self._break(str(exc))
+            return None
+        if self.kept + len(data) > KEEP_BYTES and kind not in (READY, BEGIN, END, EXIT, DONE):
+            self.dropped += 1
+            if self.dropped == 1:
+                self.errors.append(
+                    (
+                        ERROR,
+                        f"the test process sent more than {KEEP_BYTES >> 20} MiB of messages; "
+                        f"those past it were not kept (the first was a {kind!r} frame)",
+                    )
+                )
+            return None
+        self.kept += len(data)
+        return kind, payload
+
+    def _spilled(self, number: Any) -> bytes:
+        """The contents of this test's spill file ``number``, which is then removed."""
+        if type(number) is not int or number <= 0:
+            raise FrameError(f"a spill file number that is not one: {_sketch(number)}")
+        name = f"{self.spill_name}{number}"
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        try:
+            fd = os.open(name, flags, dir_fd=self.dir_fd)
+        except OSError as exc:
+            raise FrameError(f"its spill file {name} cannot be read ({exc.strerror})") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise FrameError(f"its spill file {name} is not a regular file")
+            if st.st_size > SPILL_MAX:
+                raise FrameError(
+                    f"its spill file {name} has {st.st_size} bytes (at most {SPILL_MAX})"
+                )
+            parts = []
+            left = st.st_size
+            while left > 0 and (part := os.read(fd, min(left, 1 << 24))):
+                parts.append(part)
+                left -= len(part)
+            return b"".join(parts)
         finally:
+            os.close(fd)
             with contextlib.suppress(OSError):
-                os.unlink(path)
-    if kind not in KINDS:
-        raise FrameError(f"unknown frame kind {kind!r}")
-    return kind, payload
+                os.unlink(name, dir_fd=self.dir_fd)  # a name in our directory, whatever it is
+
+    def _break(self, why: str) -> None:
+        self.broken = True
+        self.buffer.clear()
+        self.errors.append((ERROR, UNREADABLE + why))
 
 
 EXITED = "exited"  # pump: the sender exited (all it sent is read)
 EXPIRED = "expired"  # pump: the deadline passed
+_DRAIN = 2.0  # seconds the frames still in the pipe get to be read once the sender exited
 
 
 def pump(
-    reader: Connection,
+    reader: Reader,
     sentinel: Any,
     received: list,
     deadline: float | None,
@@ -140,39 +329,30 @@ def pump(
 ) -> str:
     """Collect frames into ``received`` until the sender exits (``EXITED``), the
     ``deadline`` (``time.monotonic()``) passes (``EXPIRED``) or a frame of kind
-    ``until`` arrives (that kind; the frames after it stay in the pipe).
+    ``until`` arrives (that kind; the frames after it are kept for the next call).
 
     ``sentinel`` becomes readable when the sending process has exited; the frames
-    it sent before are all read then. A garbled frame or one of an unknown kind
-    ends the reading, with an ``ERROR`` frame that says so.
+    it sent before are all read then (a descendant that holds the pipe open and keeps
+    writing gets ``_DRAIN`` seconds).
     """
-    waitables = [reader, sentinel]
     while True:
+        while (frame := reader.next()) is not None:
+            received.append(frame)
+            if until is not None and frame[0] == until:
+                return until
         remaining = None if deadline is None else deadline - time.monotonic()
         if remaining is not None and remaining <= 0:
             return EXPIRED
-        ready = wait(waitables, remaining)
+        ready = wait([sentinel] if reader.eof else [reader, sentinel], remaining)
         if reader in ready:
-            if not _read_frame(reader, received):
-                waitables.remove(reader)
-            elif until is not None and received[-1][0] == until:
-                return until
+            reader.fill()
         if sentinel in ready:
-            while reader in waitables and reader.poll(0) and _read_frame(reader, received):
-                pass
+            stop = time.monotonic() + _DRAIN
+            while not reader.eof and time.monotonic() < stop and wait([reader], 0):
+                reader.fill()
+            while (frame := reader.next()) is not None:
+                received.append(frame)
             return EXITED
-
-
-def _read_frame(reader: Connection, received: list) -> bool:
-    """Read one frame; False once the pipe is closed or unreadable."""
-    try:
-        received.append(recv_frame(reader))
-    except (EOFError, OSError):
-        return False
-    except Exception as exc:  # a garbled frame, an unknown kind: keep the evidence, stop
-        received.append((ERROR, f"unreadable message from the test process: {exc!r}"))
-        return False
-    return True
 
 
 def encode_warning(message: warnings.WarningMessage, nodeid: str) -> dict[str, Any]:

@@ -31,7 +31,9 @@ def pytest_gpuiso_child_options(config: Any) -> dict[str, Any] | None:
 
 @pytest.hookspec
 def pytest_gpuiso_child_payload(item: Any, payload: dict[str, Any]) -> None:
-    """Test's process, once its session finished: put picklable data under your own key.
+    """Test's process, once its session finished: put plain data (str, int, float, bool,
+    None, bytes, and lists, tuples and dicts of them) under your own key; another value
+    arrives as its repr, with a warning of the test.
 
     Called once per test's process, after ``pytest_sessionfinish`` of every other plugin
     (like xdist's ``workeroutput``); not called when the process crashed, was stopped by

@@ -29,20 +29,27 @@ def item_reports(
     """The child's reports, completed where it did not deliver them all, with its leaks."""
     config = item.config
     reports: list[pytest.TestReport] = []
+    unreadable: list[str] = []  # reports pytest could not rebuild: the test's error
     for data in outcome.frames_of(frames.REPORT):
-        rep = config.hook.pytest_report_from_serializable(config=config, data=data)
+        try:
+            rep = config.hook.pytest_report_from_serializable(config=config, data=data)
+        except Exception as exc:  # noqa: BLE001 - whatever the test's process sent
+            unreadable.append(f"{frames.UNREADABLE}a report pytest cannot rebuild ({exc!r})"[:500])
+            continue
         if isinstance(rep, pytest.TestReport):
             reports.append(rep)
     stopped = bool(outcome.frames_of(frames.EXIT))  # pytest.exit(): reported as in-process, no more
     complete = outcome.finished and any(r.when == "teardown" for r in reports)
-    if not complete and not stopped:
+    if (not complete or unreadable) and not stopped:
         # The time the child's reports do not account for (up to the kill, or the crash)
         # goes to the failure, so that junit and --durations show what it took.
         ran = outcome.duration - (outcome.began or 0.0)
         unreported = max(0.0, ran - sum(r.duration for r in reports))
-        _close_with_failure(
-            item, reports, lambda phase: describe_problem(outcome, spec, phase), unreported
-        )
+
+        def problem(phase: str) -> str:
+            return describe_problem(outcome, spec, phase, unreadable)
+
+        _close_with_failure(item, reports, problem, unreported)
     if reports and verdict is not None and verdict.records:
         _attach_leaks(item, reports, verdict)
     return reports
@@ -156,8 +163,13 @@ def apply_xfail(
         rep.wasxfail = xfailed.reason
 
 
-def describe_problem(outcome: Outcome, spec: IsolationSpec, phase: str) -> str:
+def describe_problem(
+    outcome: Outcome, spec: IsolationSpec, phase: str, unreadable: list[str] | None = None
+) -> str:
+    """What went wrong in ``phase``, for its failure report (``unreadable``: the reports
+    the test's process sent that pytest could not rebuild)."""
     code = outcome.exitcode
+    errors = [*outcome.frames_of(frames.ERROR), *(unreadable or ())]
     if outcome.timed_out:
         ended = f"; it was ended by {outcome.signal_name}" if outcome.signal_name else ""
         escalation = f"(escalation: stack dump, SIGTERM, {spec.grace:g} s grace, SIGKILL)"
@@ -184,6 +196,11 @@ def describe_problem(outcome: Outcome, spec: IsolationSpec, phase: str) -> str:
             f"Crashed: the isolated test process crashed with {outcome.signal_name} "
             f"(exit code {code}) during {phase}"
         )
+    elif any(error.startswith(frames.UNREADABLE) for error in errors):
+        head = (
+            f"The isolated test process sent pytest a message it cannot take during {phase} "
+            f"(exit code {code}); what it sent after it was not read, so its result is unknown"
+        )
     elif outcome.frames_of(frames.ERROR) and not outcome.frames_of(frames.REPORT):
         head = f"The isolated test process could not run the test (exit code {code})"
     else:
@@ -191,8 +208,7 @@ def describe_problem(outcome: Outcome, spec: IsolationSpec, phase: str) -> str:
             f"The isolated test process exited with code {code} during {phase} "
             "before reporting a complete result"
         )
-    parts = [head]
-    parts += outcome.frames_of(frames.ERROR)
+    parts = [head, *errors]
     if outcome.timed_out:
         if not outcome.bootstrapped:
             missing = "(no stack dump: the process was still starting up)"

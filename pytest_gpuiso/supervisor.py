@@ -69,7 +69,7 @@ class Started:
     """A started child, waiting for its go (prewarmed, or about to be run)."""
 
     job: Any
-    reader: Connection  # frames from the child
+    reader: frames.Reader  # frames from the child
     go: Connection  # the go (and its environment) to the child
     method: str
     output: Path | None
@@ -252,7 +252,7 @@ class Supervisor:
         except Exception as exc:
             remove(*[thing for thing in made if isinstance(thing, Path)])
             for conn in (thing for thing in made if not isinstance(thing, Path)):
-                conn.close()  # a Connection: closing it twice is harmless
+                conn.close()  # a Connection or a Reader: closing it twice is harmless
             detail = describe(exc) if isinstance(exc, OSError) else str(exc)
             raise StartError(f"could not start the isolated process: {detail}") from exc
         self.live[id(started)] = started
@@ -292,14 +292,16 @@ class Supervisor:
             output=str(output) if output else None,
             stack_file=str(stack_file),
             stack_signal=STACK_SIGNAL,
-            spill_dir=str(self.workdir),
+            spill_prefix=str(self.workdir / f"spill-{tag}-"),
             capture_prefix=str(capture_prefix),
             env=tuple(sorted(env.items())),
             preload=self.preload if warm and method == "spawn" else (),
             collect_ahead=warm and method == "spawn" and self.collect_ahead,
         )
-        reader, writer = self._ctx.Pipe(duplex=False)
-        made += [reader, writer]
+        pipe, writer = self._ctx.Pipe(duplex=False)
+        made += [pipe, writer]
+        reader = frames.Reader(pipe, self.workdir, f"spill-{tag}-")
+        made.append(reader)
         go_reader, go_writer = self._ctx.Pipe(duplex=False)
         made += [go_reader, go_writer]
         started = Started(

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import signal
 import time
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,7 @@ STACK_SIGNAL = int(signal.SIGRTMIN) + 2  # unlikely to collide with a test's own
 class Watch:
     """What was seen of one process: its frames, which bound ran out, when its test began."""
 
-    def __init__(self, proc: Any, reader: Connection, sentinel: Any, stack_file: Path) -> None:
+    def __init__(self, proc: Any, reader: frames.Reader, sentinel: Any, stack_file: Path) -> None:
         self.proc = proc
         self.reader = reader
         self.sentinel = sentinel

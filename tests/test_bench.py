@@ -228,3 +228,16 @@ def test_memory_leases_bench_packs_tests_and_prints_the_ratio() -> None:
     most, passed = rows["memory leases"]
     assert int(most) >= 1 and passed.strip() == "4/4", done.stdout
     assert re.search(r"memory leases vs exclusive: throughput \d+\.\d\dx", done.stdout)
+
+
+def test_chatty_bench_prints_both_modes_and_their_ratio() -> None:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "chatty.py"), "--mb", "1", "--repeat", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == "a test writing 1 MiB to captured stdout, 1 runs each"
+    assert [line.split()[0] for line in lines[2:]] == ["isolated", "in-process", "ratio"]

@@ -52,13 +52,13 @@ def _check(gpuiso, result: pytest.RunResult, workers: int = 0) -> None:
     # a crashed process sends nothing; a failing child hook is a warning, its test passes
     assert "test_crashes" in out and "FAILED" in out
     assert "pytest_gpuiso_child_payload failed: RuntimeError: plugin_hooks broke on purpose" in out
-    # a value that cannot come back arrives as its repr, with a warning naming it; the
+    # a value that is not plain data arrives as its repr, with a warning naming it; the
     # other keys stand
     assert (
-        "pytest_gpuiso_child_payload['plugin_hooks-bad'] cannot be sent to pytest's process ("
-        in out
+        "pytest_gpuiso_child_payload['plugin_hooks-bad'] is a builtins.function, which "
+        "pytest's process takes only as plain data" in out
     )
-    assert "its repr is sent instead" in out
+    assert "its repr() is sent instead" in out
 
 
 def test_options_down_and_payloads_up(gpuiso) -> None:

@@ -5,13 +5,14 @@ from __future__ import annotations
 import math
 import multiprocessing
 import os
-import pickle
+import re
+from multiprocessing.connection import wait
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pytest_gpuiso import frames
+from pytest_gpuiso import frames, wire
 from pytest_gpuiso.results import trim_stack
 from pytest_gpuiso.settings import MAX_SECONDS, SpecError, parse_count, parse_seconds
 
@@ -47,52 +48,132 @@ def test_counts_must_be_non_negative_integers(value):
         parse_count(value, "gpus")
 
 
+def _read_all(reader: frames.Reader) -> list:
+    """Every frame until the sender closes its end."""
+    received: list = []
+    while not reader.eof:
+        wait([reader], 10)
+        reader.fill()
+        while (frame := reader.next()) is not None:
+            received.append(frame)
+    return received
+
+
+def _pipe(tmp_path) -> tuple[frames.Reader, object]:
+    conn, writer = multiprocessing.Pipe(duplex=False)
+    return frames.Reader(conn, tmp_path, "spill-t-"), writer
+
+
 @pytest.mark.parametrize("size", [10, frames.SPILL_BYTES - 100, frames.SPILL_BYTES + 1, 5_000_000])
 def test_frames_round_trip_and_spill_files_are_removed(tmp_path, size):
-    reader, writer = multiprocessing.Pipe(duplex=False)
+    reader, writer = _pipe(tmp_path)
     payload = b"x" * size
     sender = multiprocessing.get_context("fork").Process(
-        target=frames.send_frame, args=(writer, frames.RESULT, payload, str(tmp_path))
+        target=frames.send_frame,
+        args=(writer, frames.RESULT, payload, str(tmp_path / "spill-t-")),
     )
     sender.start()
-    writer.close()  # a sender that fails closes the pipe: EOFError here, not a hang
-    kind, received = frames.recv_frame(reader)
+    writer.close()  # a sender that fails closes the pipe: the end of the stream, not a hang
+    received = _read_all(reader)
     sender.join()
-    assert (kind, received) == (frames.RESULT, payload)
+    assert received == [(frames.RESULT, payload)]
     assert os.listdir(tmp_path) == []
+    reader.close()
 
 
-@pytest.mark.parametrize("size", [10, 5_000_000])
-def test_a_frame_of_an_unknown_kind_is_an_error_on_either_side(tmp_path, size):
-    """The vocabulary is closed: send_frame refuses an unknown kind, and recv_frame
-    raises for one that arrives anyway (in the pipe or in a spill file)."""
-    reader, writer = multiprocessing.Pipe(duplex=False)
-    with pytest.raises(frames.FrameError, match="unknown frame kind 'blob'"):
-        frames.send_frame(writer, "blob", b"x", str(tmp_path))
-    data = pickle.dumps(("blob", b"x" * size))
-    if size > frames.SPILL_BYTES:
-        spill = tmp_path / "spill-1.pickle"
-        spill.write_bytes(data)
-        data = pickle.dumps((frames._SPILL, str(spill)))
-    writer.send_bytes(data)
-    with pytest.raises(frames.FrameError, match="unknown frame kind 'blob'"):
-        frames.recv_frame(reader)
-    assert os.listdir(tmp_path) == []
+def _raw(writer, frame) -> None:
+    writer.send_bytes(wire.encode(frame))
+
+
+@pytest.mark.parametrize(
+    ("frame", "error"),
+    [
+        (("blob", b"x"), "unknown frame kind 'blob'"),
+        ((frames.WARNING, {}), "a 'warning' frame of the wrong shape: {}"),
+        ((frames.READY, "1"), "a 'ready' frame of the wrong shape: '1'"),
+        ((frames.JUNIT, ("p", None, "n")), "a 'junit' frame of the wrong shape: ('p', None, 'n')"),
+        (["ready", 1], "not a (kind, payload) pair: list"),
+    ],
+)
+def test_a_frame_of_an_unknown_kind_or_the_wrong_shape_is_an_error_on_either_side(
+    tmp_path, frame, error
+):
+    """The vocabulary is closed and each kind has one shape: send_frame refuses another,
+    and the reader turns one that arrives anyway into an ERROR frame, then drops the rest."""
+    reader, writer = _pipe(tmp_path)
+    if isinstance(frame, tuple):
+        with pytest.raises(frames.FrameError, match=re.escape(error)):
+            frames.send_frame(writer, *frame, str(tmp_path / "spill-t-"))
+    _raw(writer, frame)
+    _raw(writer, (frames.DONE, 0))  # after a bad frame, nothing is trusted
+    writer.close()
+    assert _read_all(reader) == [
+        (frames.ERROR, f"unreadable message from the test process: {error}")
+    ]
 
 
 def test_spill_files_are_private(tmp_path, monkeypatch):
     seen = []
-    real_unlink = os.unlink
+    real_fstat = os.fstat
 
-    def spy(path):
-        seen.append(os.stat(path).st_mode & 0o777)
-        real_unlink(path)
+    def spy(fd):
+        st = real_fstat(fd)
+        seen.append(st.st_mode & 0o777)
+        return st
 
-    monkeypatch.setattr(frames.os, "unlink", spy)
-    reader, writer = multiprocessing.Pipe(duplex=False)
-    frames.send_frame(writer, frames.RESULT, b"y" * (frames.SPILL_BYTES + 1), str(tmp_path))
-    frames.recv_frame(reader)
+    reader, writer = _pipe(tmp_path)
+    frames.send_frame(
+        writer, frames.RESULT, b"y" * (frames.SPILL_BYTES + 1), str(tmp_path / "spill-t-")
+    )
+    writer.close()
+    monkeypatch.setattr(frames.os, "fstat", spy)
+    assert [kind for kind, _ in _read_all(reader)] == [frames.RESULT]
     assert seen == [0o600]
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        None,
+        {"a": [1, 2.5, (3, "x")], "b": {(1, 2): b"\x00\xff", 3: None}},
+        ("\udcff", float("inf"), -(10**30), True, []),
+        [[], (), {}, b""],
+    ],
+)
+def test_plain_data_round_trips_exactly(value):
+    decoded = wire.decode(wire.encode(value))
+    assert decoded == value and repr(decoded) == repr(value)  # tuples stay tuples
+
+
+@pytest.mark.parametrize(
+    "data",
+    [b"[1]", b'["X", 1]', b'["D", 1]', b'["B", "***"]', b"{", b'["D", ["L"], 1]', b"[" * 100_000],
+)
+def test_bytes_that_are_not_a_message_are_a_wire_error(data):
+    with pytest.raises(wire.WireError):
+        wire.decode(data)
+
+
+def test_values_that_are_not_plain_become_plain_or_their_repr():
+    class Mine:
+        def __repr__(self) -> str:
+            return "<mine>"
+
+    problems: list[str] = []
+    value = {"n": IntFlagLike(3), "f": FloatLike(1.5), "s": [Mine()]}
+    assert wire.plain(value, "payload", problems) == {"n": 3, "f": 1.5, "s": ["<mine>"]}
+    assert len(problems) == 1 and problems[0].startswith("payload['s'][0] is a ")
+    assert wire.plain(Mine(), "p", [], str) == "<mine>"
+    with pytest.raises(wire.WireError, match="is not plain data"):
+        wire.encode({"x": Mine()})
+
+
+class IntFlagLike(int):
+    pass
+
+
+class FloatLike(float):
+    pass
 
 
 def test_trim_stack_keeps_test_frames_and_folds_internals():
@@ -120,4 +201,40 @@ def test_trim_stack_keeps_test_frames_and_folds_internals():
         '  File "/src/test_x.py", line 5 in helper',
         '  File "/src/test_x.py", line 9 in test_x',
         "  ... 3 frames of pytest and pytest-gpuiso internals",
+    ]
+
+
+def test_past_the_budget_only_the_frames_that_time_the_test_are_kept(tmp_path, monkeypatch):
+    monkeypatch.setattr(frames, "KEEP_BYTES", 10_000)
+    reader, writer = _pipe(tmp_path)
+    prefix = str(tmp_path / "spill-t-")
+    frames.send_frame(writer, frames.BEGIN, "t", prefix)
+    for n in range(100):
+        frames.send_frame(writer, frames.PHASE, f"{n:0200}", prefix)
+    frames.send_frame(writer, frames.END, None, prefix)
+    frames.send_frame(writer, frames.DONE, 0, prefix)
+    writer.close()
+    received = _read_all(reader)
+    kinds = [kind for kind, _ in received]
+    assert kinds[0] == frames.BEGIN and kinds[-2:] == [frames.END, frames.DONE]
+    assert 30 < kinds.count(frames.PHASE) < 60  # ~10 000 bytes of them
+    errors = [payload for kind, payload in received if kind == frames.ERROR]
+    assert errors == [
+        "the test process sent more than 0 MiB of messages; those past it were not kept "
+        "(the first was a 'phase' frame)"
+    ]
+
+
+def test_a_frame_cut_off_by_the_end_of_the_stream_is_an_error(tmp_path):
+    reader, writer = _pipe(tmp_path)
+    frames.send_frame(writer, frames.READY, 1, str(tmp_path / "spill-t-"))
+    os.write(writer.fileno(), b"\x00\x00\x00\x64" + b"x" * 10)
+    writer.close()
+    assert _read_all(reader) == [
+        (frames.READY, 1),
+        (
+            frames.ERROR,
+            frames.UNREADABLE + "its last message was cut off (14 bytes of it arrived "
+            "before it closed the pipe)",
+        ),
     ]

@@ -25,10 +25,10 @@ pytest-benchmark's internals used (checked once; without them one warning):
 from __future__ import annotations
 
 import inspect
-import pickle
 from types import SimpleNamespace
 from typing import Any
 
+from .. import wire
 from ..warning_types import GpuIsoStartWarning, warn_session
 from . import plugin_version
 
@@ -127,12 +127,12 @@ class BenchmarkAdapter:
 
 
 def _benchmark_record(bench: Any) -> dict[str, Any]:
-    """One benchmark as picklable data; values that do not pickle go as their repr."""
+    """One benchmark as plain data; values that are not go as their repr."""
     as_dict = bench.as_dict(include_data=True)  # options' callables already as names
     record = {name: as_dict.get(name) for name in _SENT}
     for name in ("params", "extra_info"):
         if isinstance(record[name], dict):
-            record[name] = {k: _picklable(v) for k, v in record[name].items()}
+            record[name] = {k: _plain(v) for k, v in record[name].items()}
     record["iterations"] = bench.iterations
     record["data"] = list(bench.stats.data)
     record["has_error"] = bool(bench.has_error)
@@ -141,12 +141,10 @@ def _benchmark_record(bench: Any) -> dict[str, Any]:
     return record
 
 
-def _picklable(value: Any) -> Any:
-    try:
-        pickle.dumps(value)
-    except Exception:
-        return repr(value)
-    return value
+def _plain(value: Any) -> Any:
+    """``value`` as plain data (``wire``); what is not, as its repr (as pytest-benchmark's
+    JSON has it)."""
+    return wire.plain(value, "", [])
 
 
 class _Profile:

@@ -14,11 +14,14 @@ import socket
 from pathlib import Path
 from typing import Any
 
+from .. import wire
 from ..proctree import main_not_rerun, reap_or_kill, reap_pid, unlist
 from .fork import close_quietly, send_request
 from .server import ServerBoot, Unavailable, main
 
 __all__ = ["ForkServer", "ServerBoot", "Unavailable"]
+
+_ANSWER_BYTES = 1 << 16  # an answer of the server is a pid and a line or two
 
 
 class ForkServer:
@@ -83,10 +86,13 @@ class ForkServer:
         try:
             if not self.conn.poll(timeout):
                 return "failed", f"the fork server did not answer ({what}) within {timeout:g} s"
-            kind, payload, *template = self.conn.recv()
-            if template and template[0] is not None:
+            answer = wire.decode(self.conn.recv_bytes(_ANSWER_BYTES))
+            kind, payload, *template = answer
+            if template and type(template[0]) is int:
                 self.template_pid = template[0]
             return kind, payload
+        except (wire.WireError, ValueError, TypeError) as exc:  # not an answer of ours
+            return "failed", f"the fork server sent an answer that is not one: {exc}"
         except (EOFError, OSError):
             code = self.proc.exitcode
             how = f" (exit code {code})" if code is not None else ""

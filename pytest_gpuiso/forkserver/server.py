@@ -21,7 +21,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, NoReturn
 
-from .. import child
+from .. import child, wire
 from .._compat import load_conftests, prepare_config
 from .._linux import die_with_parent
 from ..settings import TEMPLATE_WAIT_DEFAULT
@@ -76,9 +76,9 @@ def main(boot: ServerBoot, conn: Connection) -> None:
     except BaseException as exc:  # noqa: BLE001 - any failure means: no fork server
         traceback.print_exc()
         why = str(exc) if isinstance(exc, Unavailable) else one_line(exc)
-        conn.send(("failed", f"the fork server could not start: {why}"))
+        conn.send_bytes(wire.encode(("failed", f"the fork server could not start: {why}")))
         return
-    conn.send(("ready", None))
+    conn.send_bytes(wire.encode(("ready", None)))
     server = Server(boot, sock, conn, config, stdio)
     if boot.collect_all:  # what pytest collects is what the template collects: start now
         server.template = TemplateHandle.start(server, None)
@@ -155,7 +155,7 @@ class Server:
             if answer is not None:
                 # Every answer names the template, pytest's child to spare and reap.
                 template = self.template.reaper_pid if self.template is not None else None
-                self.conn.send((*answer, template))
+                self.conn.send_bytes(wire.encode((*answer, template)))  # plain data for pytest
         return None
 
     def collect(self, directories: list[str], modules: list[str]) -> None:

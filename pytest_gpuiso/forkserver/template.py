@@ -344,7 +344,7 @@ class TemplatePlugin(child_plugin.ChildPlugin):
         """This process is now the test's: take its job and what is its own."""
         child.bootstrap(boot, conn)
         self.job = job
-        self.channel = child.Channel(conn, boot.spill_dir, go, boot.output)
+        self.channel = child.Channel(conn, boot.spill_prefix, go, boot.output)
         child.refuse_inherited_cuda()
         self.channel.send(frames.READY, os.getpid())
         config = self.config
