@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from . import header, pinning, report, runner, workdir, workers
+from . import dead_sessions, header, pinning, report, runner, workdir, workers
 from .call import call_isolated
 from .child_plugin import CHILD_PLUGIN
 from .leases import Leases, discover
@@ -59,9 +59,7 @@ def pytest_configure(config: pytest.Config) -> None:
     settings = Settings.from_config(config)
     debugger = _debugger(config)
     if debugger and settings.mode != "off":
-        text = f"gpu-isolate: {debugger}: every test runs in-process, so the debugger reaches it"
-        if not warn_session(config, GpuIsoStartWarning(text)):
-            raise pytest.UsageError(f"{text} (GpuIsoStartWarning is an error by -W/filterwarnings)")
+        _warn_start(config, f"{debugger}: every test runs in-process, so the debugger reaches it")
         settings = dataclasses.replace(settings, mode="off")
     report_from, summary_from = settings.outputs_from
     state = State(
@@ -76,7 +74,9 @@ def pytest_configure(config: pytest.Config) -> None:
                 workdir.root()
             except workdir.WorkdirError as exc:
                 raise pytest.UsageError(f"gpu-isolate: {exc}") from None
-        workdir.clean_stale()
+        ended = workdir.clean_stale()  # and what the tests of dead sessions left running
+        if ended:
+            _warn_start(config, dead_sessions.describe(ended))
         from ._lease import RegionError
 
         try:
@@ -94,6 +94,14 @@ def pytest_configure(config: pytest.Config) -> None:
         state.pin = pinning.own(config, state.pins, state.leases)
     config.stash[STATE] = state
     config.pluginmanager.register(Recorder(config, state), "gpuiso-recorder")
+
+
+def _warn_start(config: pytest.Config, text: str) -> None:
+    """Say ``text`` once, as a warning of the session; a usage error where a filter makes
+    ``GpuIsoStartWarning`` an error."""
+    text = f"gpu-isolate: {text}"
+    if not warn_session(config, GpuIsoStartWarning(text)):
+        raise pytest.UsageError(f"{text} (GpuIsoStartWarning is an error by -W/filterwarnings)")
 
 
 def _debugger(config: pytest.Config) -> str:

@@ -56,6 +56,16 @@ def exists(pid: int) -> bool:
     return True
 
 
+def environ(pid: int) -> set[bytes]:
+    """The ``NAME=value`` entries of the environment ``pid`` was exec'd with
+    (``/proc/PID/environ``, which its forks share); empty when it is gone or not ours to read."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return set(f.read().split(b"\0"))
+    except OSError:
+        return set()
+
+
 def children(pid: int) -> list[int] | None:
     """Direct children from /proc/PID/task/*/children; None where the kernel lacks it."""
     kids: list[int] = []

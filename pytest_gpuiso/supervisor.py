@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from . import child, frames
+from .dead_sessions import OWNER_ENV
 from .forkserver import ForkServer, ServerBoot, Unavailable
 from .leaks import Leak, Probe, RunInfo
 from .leaks.process import Mark, ProcessProbe
@@ -136,6 +137,8 @@ class Supervisor:
         self.capture_output = capture_output
         self.method = start
         self.exec_env = dict(exec_env or {})  # must be there at exec (LD_PRELOAD of a probe)
+        # In all it starts, and all they start: ended by the next session if this one dies
+        self.owner = {OWNER_ENV: workdir.name}
         self.server_boot = server_boot  # None: no fork server (spawn only)
         # imported by the fork server, and by spawned processes started ahead of their turn
         self.preload = server_boot.preload if server_boot is not None else ()
@@ -164,7 +167,7 @@ class Supervisor:
             boot = dataclasses.replace(self.server_boot, log=str(log))
             ensure_resource_tracker()
             try:
-                with exec_environment(self.exec_env):
+                with exec_environment({**self.exec_env, **self.owner}):  # its forks' too
                     self.server = ForkServer(self._ctx, boot)
             except Exception as exc:
                 self._fall_back(f"the fork server could not be started: {exc}")
@@ -283,7 +286,8 @@ class Supervisor:
         if self.exec_env:  # the shim is preloaded: it logs from the process's start on
             shm_log = str(private(f"shm-{tag}.log"))
             env[LOG_ENV] = shm_log
-        exec_env = dict(self.exec_env)
+        exec_env = {**self.exec_env, **self.owner}
+        env.update(self.owner)
         if self.mark is not None:  # in the block it is exec'd with, which its forks share
             exec_env.update(self.mark.env)
             env.update(self.mark.env)  # a forked child's os.environ: what its execs inherit

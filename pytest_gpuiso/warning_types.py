@@ -20,7 +20,8 @@ class GpuIsoLeakWarning(pytest.PytestWarning):
 
 
 class GpuIsoStartWarning(pytest.PytestWarning):
-    """The fork server or prewarming could not be used, or isolation is off for a debugger."""
+    """The fork server or prewarming could not be used, isolation is off for a debugger, or
+    what a dead session's tests left running was ended."""
 
 
 def warn_for_test(warning: Warning, filename: str, lineno: int) -> bool:

@@ -11,8 +11,8 @@ lifetime; the kernel releases it when the process dies, in whatever pid namespac
 (a pid and a start time mean nothing in another one, and sessions in containers may
 share a TMPDIR). The lock file gets its name only once it is locked, so no one ever
 finds it unlocked while its process lives. A later session removes the directories
-whose lock it can take; anything else (no lock file, not a directory, another
-name) is kept.
+whose lock it can take, after ending the processes their tests left running
+(``dead_sessions``); anything else (no lock file, not a directory, another name) is kept.
 """
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ import shutil
 import stat
 import tempfile
 from pathlib import Path
+from typing import Any
+
+from . import dead_sessions
 
 LOCK = "lock"
 _NAME = re.compile(r"^\d+-[A-Za-z0-9_]+$")  # <pid>-<random>: a process's directory
@@ -123,39 +126,47 @@ def remove_process_dir() -> None:
         os.close(fd)  # only now: until it is gone, no one else may take it
 
 
-def clean_stale() -> list[Path]:
-    """Remove the directories of processes that are gone (their lock is free); return them.
+def clean_stale() -> list[dict[str, Any]]:
+    """Remove the directories of processes that are gone (their lock is free), after
+    ending what their tests left running (``dead_sessions.end``); return what was ended.
 
     Makes nothing, and says nothing when the work directory is missing or not ours.
+    Lists processes only when some directory is found dead.
     """
-    removed: list[Path] = []
     try:
         entries = list(root(create=False).iterdir())
     except (WorkdirError, OSError):
-        return removed
-    for entry in entries:
-        if _NAME.match(entry.name) and _abandoned(entry):
-            removed.append(entry)
-    return removed
+        return []
+    taken: list[tuple[Path, int]] = []
+    try:
+        for entry in entries:
+            fd = _take(entry) if _NAME.match(entry.name) else None
+            if fd is not None:
+                taken.append((entry, fd))
+        # While the locks are ours: no other session ends them too, and one that dies
+        # now leaves the directories for the next to finish.
+        return dead_sessions.end([entry.name for entry, _ in taken]) if taken else []
+    finally:
+        for entry, fd in taken:
+            shutil.rmtree(entry, ignore_errors=True)
+            os.close(fd)
 
 
-def _abandoned(entry: Path) -> bool:
-    """Remove ``entry`` if its lock can be taken (its process is dead); whether it was."""
+def _take(entry: Path) -> int | None:
+    """The descriptor of ``entry``'s lock, locked, if it can be taken (its process is
+    dead); None when it is held or ``entry`` is not one to judge."""
     try:
         fd = os.open(entry / LOCK, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError:
-        return False  # no lock file (half made, or not ours to judge): kept
+        return None  # no lock file (half made, or not ours to judge): kept
     try:
-        if not stat.S_ISDIR(os.lstat(entry).st_mode):
-            return False
-        try:
+        if stat.S_ISDIR(os.lstat(entry).st_mode):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            return False  # held: its process lives, in this pid namespace or another
-        shutil.rmtree(entry, ignore_errors=True)
-        return True
-    finally:
-        os.close(fd)
+            return fd
+    except OSError:
+        pass  # held: its process lives, in this pid namespace or another
+    os.close(fd)
+    return None
 
 
 def describe(exc: OSError) -> str:

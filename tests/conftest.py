@@ -7,6 +7,7 @@ their node ids, plus every test carrying one of the markers ``--sample-keep`` na
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import zlib
@@ -122,6 +123,15 @@ def lease_region(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     path = tmp_path / "leases"
     monkeypatch.setenv("PYTEST_GPUISO_LEASE_REGION", str(path))
     return path
+
+
+@pytest.fixture
+def private_tmpdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh $TMPDIR for the pytest runs; returns where their private directories go."""
+    tmp = tmp_path / "tmpdir"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))
+    return tmp / f"pytest-gpuiso-{os.getuid()}"
 
 
 def _fake_library(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:

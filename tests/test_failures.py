@@ -67,15 +67,6 @@ def group_members(pgid: int) -> list[int]:
     return members
 
 
-@pytest.fixture
-def private_tmpdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A fresh $TMPDIR for the pytest runs; returns where their private directories go."""
-    tmp = tmp_path / "tmpdir"
-    tmp.mkdir()
-    monkeypatch.setenv("TMPDIR", str(tmp))
-    return tmp / f"pytest-gpuiso-{os.getuid()}"
-
-
 # --------------------------------------------------------------------------- timeouts
 
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import psutil
 
-from ..proctree import REAP_WAIT, STOP_ROUNDS, alive, cmdline, descendant_keys
+from ..proctree import REAP_WAIT, STOP_ROUNDS, alive, cmdline, descendant_keys, environ
 from . import Leak, RunInfo
 
 SETTLE = 0.1  # seconds a new descendant gets to exit by itself before it counts
@@ -55,12 +55,8 @@ class Mark:
             with contextlib.suppress(OSError):
                 if os.getpgid(pid) == self.group:
                     return True
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                environ = f.read()
-        except OSError:
-            return False  # gone, or not ours to read: not known to be the call's
-        return f"{MARK_ENV}={self.token}".encode() in environ.split(b"\0")
+        # gone, or not ours to read: not known to be the call's
+        return f"{MARK_ENV}={self.token}".encode() in environ(pid)
 
 
 def _marked(keys: set[tuple[int, float]], mark: Mark | None) -> set[tuple[int, float]]:
