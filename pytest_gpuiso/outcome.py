@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import signal
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from . import frames
 from .leaks import Leak
+from .workdir import read_end
 
 OUTPUT_TAIL_LINES = 60  # lines of the process's own output shown with a failure
+OUTPUT_TAIL_BYTES = 8192  # of a captured output file, read after a crash
+OUTPUT_KEEP_BYTES = 1 << 20  # of what the child wrote outside pytest's capture
 
 
 @dataclass
@@ -93,3 +97,17 @@ class Outcome:
         if kind not in frames.KINDS:
             raise frames.FrameError(f"unknown frame kind {kind!r}")
         return [payload for k, payload in self.frames_in_time if k == kind]
+
+
+def read_output(path: Path) -> str:
+    """What the child wrote outside capture; only the last ``OUTPUT_KEEP_BYTES`` if more."""
+    text, size = read_end(path, OUTPUT_KEEP_BYTES)
+    if size > OUTPUT_KEEP_BYTES:
+        text = f"[{size - OUTPUT_KEEP_BYTES} earlier bytes not kept]\n" + text
+    return text
+
+
+def captured_tail(path: Path) -> str:
+    """The last lines of the child's captured stdout/stderr."""
+    text, _ = read_end(path, OUTPUT_TAIL_BYTES)
+    return "\n".join(text.splitlines()[-OUTPUT_TAIL_LINES:])

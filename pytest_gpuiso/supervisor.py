@@ -37,7 +37,7 @@ from .forkserver import ForkServer, ServerBoot, Unavailable
 from .leaks import Leak, Probe, RunInfo
 from .leaks.process import Mark, ProcessProbe
 from .leaks.shm import LOG_ENV, dispose_created
-from .outcome import OUTPUT_TAIL_LINES, Outcome
+from .outcome import Outcome, captured_tail, read_output
 from .proctree import (
     Child,
     ensure_resource_tracker,
@@ -51,10 +51,8 @@ from .proctree import (
 )
 from .settings import DEFAULT_STARTUP_TIMEOUT
 from .watch import STACK_SIGNAL, Watch
-from .workdir import describe, private_file, read_end, remove
+from .workdir import describe, private_file, remove
 
-OUTPUT_TAIL_BYTES = 8192
-OUTPUT_KEEP_BYTES = 1 << 20  # of what the child wrote outside pytest's capture
 _SERVER_WAIT = 300.0  # seconds the first fork may wait for the server to import everything
 
 
@@ -462,9 +460,9 @@ class Supervisor:
                 pids = {leak.fields["pid"] for leak in found if leak.kind == "process"}
                 run = dataclasses.replace(run, tree_pids=run.tree_pids | pids)
             started.close()
-            written = _read_output(started.output) if started.output else ""
+            written = read_output(started.output) if started.output else ""
             captures = started.capture_files()
-            captured = [text for text in map(_tail, captures) if text.strip()]
+            captured = [text for text in map(captured_tail, captures) if text.strip()]
             remove(started.output, started.stack_file, *captures)
         received = list(watched.received)
         if interrupted:  # a test's Ctrl-C: its leaks are reported, then the session ends
@@ -486,17 +484,3 @@ class Supervisor:
             collected=started.collected or any(k == frames.AHEAD for k, _ in watched.received),
             uncollected=started.uncollected,
         )
-
-
-def _read_output(path: Path) -> str:
-    """What the child wrote outside capture; only the last ``OUTPUT_KEEP_BYTES`` if more."""
-    text, size = read_end(path, OUTPUT_KEEP_BYTES)
-    if size > OUTPUT_KEEP_BYTES:
-        text = f"[{size - OUTPUT_KEEP_BYTES} earlier bytes not kept]\n" + text
-    return text
-
-
-def _tail(path: Path) -> str:
-    """The last lines of the child's captured stdout/stderr."""
-    text, _ = read_end(path, OUTPUT_TAIL_BYTES)
-    return "\n".join(text.splitlines()[-OUTPUT_TAIL_LINES:])
