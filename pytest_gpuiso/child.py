@@ -1,4 +1,4 @@
-"""Child side of an isolated run: bootstrap, run exactly one job, send frames, ``os._exit``.
+"""Child side of an isolated run: bootstrap, run exactly one job, send frames, exit.
 
 Two kinds of job run here:
 
@@ -10,9 +10,9 @@ Two kinds of job run here:
   or its exception.
 
 It talks to the parent in frames (``frames``): ``READY`` once bootstrapped,
-then what the job produced, and ``DONE`` last. The child leaves with ``os._exit``
-once ``DONE`` is sent, so a non-daemon thread left running by a test cannot keep
-it alive.
+then what the job produced, and ``DONE`` last. Once ``DONE`` is sent the child runs
+Python's exit handlers and leaves with ``os._exit`` (``flush_and_exit``), so a
+non-daemon thread left running by a test cannot keep it alive.
 
 A child may be started before its test's turn (prewarming, ``supervisor``): it
 bootstraps, imports, parses the configuration and configures pytest, collects its
@@ -109,14 +109,43 @@ def internal_error() -> str:
 
 
 def flush_and_exit(status: int) -> NoReturn:
+    """Leave as a Python process does for the code it ran, then at once (``os._exit``).
+
+    threading's exit hooks (concurrent.futures shuts its executors down there) and the
+    ``atexit`` handlers (multiprocessing's finalizers among them: the semaphores of a pool
+    left open are unlinked) run, as at any interpreter's exit; the parent bounds them
+    with the exit bound. Not run: the joining of non-daemon threads still running (they
+    would keep the process alive; in-process they would keep pytest alive) and the
+    interpreter's teardown of every module, which with torch loaded costs time and
+    changes nothing a test could observe."""
+    _flush()
+    run_exit_handlers()
+    _flush()
+    with contextlib.suppress(Exception):  # also an atexit handler, when it was registered
+        workdir.remove_process_dir()
+    os._exit(status)
+
+
+def _flush() -> None:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
-    # os._exit() runs no atexit handler: the directory a run_isolated call of the test
-    # made for itself goes now, not at the next session's clean-up.
-    with contextlib.suppress(Exception):
-        workdir.remove_process_dir()
-    os._exit(status)
+
+
+def run_exit_handlers() -> None:
+    """threading's exit hooks, then atexit's handlers; a failing one is printed (to the
+    test's output) as Python prints it, and the others still run."""
+    import atexit
+    import threading
+
+    hooks = getattr(threading, "_threading_atexits", [])  # CPython's, Python >= 3.9
+    for hook in reversed(list(hooks)):
+        try:
+            hook()
+        except Exception:  # noqa: BLE001 - as Python's own exit: print, go on
+            traceback.print_exc()
+    hooks.clear()
+    atexit._run_exitfuncs()
 
 
 def bootstrap(boot: Bootstrap, conn: Connection) -> None:

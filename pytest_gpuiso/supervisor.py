@@ -31,7 +31,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
-from . import child, frames
+from . import child, frames, imports
 from .dead_sessions import OWNER_ENV
 from .forkserver import ForkServer, ServerBoot, Unavailable
 from .leaks import Leak, Probe, RunInfo
@@ -170,6 +170,14 @@ class Supervisor:
             except Exception as exc:
                 self._fall_back(f"the fork server could not be started: {exc}")
 
+    def _preload(self, job: Any) -> tuple[str, ...]:
+        """The preload modules a spawned process started ahead of ``job`` imports: those
+        its test's module or its conftests import (a call's: all)."""
+        if not isinstance(job, child.ItemJob):
+            return self.preload
+        module = Path(job.invocation_dir, job.collect_arg.split("::", 1)[0])
+        return imports.needed(self.preload, module)
+
     def _fall_back(self, reason: str) -> None:
         if self.method != "spawn":
             self.notices.append(f"{reason}; isolated tests are started with spawn instead")
@@ -297,7 +305,7 @@ class Supervisor:
             spill_prefix=str(self.workdir / f"spill-{tag}-"),
             capture_prefix=str(capture_prefix),
             env=tuple(sorted(env.items())),
-            preload=self.preload if warm and method == "spawn" else (),
+            preload=self._preload(job) if warm and method == "spawn" else (),
             collect_ahead=warm and method == "spawn" and self.collect_ahead,
         )
         pipe, writer = self._ctx.Pipe(duplex=False)

@@ -24,6 +24,7 @@ from typing import Any, NoReturn
 from .. import child, wire
 from .._compat import load_conftests, prepare_config
 from .._linux import die_with_parent
+from ..child_plugin import freeze
 from ..settings import TEMPLATE_WAIT_DEFAULT
 from . import pools
 from .fork import close_fds, fork_test_process, one_line, receive_request
@@ -111,7 +112,7 @@ def _prepare(boot: ServerBoot) -> Any:
     capman = config.pluginmanager.get_plugin("capturemanager")
     if capman is not None:
         capman.stop_global_capturing()
-    gc.freeze()
+    freeze()
     return config
 
 
@@ -169,7 +170,7 @@ class Server:
             except BaseException:  # noqa: BLE001 - even pytest.skip() at import: the test meets it
                 continue
         pools.step("importing conftests")
-        gc.freeze()
+        freeze()
         if modules and self.template is None:
             self.template = TemplateHandle.start(self, modules)
 

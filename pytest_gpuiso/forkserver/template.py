@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
-import gc
 import os
 import random
 import signal
@@ -194,7 +193,7 @@ def _template_main(server: Server, sock: socket.socket, modules: list[str] | Non
                         problem += f"; it created {entry} too, left in place ({how})"
             conn.send(("unusable", f"after configuring and collecting: {problem}"))
             os._exit(0)
-        gc.freeze()
+        child_plugin.freeze()
         conn.send(("collected", items))
         forked = _serve_forks(boot.parent_pid, sock, conn, server.stdio)
         if forked is None:
