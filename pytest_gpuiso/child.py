@@ -11,8 +11,8 @@ Two kinds of job run here:
 
 It talks to the parent in frames (``frames``): ``READY`` once bootstrapped,
 then what the job produced, and ``DONE`` last. Once ``DONE`` is sent the child runs
-Python's exit handlers and leaves with ``os._exit`` (``flush_and_exit``), so a
-non-daemon thread left running by a test cannot keep it alive.
+threading's exit hooks and multiprocessing's finalizers and leaves with ``os._exit``
+(``flush_and_exit``), so a non-daemon thread left running by a test cannot keep it alive.
 
 A child may be started before its test's turn (prewarming, ``supervisor``): it
 bootstraps, imports, parses the configuration and configures pytest, collects its
@@ -109,19 +109,19 @@ def internal_error() -> str:
 
 
 def flush_and_exit(status: int) -> NoReturn:
-    """Leave as a Python process does for the code it ran, then at once (``os._exit``).
+    """Leave as multiprocessing's own processes leave, then at once (``os._exit``).
 
-    threading's exit hooks (concurrent.futures shuts its executors down there) and the
-    ``atexit`` handlers (multiprocessing's finalizers among them: the semaphores of a pool
-    left open are unlinked) run, as at any interpreter's exit; the parent bounds them
-    with the exit bound. Not run: the joining of non-daemon threads still running (they
-    would keep the process alive; in-process they would keep pytest alive) and the
-    interpreter's teardown of every module, which with torch loaded costs time and
-    changes nothing a test could observe."""
+    threading's exit hooks run (concurrent.futures shuts its executors down there), then
+    multiprocessing's finalizers (the semaphores of a pool left open are unlinked, its
+    workers ended), as at the end of a ``multiprocessing.Process``; the parent bounds
+    them with the exit bound. Not run, as there: ``atexit`` handlers (torch's alone cost
+    ~23 ms in a forked process and change nothing a test could observe), the joining of
+    non-daemon threads still running (they would keep the process alive; in-process they
+    would keep pytest alive) and the interpreter's teardown of every module."""
     _flush()
-    run_exit_handlers()
+    run_exit_hooks()
     _flush()
-    with contextlib.suppress(Exception):  # also an atexit handler, when it was registered
+    with contextlib.suppress(Exception):  # os._exit() runs no atexit handler: ours now
         workdir.remove_process_dir()
     os._exit(status)
 
@@ -132,10 +132,9 @@ def _flush() -> None:
             stream.flush()
 
 
-def run_exit_handlers() -> None:
-    """threading's exit hooks, then atexit's handlers; a failing one is printed (to the
-    test's output) as Python prints it, and the others still run."""
-    import atexit
+def run_exit_hooks() -> None:
+    """threading's exit hooks, then multiprocessing's finalizers (when it was imported); a
+    failing one is printed (to the test's output) as Python prints it."""
     import threading
 
     hooks = getattr(threading, "_threading_atexits", [])  # CPython's, Python >= 3.9
@@ -145,7 +144,12 @@ def run_exit_handlers() -> None:
         except Exception:  # noqa: BLE001 - as Python's own exit: print, go on
             traceback.print_exc()
     hooks.clear()
-    atexit._run_exitfuncs()
+    util = sys.modules.get("multiprocessing.util")
+    if util is not None:
+        try:
+            util._exit_function()
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
 
 
 def bootstrap(boot: Bootstrap, conn: Connection) -> None:

@@ -145,12 +145,24 @@ def _become_test_process(parent_pid: int, close: list[Any], stdio: tuple[int, in
                 os._exit(71)
             time.sleep(0.0002)
         gc.enable()
+        _forget_multiprocessing_children()
         numpy = sys.modules.get("numpy")
         if numpy is not None:  # every fork would otherwise draw the same "random" numbers
             with contextlib.suppress(Exception):
                 numpy.random.seed()
     except BaseException:
         os._exit(71)
+
+
+def _forget_multiprocessing_children() -> None:
+    """As in a process multiprocessing forks: the finalizers and child processes of the
+    process it was forked from are not its own (its exit would run and join them)."""
+    util = sys.modules.get("multiprocessing.util")
+    if util is not None:
+        util._finalizer_registry.clear()
+    process = sys.modules.get("multiprocessing.process")
+    if process is not None:
+        process._children = set()
 
 
 def send_request(
