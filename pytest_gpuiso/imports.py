@@ -5,9 +5,11 @@ A spawned process started ahead of its test imports the preload modules while it
 (``prewarm``), which saves a test that imports torch the seconds of ``import torch`` after
 its go; a test that never imports torch would only pay them. The files are read, not
 run: a line that starts with ``import X`` or ``from X import`` names ``X`` (in a string
-too: then a module is preloaded that is not needed, as before). A module reached only
-through another module of the suite is not seen, and is imported when the test's module
-is, as without a preload. Cached by file, size and modification time.
+too: then a module is preloaded that is not needed, as before), and so does a call
+``pytest.importorskip("X")``, ``importlib.import_module("X")`` or ``__import__("X")``
+with the name written out. A module reached only through another module of the suite is
+not seen, and is imported when the test's module is, as without a preload. Cached by
+file, size and modification time.
 """
 
 from __future__ import annotations
@@ -18,6 +20,10 @@ import re
 from pathlib import Path
 
 _IMPORT = re.compile(rb"^[ \t]*(?:import|from)[ \t]+([A-Za-z_][A-Za-z0-9_]*)", re.MULTILINE)
+# pytest.importorskip("torch"), importlib.import_module("torch"), __import__("torch")
+_BY_NAME = re.compile(
+    rb"(?:importorskip|import_module|__import__)\(\s*[\"']([A-Za-z_][A-Za-z0-9_]*)"
+)
 _IMPORT_LIST = re.compile(rb"^[ \t]*import[ \t]+([^\n#;]+)", re.MULTILINE)
 
 
@@ -49,6 +55,7 @@ def _scan(path: str, size: int, mtime: int) -> frozenset[str]:
     except OSError:
         return frozenset()
     names = {m.group(1).decode() for m in _IMPORT.finditer(text)}
+    names |= {m.group(1).decode() for m in _BY_NAME.finditer(text)}
     for listed in _IMPORT_LIST.finditer(text):  # import a, b.c as d
         for part in listed.group(1).split(b","):
             word = part.strip().split(b".", 1)[0].split()[:1]

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pytest_gpuiso import frames, wire
+from pytest_gpuiso import frames, imports, wire
 from pytest_gpuiso.results import trim_stack
 from pytest_gpuiso.settings import MAX_SECONDS, SpecError, parse_count, parse_seconds
 
@@ -238,3 +238,25 @@ def test_a_frame_cut_off_by_the_end_of_the_stream_is_an_error(tmp_path):
             "before it closed the pipe)",
         ),
     ]
+
+
+def test_the_preload_modules_a_test_needs_are_those_its_files_import(tmp_path):
+    (tmp_path / "conftest.py").write_text("import numpy as np\n")
+    (tmp_path / "sub").mkdir()
+    module = tmp_path / "sub" / "test_x.py"
+    module.write_text(
+        "import os, einops.layers as layers\n"
+        "from safetensors import numpy\n"
+        "def test_t():\n"
+        "    torch = pytest.importorskip('torch')\n"
+        '    jax = importlib.import_module("jax")\n'
+    )
+    preload = ("torch", "numpy", "einops", "cattrs", "safetensors.torch", "jax", "scipy")
+    assert imports.needed(preload, module) == (
+        "torch",
+        "numpy",
+        "einops",
+        "safetensors.torch",
+        "jax",
+    )
+    assert imports.needed(preload, tmp_path / "missing.py") == ("numpy",)  # the conftest's
