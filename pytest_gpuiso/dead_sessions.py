@@ -22,7 +22,7 @@ from typing import Any
 
 import psutil
 
-from .proctree import alive, cmdline, environ
+from .proctree import alive, cmdline, environ, key
 
 OWNER_ENV = "PYTEST_GPUISO_OWNER"
 GRACE = 1.0  # seconds a process gets to exit after SIGTERM
@@ -46,10 +46,10 @@ def end(names: Collection[str]) -> list[dict[str, Any]]:
     seen: set[tuple[int, float]] = set()
     ended: list[dict[str, Any]] = []
     for _ in range(ROUNDS):
-        found = [(p, name) for p, name in _carrying(names, spare) if _key(p) not in seen]
+        found = [(p, name) for p, name in _carrying(names, spare) if key(p) not in seen]
         if not found:
             break
-        seen.update(_key(p) for p, _ in found)
+        seen.update(key(p) for p, _ in found)
         entries = [
             {"pid": p.pid, "cmdline": cmdline(p), "session": name.split("-")[0]}
             for p, name in found
@@ -91,13 +91,6 @@ def _carrying(names: Collection[str], spare: set[int]) -> list[tuple[psutil.Proc
             if alive(p):
                 found.append((p, name))
     return found
-
-
-def _key(p: psutil.Process) -> tuple[int, float]:
-    try:
-        return (p.pid, p.create_time())
-    except psutil.Error:
-        return (p.pid, 0.0)
 
 
 def _listed(p: psutil.Process) -> bool:

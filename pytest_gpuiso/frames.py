@@ -44,28 +44,6 @@ RESULT = "result"  # run_isolated: the function's value
 EXCEPTION = "exception"  # run_isolated: the exception it raised (``describe_exception``)
 PAYLOAD = "payload"  # other plugins' data from the test's process (pytest_gpuiso_child_payload)
 DONE = "done"  # the last frame: the job finished (its exit status)
-KINDS = frozenset(
-    {
-        READY,
-        PHASE,
-        BEGIN,
-        END,
-        AHEAD,
-        STALE,
-        REPORT,
-        WARNING,
-        JUNIT,
-        TORCH_LEAK,
-        DRIVER,
-        EXIT,
-        ERROR,
-        RESULT,
-        EXCEPTION,
-        PAYLOAD,
-        DONE,
-    }
-)
-
 SPILL_BYTES = 1 << 20  # 1 MiB: a larger frame goes in a file
 SPILL_MAX = 256 << 20  # the largest spill file read
 KEEP_BYTES = 512 << 20  # of one test's frames, at most this much is kept
@@ -109,6 +87,7 @@ SHAPES: dict[str, Any] = {
     PAYLOAD: (dict,),
     DONE: _INT,
 }
+KINDS = frozenset(SHAPES)  # the whole vocabulary
 
 
 UNREADABLE = "unreadable message from the test process: "  # an ERROR frame of the Reader's

@@ -110,10 +110,11 @@ def _descendant_keys_psutil(spare: frozenset[int]) -> set[tuple[int, float]]:
     for pid in spare:
         with contextlib.suppress(psutil.Error):
             skip.update(p.pid for p in psutil.Process(pid).children(recursive=True))
-    return {_key(p) for p in psutil.Process().children(recursive=True) if p.pid not in skip}
+    return {key(p) for p in psutil.Process().children(recursive=True) if p.pid not in skip}
 
 
-def _key(p: psutil.Process) -> tuple[int, float]:
+def key(p: psutil.Process) -> tuple[int, float]:
+    """What tells a process from a later one with its pid: (pid, start time); 0.0 gone."""
     start = start_time(p.pid)
     return (p.pid, float(start) if start is not None else 0.0)
 

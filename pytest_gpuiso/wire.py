@@ -111,8 +111,11 @@ def plain(value: Any, where: str, problems: list[str], text: Any = repr) -> Any:
     dicts of other types as their plain counterparts (an ``IntEnum`` as its int, a
     ``numpy.float64`` as its float); any other part as ``text(part)`` (its ``repr``),
     noted in ``problems`` (``where`` names the value)."""
-    if is_plain(value):
-        return value
+    return value if is_plain(value) else _rebuilt(value, where, problems, text)
+
+
+def _rebuilt(value: Any, where: str, problems: list[str], text: Any) -> Any:
+    """``plain``'s copy of a value that is not plain data, part by part."""
     if isinstance(value, bool):
         return bool(value)
     if isinstance(value, int):
@@ -123,13 +126,17 @@ def plain(value: Any, where: str, problems: list[str], text: Any = repr) -> Any:
         return str.__str__(value)
     if isinstance(value, bytes):
         return bytes(value)
+    if value is None:
+        return None
     if isinstance(value, dict):
         return {
-            plain(k, f"{where} key", problems, text): plain(v, f"{where}[{k!r}]", problems, text)
+            _rebuilt(k, f"{where} key", problems, text): _rebuilt(
+                v, f"{where}[{k!r}]", problems, text
+            )
             for k, v in value.items()
         }
     if isinstance(value, (list, tuple)):
-        parts = [plain(v, f"{where}[{n}]", problems, text) for n, v in enumerate(value)]
+        parts = [_rebuilt(v, f"{where}[{n}]", problems, text) for n, v in enumerate(value)]
         return parts if isinstance(value, list) else tuple(parts)
     problems.append(
         f"{where} is a {type(value).__module__}.{type(value).__qualname__}, which pytest's "
