@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from . import _compat, cuda_state, frames, memory_cap, wire
+from . import _compat, cuda_state, frames, imports, memory_cap, wire
 from .leaks import torch as torch_check
 from .leases import LEASED_ENV
 
@@ -189,6 +189,7 @@ class ChildPlugin:
     def _run(self, item: Any) -> None:
         memory_cap.install()  # its GPU memory lease, on torch's allocator when CUDA starts
         before = torch_check.allocated() if self.job.torch_check else {}
+        modules = imports.mark()
         self.channel.send(frames.BEGIN, item.nodeid)  # the test's timeout counts from here
         self.ran = item
         try:
@@ -205,6 +206,9 @@ class ChildPlugin:
             )
             raise
         self.channel.send(frames.END, None)
+        learnt = imports.learnable(modules)
+        if learnt["names"]:  # the fork server's template imports them for the tests after it
+            self.channel.send(frames.IMPORTED, learnt)
         if os.environ.get(LEASED_ENV) == "":  # there are GPUs, and this test leased none
             loaded = cuda_state.driver_libraries()
             if loaded:

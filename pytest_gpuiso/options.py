@@ -191,6 +191,18 @@ OPTIONS: tuple[Option, ...] = (
         "for itself instead of being forked from a pre-collected template "
         "(ini: gpu_isolate_precollect = false).",
     ),
+    Option(
+        "gpu_isolate_learn_imports",
+        "with the fork server, the template imports the modules a test imported while it "
+        "ran, for the tests forked after it (as in-process pytest keeps them imported)",
+        type="bool",
+        ini_default=True,
+        flag=None,
+        negative="--gpu-isolate-no-learn-imports",
+        negative_help="with the fork server, each test's process imports for itself what its "
+        "test imports, even where an earlier test imported it "
+        "(ini: gpu_isolate_learn_imports = false).",
+    ),
 )
 
 BY_NAME = {option.name: option for option in OPTIONS}

@@ -310,6 +310,7 @@ def supervisor(config: pytest.Config, state: State) -> Supervisor:
                 args=tuple(config.invocation_params.args),
                 invocation_dir=str(config.invocation_params.dir),
                 collect_all=s.precollect and s.mode == "all",  # the template collects the args
+                learn=s.learn_imports,
                 template_wait=s.template_wait,
                 options=child_options(config, state),
             ),

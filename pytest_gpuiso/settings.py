@@ -294,6 +294,7 @@ class Settings:
     outputs_from: tuple[str, str] = ("", "")  # where report_path and summary_path were set
     start: str = "spawn"  # how isolated processes start: spawn or forkserver
     precollect: bool = True  # forkserver: fork tests from a configured, collected template
+    learn_imports: bool = True  # forkserver: the template imports what tests imported
     preload: tuple[str, ...] = ()  # imported by the fork server and by prewarmed children
     prewarm: int = DEFAULT_PREWARM  # processes of the next tests started ahead of their turn
     template_wait: float = TEMPLATE_WAIT_DEFAULT  # see TEMPLATE_WAIT_ENV
@@ -354,10 +355,10 @@ class Settings:
         prewarm = (
             parse_int(prewarm_text, prewarm_source, 0, 16) if prewarm_text else DEFAULT_PREWARM
         )
-        precollect = _flag(config, "gpu_isolate_precollect")
         return cls(
             start=start,
-            precollect=precollect,
+            precollect=_flag(config, "gpu_isolate_precollect"),
+            learn_imports=_flag(config, "gpu_isolate_learn_imports"),
             template_wait=template_wait,
             preload=preload,
             prewarm=prewarm,

@@ -391,6 +391,9 @@ class Supervisor:
             self._replaced(stale[0])
             prewarmed = False
             outcome = self._run(self.start(job, env), **how)
+        if self.server is not None and outcome.method == "forkserver":
+            for learnt in outcome.frames_of(frames.IMPORTED):  # the template imports them
+                self.server.learn(learnt["names"], learnt["modules"])
         outcome.prewarmed = prewarmed
         return outcome
 

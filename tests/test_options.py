@@ -189,13 +189,20 @@ def test_every_option_has_an_ini_key_and_typed_booleans(gpuiso_spawn):
     out = result.stdout.str()
     flags = sorted(set(re.findall(r"--gpu-isolate[a-z-]*", out)))
     assert len(flags) >= 15, flags
-    for flag in set(flags) - {"--gpu-isolate-no-precollect", "--no-gpu-isolate"}:
+    negatives = {
+        "--no-gpu-isolate",
+        "--gpu-isolate-no-precollect",
+        "--gpu-isolate-no-learn-imports",
+    }
+    for flag in set(flags) - negatives:
         key = flag.lstrip("-").replace("-", "_")
         assert f"ini: {key})" in " ".join(out.split()), flag  # --help wraps lines
         assert re.search(rf"^  {key} \((string|bool)\):", out, re.M), key
     for key in ("gpu_isolate", "gpu_isolate_cleanup", "gpu_isolate_torch_check"):
         assert re.search(rf"^  {key} \(bool\):", out, re.M), key
     assert re.search(r"^  gpu_isolate_precollect \(bool\):", out, re.M)
+    assert re.search(r"^  gpu_isolate_learn_imports \(bool\):", out, re.M)
+    assert "(ini: gpu_isolate_learn_imports = false)" in " ".join(out.split())
     assert re.search(r"^  gpu_isolate_shm_ignore \(args\):", out, re.M)
 
 

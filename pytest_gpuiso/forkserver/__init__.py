@@ -14,7 +14,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from .. import wire
+from .. import imports, wire
 from ..proctree import main_not_rerun, reap_or_kill, reap_pid, unlist
 from .fork import close_quietly, send_request
 from .server import ServerBoot, Unavailable, main
@@ -40,6 +40,7 @@ class ForkServer:
         self.sock = socket.socket(fileno=os.dup(self.conn.fileno()))
         self.ready = False
         self.template_pid: int | None = None  # the server's template, when it is our child
+        self.learnt: set[str] = set()  # modules the template was told to import
 
     @property
     def pid(self) -> int:
@@ -82,6 +83,16 @@ class ForkServer:
         with contextlib.suppress(OSError):
             send_request(self.sock, self.conn, ("collect", directories, modules))
 
+    def learn(self, names: list[str], modules: int) -> None:
+        """Tell the server what a test's process imported while its test ran (``names``,
+        ``modules`` in all: ``imports.learnable``; best effort): its template imports
+        them for later tests."""
+        new = [name for name in names if name not in self.learnt and imports.MODULE.fullmatch(name)]
+        if new and self.ready:
+            self.learnt.update(new)
+            with contextlib.suppress(OSError):
+                send_request(self.sock, self.conn, ("learn", new, max(0, modules)))
+
     def _answer(self, timeout: float, what: str) -> tuple[str, Any]:
         try:
             if not self.conn.poll(timeout):
@@ -89,6 +100,8 @@ class ForkServer:
             answer = wire.decode(self.conn.recv_bytes(_ANSWER_BYTES))
             kind, payload, *template = answer
             if template and type(template[0]) is int:
+                if self.template_pid not in (None, template[0]):  # a successor took over
+                    reap_pid(self.template_pid)  # the server killed the old one
                 self.template_pid = template[0]
             return kind, payload
         except (wire.WireError, ValueError, TypeError) as exc:  # not an answer of ours

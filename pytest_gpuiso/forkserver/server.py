@@ -30,6 +30,12 @@ from . import pools
 from .fork import close_fds, fork_test_process, one_line, receive_request
 from .template import TemplateHandle
 
+UNFIT_MAX = 3  # successor templates that could not take over before learning stops
+# Modules tests imported (with what those import) before a successor imports them: a
+# successor costs a fork, a garbage collection and an audit (~50 ms of CPU), which a few
+# small modules do not repay; torch.distributed.tensor alone brings ~520.
+LEARN_WEIGHT = 64
+
 
 class Unavailable(RuntimeError):
     """The fork server cannot serve (failed start-up, refused fork); the message says why."""
@@ -44,6 +50,7 @@ class ServerBoot:
     args: tuple[str, ...]  # pytest's command line
     invocation_dir: str
     collect_all: bool = False  # every test is isolated: the template collects the args at once
+    learn: bool = True  # the template imports what tests imported (--gpu-isolate-learn-imports)
     template_wait: float = TEMPLATE_WAIT_DEFAULT  # seconds a fork request waits for it
     log: str = ""  # the server's log file (the supervisor makes it)
     options: tuple[tuple[str, Any], ...] = ()  # pytest_gpuiso_child_options, for the template
@@ -134,6 +141,11 @@ class Server:
         self.stdio = stdio  # pytest's stdout and stderr, for the tests' processes
         self.template: TemplateHandle | None = None
         self.template_note: str | None = None  # why there is no template, if it was refused
+        self.successor: TemplateHandle | None = None  # importing what tests imported
+        self.learning: list[str] = []  # what it imports
+        self.to_learn: list[str] = []  # what the next successor imports
+        self.weight = 0  # modules the tests imported with to_learn (a successor's worth)
+        self.unfit = 0  # successors that could not take over
 
     def loop(self) -> Any:
         """Serve requests until pytest closes the socket (None); in a test's process
@@ -145,6 +157,8 @@ class Server:
                     answer = self.fork(fds, *payload)
                 elif kind == "collect":
                     answer = self.collect(*payload)
+                elif kind == "learn":
+                    answer = self.learn(*payload)
                 else:
                     raise ValueError(f"unknown request {kind!r}")
             except BaseException:
@@ -174,19 +188,61 @@ class Server:
         if modules and self.template is None:
             self.template = TemplateHandle.start(self, modules)
 
+    def learn(self, names: list[str], modules: int) -> None:
+        """Modules a test imported while it ran (``modules`` with what they import): the
+        tests forked after it get them from a successor of the template that imported
+        them (as pytest in-process keeps them), once they are worth a successor's fork
+        and audit (``LEARN_WEIGHT``). Not the server's own forks: they configure and
+        collect for themselves."""
+        if self.boot.learn and self.unfit < UNFIT_MAX:
+            self.to_learn += names
+            self.weight += modules
+            self.adopt()
+
+    def adopt(self) -> None:
+        """Make the successor the template once it has imported what it learnt (the old
+        one is killed; pytest reaps it), or drop it; then start the next one, if due."""
+        successor = self.successor
+        if successor is not None and successor.conn.poll(0):
+            self.successor = None
+            try:
+                kind, *payload = successor.conn.recv()
+            except (EOFError, OSError, ValueError):
+                kind, payload = "unfit", ["", "it exited"]
+            if kind == "learnt" and self.template is not None:
+                successor.pid, successor.items = payload[0], frozenset(payload[1])
+                self.template.stop()
+                self.template = successor
+            elif kind == "learnt":  # the template is gone: so is learning
+                successor.stop()
+            else:  # the template serves on; the next successor leaves that module out
+                successor.stop()
+                self.unfit += 1
+                print(f"gpu-isolate: a successor template could not take over: {payload[-1]}")
+                rest = [name for name in self.learning if name != payload[0]]
+                if rest:  # worth a successor before: still worth one
+                    self.to_learn, self.weight = rest + self.to_learn, self.weight + LEARN_WEIGHT
+        template = self.template
+        ready = template is not None and template.items is not None and not template.unusable
+        if ready and self.successor is None and self.to_learn and self.weight >= LEARN_WEIGHT:
+            self.learning, self.to_learn, self.weight = self.to_learn, [], 0
+            self.successor = template.learn(self.learning, self.boot.template_wait)
+
     def fork(self, fds: list[int], cboot: Any, job: Any) -> Any:
         """("forked", (pid, source, note)) as ``ForkServer.answer`` describes, or
         ("refused", why); in the test's process forked here, its run."""
         if len(fds) != 2:
             return "refused", f"the fork server got {len(fds)} descriptors for a fork, expected 2"
+        self.adopt()
         template = self.template
         if template is not None and template.serves(job):
             kind, payload = template.fork(fds, cboot, job)
             if kind == "forked":
                 return kind, (payload, "template", None)
         ours: list[Any] = [self.sock, self.conn]
-        if template is not None:
-            ours += [template.sock, template.conn]
+        for handle in (template, self.successor):
+            if handle is not None:
+                ours += [handle.sock, handle.conn]
         answer = fork_test_process(self.boot.parent_pid, ours, self.stdio)
         if answer is None:  # the test's process: it runs its job from the parsed config
             return lambda: self._run_job(cboot, job, fds)
@@ -203,6 +259,7 @@ class Server:
         os._exit(72)  # main() never returns
 
     def stop_template(self) -> None:
-        if self.template is not None:
-            self.template.stop()
-            self.template = None
+        for handle in (self.template, self.successor):
+            if handle is not None:
+                handle.stop()
+        self.template = self.successor = None

@@ -36,7 +36,7 @@ from .. import _compat, child, child_plugin, frames
 from .._linux import die_with_parent, huge_page_steps, set_child_subreaper
 from ..leaks.shm import LOG_ENV, created_entries, remove_created
 from ..proctree import live_descendants
-from . import pools
+from . import audit, pools
 from .fork import (
     close_fds,
     close_quietly,
@@ -142,12 +142,28 @@ class TemplateHandle:
             self.stop()
         return answer
 
+    def learn(self, names: list[str], patience: float) -> TemplateHandle | None:
+        """Have it fork a successor that imports ``names`` (a test imported them) while it
+        goes on serving: the successor's handle, which says ``learnt`` once it can take
+        over (``Server.adopt``), or ``unfit``."""
+        ours, theirs = socket.socketpair()
+        try:
+            send_request(self.sock, self.conn, ("import", names), [theirs.fileno()])
+        except OSError:
+            ours.close()
+            return None
+        finally:
+            theirs.close()
+        return TemplateHandle(0, ours, False, patience)  # its pid comes with "learnt"
+
     def stop(self) -> None:
         """Kill it (once: after our waitpid its pid may be anyone's)."""
         if self.stopped:
             return
         self.stopped = True
         close_quietly(self.sock, self.conn)
+        if self.pid <= 0:  # a successor that never said its pid: it exits by itself
+            return
         with contextlib.suppress(ChildProcessError, OSError):
             os.kill(self.pid, signal.SIGKILL)  # pytest's child: a zombie until pytest reaps it
             if self.ours:
@@ -162,7 +178,7 @@ def _template_main(server: Server, sock: socket.socket, modules: list[str] | Non
     # Its own temporary directory: the session's --basetemp is pytest's to wipe, not ours.
     workdir = os.path.dirname(boot.log)
     config.option.basetemp = tempfile.mkdtemp(prefix="template-", dir=workdir)
-    before = _descriptors(), _shared_mappings()
+    before = audit.snapshot()
     shm_log = None
     if LOG_ENV in os.environ or "LD_PRELOAD" in os.environ:  # the /dev/shm shim may be loaded
         shm_log = os.path.join(config.option.basetemp, "shm.log")
@@ -176,7 +192,7 @@ def _template_main(server: Server, sock: socket.socket, modules: list[str] | Non
         """Called by the session once collected; returns only in a test's process."""
         os.environ.pop(LOG_ENV, None)
         pools.step("collecting test modules")
-        problem = unsafe_to_fork("the template") or left_outside(before, shm_log)
+        problem = unsafe_to_fork("the template") or audit.left_outside(before, shm_log)
         set_child_subreaper(False)  # tests' orphans (with two forks: tests) go to pytest
         if problem is not None:  # what it made goes with it, not to a test's account
             for pid in live_descendants():
@@ -195,7 +211,7 @@ def _template_main(server: Server, sock: socket.socket, modules: list[str] | Non
             os._exit(0)
         child_plugin.freeze()
         conn.send(("collected", items))
-        forked = _serve_forks(boot.parent_pid, sock, conn, server.stdio)
+        forked = _serve_forks(boot.parent_pid, sock, conn, server.stdio, items)
         if forked is None:
             os._exit(0)  # the server closed the socket
         return forked
@@ -217,12 +233,24 @@ def _cleanup_wanted(config: Any) -> bool:
 
 
 def _serve_forks(
-    parent_pid: int, sock: socket.socket, conn: Connection, stdio: tuple[int, int]
+    parent_pid: int,
+    sock: socket.socket,
+    conn: Connection,
+    stdio: tuple[int, int],
+    items: list[str],
 ) -> Forked | None:
     """Fork the tests' processes asked for, compacting memory while idle. Returns None
-    once the server closes the socket, and the test's own in a test's process."""
+    once the server closes the socket, and the test's own in a test's process.
+
+    Asked to import modules a test imported (``import``), it forks a successor that
+    imports them while this process goes on serving; once the successor says it is
+    ready the server asks only it and kills this one, and the successor, re-parented to
+    pytest, goes on in this loop."""
     compact: Iterator[int] | None = huge_page_steps()
+    successor = False  # this process took over from the template that forked it
     while True:
+        with contextlib.suppress(ChildProcessError):  # a successor that was unfit
+            os.waitpid(-1, os.WNOHANG)
         if compact is not None and not conn.poll(0):  # idle: compact a little
             if next(compact, None) is None:
                 compact = None
@@ -231,10 +259,26 @@ def _serve_forks(
         if request is None:
             return None
         fds, (kind, *payload) = request
+        if kind == "import" and len(fds) == 1:
+            if os.fork() != 0:
+                close_fds(fds)
+                continue
+            close_quietly(sock, conn)  # the successor: its own socket to the server
+            sock, conn = socket.socket(fileno=fds[0]), Connection(os.dup(fds[0]))
+            unfit = audit.learn(payload[0])
+            if unfit is not None:
+                conn.send(("unfit", *unfit))
+                os._exit(0)
+            conn.send(("learnt", os.getpid(), items))
+            compact, successor = huge_page_steps(), True
+            continue
         if kind != "fork" or len(fds) != 2:
             close_fds(fds)
             conn.send(("refused", f"the template got a {kind!r} request with {len(fds)} fds"))
             continue
+        if successor:  # its first fork: once it is pytest's child, like the tests
+            successor = False
+            _await_parent(parent_pid)
         cboot, job = payload
         answer = fork_test_process(parent_pid, [sock, conn], stdio, "the template")
         if answer is None:  # the test's process: back into the session, with its pipes
@@ -243,70 +287,13 @@ def _serve_forks(
         conn.send(answer)
 
 
-# --------------------------------------------------------------------------- fitness audit
-
-
-def _descriptors() -> dict[int, str]:
-    """This process's open descriptors and what they point to."""
-    found = {}
-    for name in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):
-            found[int(name)] = os.readlink(f"/proc/self/fd/{name}")
-    return found
-
-
-def _write_only(fd: int) -> bool:
-    """Whether ``fd`` was opened for writing only (its offset then only ever grows)."""
-    try:
-        with open(f"/proc/self/fdinfo/{fd}") as info:
-            for line in info:
-                if line.startswith("flags:"):
-                    return int(line.split()[1], 8) & os.O_ACCMODE == os.O_WRONLY
-    except (OSError, ValueError):
-        pass
-    return False
-
-
-def _shared_mappings() -> set[str]:
-    """This process's shared memory mappings (lines of /proc/self/maps with an "s")."""
-    try:
-        with open("/proc/self/maps") as maps:
-            return {line for line in maps.read().splitlines() if line.split()[1][3:4] == "s"}
-    except OSError:
-        return set()
-
-
-def left_outside(before: tuple[dict[int, str], set[str]], shm_log: str | None) -> str | None:
-    """What configuring and collecting made outside this process's memory, or None.
-
-    Forked tests' processes would share it: one test would see what another wrote into
-    a shared mapping (``mmap``, a multiprocessing lock) or read from a file (the
-    offset is shared), and each one's ``pytest_unconfigure`` would tear down what the
-    next one still needs (a helper process, a connection). A regular file opened for
-    writing only is fine (a log file: each test's process appends to it).
-    """
-    fds, mappings = before
-    kids = live_descendants()
-    if kids:
-        return f"it started process {kids[0]}" + (f" and {len(kids) - 1} more" if kids[1:] else "")
-    for fd, target in _descriptors().items():
-        if fds.get(fd) == target:
-            continue
-        regular = target.startswith("/") and not target.startswith(("/dev/", "/proc/"))
-        if regular and not _write_only(fd):
-            return f"it opened {target} for reading (descriptor {fd})"
-        if not (regular or target in ("/dev/null", "/dev/urandom")):
-            return f"it opened {target} (descriptor {fd})"
-    for mapping in sorted(_shared_mappings() - mappings):
-        fields = mapping.split(maxsplit=5)
-        what = fields[5] if len(fields) > 5 else ""
-        if not what or what.startswith("/dev/zero"):
-            what = "anonymous memory"
-        return f"it made a shared mapping of {what} ({fields[0]})"
-    created = created_entries(shm_log) if shm_log else []
-    if created:
-        return f"it created /dev/shm/{created[0]}"
-    return None
+def _await_parent(parent_pid: int) -> None:
+    """Wait (5 s at most) until the template that forked this one is gone and pytest is
+    its parent, then die with pytest as that template did."""
+    deadline = time.monotonic() + 5.0
+    while os.getppid() != parent_pid and time.monotonic() < deadline:
+        time.sleep(0.0005)
+    die_with_parent(parent_pid)
 
 
 # --------------------------------------------------------------------------- the session

@@ -1,0 +1,118 @@
+"""Whether the template is fit to be forked: what it made outside its memory.
+
+The template serves only if configuring and collecting left nothing outside its memory
+that its forks would share (``left_outside``); a successor template, only if importing
+what a test imported did not either (``learn``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+
+from .. import child_plugin, imports
+from .._linux import set_child_subreaper
+from ..leaks.shm import created_entries
+from ..proctree import live_descendants
+from . import pools
+from .fork import unsafe_to_fork
+
+
+def learn(names: list[str]) -> tuple[str, str] | None:
+    """In a successor template: import modules a test's process imported while its test
+    ran, so that the tests forked after it have them, as in-process pytest keeps them.
+
+    Each import is audited like the collection: a module that starts a thread or a
+    process, opens a file or a shared mapping or touches CUDA leaves this process unfit
+    to fork; (that module, why) is returned, and the template that forked it serves on.
+    A module that fails to import is left to the tests that import it.
+    """
+    from importlib import import_module
+
+    for name in names:
+        if name in sys.modules or not imports.MODULE.fullmatch(name):
+            continue
+        before = snapshot()
+        set_child_subreaper(True)  # a daemon it starts is seen (left_outside)
+        with contextlib.suppress(BaseException):  # even SystemExit: the tests meet it
+            import_module(name)
+        pools.step(f"importing {name}, which a test imported")
+        problem = unsafe_to_fork("the template") or left_outside(before, None)
+        set_child_subreaper(False)
+        if problem is not None:
+            for pid in live_descendants():
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+            return name, f"after importing {name}, as a test did: {problem}"
+    child_plugin.freeze()
+    return None
+
+
+def snapshot() -> tuple[dict[int, str], set[str]]:
+    """What ``left_outside`` compares with: the open descriptors and shared mappings."""
+    return _descriptors(), _shared_mappings()
+
+
+def _descriptors() -> dict[int, str]:
+    """This process's open descriptors and what they point to."""
+    found = {}
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            found[int(name)] = os.readlink(f"/proc/self/fd/{name}")
+    return found
+
+
+def _write_only(fd: int) -> bool:
+    """Whether ``fd`` was opened for writing only (its offset then only ever grows)."""
+    try:
+        with open(f"/proc/self/fdinfo/{fd}") as info:
+            for line in info:
+                if line.startswith("flags:"):
+                    return int(line.split()[1], 8) & os.O_ACCMODE == os.O_WRONLY
+    except (OSError, ValueError):
+        pass
+    return False
+
+
+def _shared_mappings() -> set[str]:
+    """This process's shared memory mappings (lines of /proc/self/maps with an "s")."""
+    try:
+        with open("/proc/self/maps") as maps:
+            return {line for line in maps.read().splitlines() if line.split()[1][3:4] == "s"}
+    except OSError:
+        return set()
+
+
+def left_outside(before: tuple[dict[int, str], set[str]], shm_log: str | None) -> str | None:
+    """What configuring and collecting made outside this process's memory, or None.
+
+    Forked tests' processes would share it: one test would see what another wrote into
+    a shared mapping (``mmap``, a multiprocessing lock) or read from a file (the
+    offset is shared), and each one's ``pytest_unconfigure`` would tear down what the
+    next one still needs (a helper process, a connection). A regular file opened for
+    writing only is fine (a log file: each test's process appends to it).
+    """
+    fds, mappings = before
+    kids = live_descendants()
+    if kids:
+        return f"it started process {kids[0]}" + (f" and {len(kids) - 1} more" if kids[1:] else "")
+    for fd, target in _descriptors().items():
+        if fds.get(fd) == target:
+            continue
+        regular = target.startswith("/") and not target.startswith(("/dev/", "/proc/"))
+        if regular and not _write_only(fd):
+            return f"it opened {target} for reading (descriptor {fd})"
+        if not (regular or target in ("/dev/null", "/dev/urandom")):
+            return f"it opened {target} (descriptor {fd})"
+    for mapping in sorted(_shared_mappings() - mappings):
+        fields = mapping.split(maxsplit=5)
+        what = fields[5] if len(fields) > 5 else ""
+        if not what or what.startswith("/dev/zero"):
+            what = "anonymous memory"
+        return f"it made a shared mapping of {what} ({fields[0]})"
+    created = created_entries(shm_log) if shm_log else []
+    if created:
+        return f"it created /dev/shm/{created[0]}"
+    return None

@@ -1,0 +1,110 @@
+"""Issue 31: with the fork server, what one test imported while it ran is imported by a
+successor of the template, and the tests forked after it have it, as in-process pytest
+keeps a module an earlier test imported. A module that would leave the template unfit
+to fork (a thread) is never learnt, and the template serves on."""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+import psutil
+import pytest
+
+from pytest_gpuiso import frames, imports
+from tests.helpers import GpuIso, make_gpuiso
+
+DIR = "learnt_imports"
+
+
+@pytest.fixture
+def forkserver(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> GpuIso:
+    gpuiso = make_gpuiso(pytester, monkeypatch, "forkserver")
+    gpuiso.copy(DIR)
+    for package in ("lazy_pkg", "thready_pkg"):  # importable from the rootdir
+        (gpuiso.path / DIR / package).rename(gpuiso.path / package)
+    return gpuiso
+
+
+def _had(gpuiso: GpuIso) -> dict[int, tuple[int, bool]]:
+    """Per test (its parameter): its process and whether it had the package already."""
+    lines = (gpuiso.path / "tests.log").read_text().split()
+    rows = [lines[i : i + 3] for i in range(0, len(lines), 3)]
+    return {int(n): (int(pid), pid_had == "1") for n, pid, pid_had in rows}
+
+
+def _importers(gpuiso: GpuIso) -> list[int]:
+    return [int(pid) for pid in (gpuiso.path / "imports.log").read_text().split()]
+
+
+def test_later_tests_have_what_an_earlier_test_imported(forkserver: GpuIso, lease_region):
+    args = ("--gpu-isolate", "-p", "no:randomly", "--gpu-isolate-leaks=fail")
+    result = forkserver.run(*args, f"{DIR}/test_lazy.py")
+    result.assert_outcomes(passed=6)
+    had = _had(forkserver)
+    assert not had[0][1]  # the first test imported it itself
+    assert all(had[n][1] for n in (3, 4, 5)), had  # forked once the successor took over
+    importers = _importers(forkserver)
+    tests = {pid for pid, _ in had.values()}
+    successors = [pid for pid in importers if pid not in tests]
+    assert len(successors) == 1, (importers, had)  # one successor imported it, once
+    assert not psutil.pid_exists(successors[0])  # pytest's child: reaped at the end
+
+
+def test_without_learning_each_test_imports_it_itself(forkserver: GpuIso, lease_region):
+    args = ("--gpu-isolate", "-p", "no:randomly", "--gpu-isolate-no-learn-imports")
+    result = forkserver.run(*args, f"{DIR}/test_lazy.py")
+    result.assert_outcomes(passed=6)
+    assert not any(had for _, had in _had(forkserver).values())
+    assert sorted(_importers(forkserver)) == sorted(pid for pid, _ in _had(forkserver).values())
+
+
+def test_a_module_that_starts_a_thread_is_not_learnt(forkserver: GpuIso, lease_region):
+    """Its successor finds a thread after the import and exits; the template serves on."""
+    args = (
+        "--gpu-isolate",
+        "-p",
+        "no:randomly",
+        "--gpu-isolate-leaks=fail",
+        "--gpu-isolate-report=report.json",
+    )
+    result = forkserver.run(*args, f"{DIR}/test_thready.py")
+    result.assert_outcomes(passed=4)
+    assert not any(had for _, had in _had(forkserver).values())
+    records = forkserver.records().values()
+    assert all(r["start"]["collected"] for r in records)  # each forked from the template
+    tests = {pid for pid, _ in _had(forkserver).values()}
+    successors = [pid for pid in _importers(forkserver) if pid not in tests]
+    assert successors  # it tried
+    assert not any(psutil.pid_exists(pid) for pid in successors)
+
+
+def test_names_that_are_not_modules_go_nowhere(forkserver: GpuIso, lease_region):
+    result = forkserver.run("--gpu-isolate", "-p", "no:randomly", f"{DIR}/test_hostile_names.py")
+    result.assert_outcomes(passed=4)
+    assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()
+    assert not (forkserver.path / "pwned").exists()
+
+
+def test_learnable_names_the_outermost_modules_imported_since_the_mark(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    package = tmp_path / "learn_unit_pkg"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("from . import sub\n")
+    (package / "sub" / "__init__.py").write_text("")
+    (tmp_path / "learn_unit_mod.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("learn_unit_pkg", "learn_unit_pkg.sub", "learn_unit_mod", "learn_unit_fake"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    start = imports.mark()
+    import learn_unit_mod  # noqa: F401
+    import learn_unit_pkg  # noqa: F401
+
+    monkeypatch.setitem(sys.modules, "learn_unit_fake", types.ModuleType("learn_unit_fake"))
+    monkeypatch.setitem(sys.modules, "learn_unit_alias", sys.modules["learn_unit_mod"])
+    learnt = imports.learnable(start)
+    assert learnt == {"names": ["learn_unit_mod", "learn_unit_pkg"], "modules": 5}
+    assert imports.learnable(imports.mark()) == {"names": [], "modules": 0}
+    frames.check((frames.IMPORTED, learnt))
