@@ -14,12 +14,17 @@ Each suite runs in every configuration once per round, in an order rotated from 
 to round so that drift hits all of them alike:
 
 * in-process: ``--no-gpu-isolate``;
-* forkserver: ``--gpu-isolate --gpu-isolate-start=forkserver`` (default prewarming);
+* forkserver: ``--gpu-isolate --gpu-isolate-start=forkserver`` (default prewarming), with
+  no pytest cache: what the tests import is learnt during the run only (a fresh CI job);
+* forkserver+cache: the same with pytest's cache (``-o cache_dir=``, a directory of its
+  own per suite), which an untimed run of that configuration fills first: what earlier
+  runs' tests imported is imported by the template's successor at once (a developer's
+  second run, or CI that keeps ``.pytest_cache``);
 * spawn: ``--gpu-isolate --gpu-isolate-start=spawn``, only with ``--spawn`` (slow).
 
-Every run has ``-q -p no:cacheprovider`` and ``--junitxml``; the isolated ones also
-``--gpu-isolate-report``. An untimed in-process run of each suite comes first: it
-checks that the suite runs and shows pytest's header (the plugins loaded).
+Every run has ``-q`` and ``--junitxml``, and ``-p no:cacheprovider`` but with the cache;
+the isolated ones also ``--gpu-isolate-report``. An untimed in-process run of each suite
+comes first: it checks that the suite runs and shows pytest's header (the plugins loaded).
 
 Prints, per suite and configuration, the wall time of the whole pytest run (best of
 --repeat rounds, and the worst), its ratio to in-process, the overhead per test
@@ -113,6 +118,7 @@ class Config:
     label: str
     args: list[str]
     isolated: bool
+    cached: bool = False  # with pytest's cache, filled by an untimed run first
     walls: list[float] = field(default_factory=list)  # s, one a round
     outcomes: list[dict[str, str]] = field(default_factory=list)  # one a round
     junit_times: list[float] = field(default_factory=list)  # s, every test of every round
@@ -271,14 +277,24 @@ def suite_env(python: Path, tree: Path, suite: Suite) -> dict[str, str]:
 
 
 def run_suite(
-    python: Path, tree: Path, suite: Suite, files: list[str], cfg: Config, work: Path, opts
+    python: Path,
+    tree: Path,
+    suite: Suite,
+    files: list[str],
+    cfg: Config,
+    work: Path,
+    opts,
+    timed: bool = True,
 ) -> tuple[float, str]:
-    """One timed pytest run of ``suite`` under ``cfg``: its wall seconds and output."""
+    """One timed pytest run of ``suite`` under ``cfg``: its wall seconds and output
+    (``timed=False``: nothing of it is kept)."""
     junit = work / f"{suite.name}-{cfg.label}.xml"
     report = work / f"{suite.name}-{cfg.label}.json"
     for path in (junit, report):
         path.unlink(missing_ok=True)
-    cmd = [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}"]
+    cmd = [str(python), "-m", "pytest", "-q", f"--junitxml={junit}"]
+    cache = work / f"cache-{suite.name}"
+    cmd += [f"-ocache_dir={cache}"] if cfg.cached else ["-pno:cacheprovider"]
     cmd += cfg.args
     if cfg.isolated:
         cmd.append(f"--gpu-isolate-report={report}")
@@ -286,6 +302,8 @@ def run_suite(
     seconds, rc, out = run(cmd, opts.timeout, cwd=tree, env=suite_env(python, tree, suite))
     if rc not in (0, 1):  # 1: some tests failed, which the outcomes show
         raise StepFailed(f"{suite.name}, {cfg.label}: pytest exited {rc}: {shlex.join(cmd)}", out)
+    if not timed:
+        return seconds, out
     outcomes, times = outcomes_of(junit)
     cfg.walls.append(seconds)
     cfg.outcomes.append(outcomes)
@@ -348,7 +366,7 @@ def differences(configs: list[Config]) -> list[str]:
 def print_table(results: list[tuple[Suite, list[Config]]], repeat: int) -> None:
     print()
     print(
-        f"{'suite':<12}{'tests':>6}  {'configuration':<12}{'wall s':>8}{'worst s':>9}"
+        f"{'suite':<12}{'tests':>6}  {'configuration':<16}{'wall s':>8}{'worst s':>9}"
         f"{'x in-proc':>11}{'overhead/test':>15}{'junit':>8}{'duration':>10}{'startup':>9}"
         f"{'wall':>8}{'after':>8}"
     )
@@ -359,7 +377,7 @@ def print_table(results: list[tuple[Suite, list[Config]]], repeat: int) -> None:
             wall = min(cfg.walls)
             line = (
                 f"{suite.name if cfg is configs[0] else '':<12}"
-                f"{tests if cfg is configs[0] else '':>6}  {cfg.label:<12}"
+                f"{tests if cfg is configs[0] else '':>6}  {cfg.label:<16}"
                 f"{wall:>8.2f}{max(cfg.walls):>9.2f}{wall / inproc:>10.2f}x"
             )
             per_test = f"{(wall - inproc) / tests * 1000:.1f} ms" if cfg.isolated else "-"
@@ -472,6 +490,12 @@ def measure_all(suites: list[Suite], opts) -> None:
             Config(
                 "forkserver", ["--gpu-isolate", "--gpu-isolate-start=forkserver"], isolated=True
             ),
+            Config(
+                "forkserver+cache",
+                ["--gpu-isolate", "--gpu-isolate-start=forkserver"],
+                isolated=True,
+                cached=True,
+            ),
         ]
         if opts.spawn:
             configs.append(
@@ -481,6 +505,11 @@ def measure_all(suites: list[Suite], opts) -> None:
     sys.stdout.flush()
     with tempfile.TemporaryDirectory(prefix="real-suites-") as tmp:
         work = Path(tmp)
+        for suite, configs in results:  # fills the cache of the configurations that keep one
+            tree, chosen = trees[suite.name], files[suite.name]
+            for cfg in configs:
+                if cfg.cached:
+                    run_suite(python, tree, suite, chosen, cfg, work, opts, timed=False)
         for r in range(opts.repeat):
             print(f"round {r + 1}/{opts.repeat}: {load()}", file=sys.stderr, flush=True)
             for suite, configs in results:

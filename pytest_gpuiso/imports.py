@@ -23,6 +23,7 @@ file, size and modification time.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
@@ -76,6 +77,8 @@ def _scan(path: str, size: int, mtime: int) -> frozenset[str]:
     return frozenset(names)
 
 
+CACHE_KEY = "gpuiso/learnt-imports"  # in pytest's cache (.pytest_cache): what earlier runs learnt
+CACHE_MAX = 1024
 MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
 LEARN_MAX = 256  # modules one test's process reports at most (the outermost, sorted)
 _NAME_MAX = 200
@@ -124,3 +127,34 @@ def learnable(start: tuple[int, str | None]) -> dict[str, Any]:
 def _has_parent_in(name: str, names: set[str]) -> bool:
     parts = name.split(".")
     return any(".".join(parts[:i]) in names for i in range(1, len(parts)))
+
+
+def remembered(cache: Any) -> tuple[str, ...]:
+    """The modules tests of earlier sessions imported while they ran (``learnable``), as
+    pytest's cache keeps them (``remember``); none without the cache. A value that is not
+    a list of module names (edited by hand, another version's) is ignored, and replaced
+    at the session's end."""
+    if cache is None:
+        return ()
+    with contextlib.suppress(Exception):  # pytest's cache reads JSON; anything else: ignored
+        value = cache.get(CACHE_KEY, None)
+        if isinstance(value, list):
+            return tuple(name for name in value[:CACHE_MAX] if _is_name(name))
+    return ()
+
+
+def remember(cache: Any, learnt: set[str], unfit: set[str]) -> None:
+    """Keep in pytest's cache what this session's tests imported (``learnt``), with what
+    earlier sessions kept (read again now: xdist's workers write it too), less the
+    modules that left the template unfit to fork (``unfit``)."""
+    if cache is None:
+        return
+    earlier = set(remembered(cache))
+    names = sorted((earlier | {n for n in learnt if _is_name(n)}) - unfit)[:CACHE_MAX]
+    if set(names) != earlier:
+        with contextlib.suppress(Exception):  # a read-only checkout: pytest warns itself
+            cache.set(CACHE_KEY, names)
+
+
+def _is_name(name: Any) -> bool:
+    return isinstance(name, str) and len(name) <= _NAME_MAX and MODULE.fullmatch(name) is not None

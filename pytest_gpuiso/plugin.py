@@ -67,6 +67,7 @@ def pytest_configure(config: pytest.Config) -> None:
         report_path=_output_path(config, settings.report_path, report_from),
         summary_path=_output_path(config, settings.summary_path, summary_from),
         parallel=hasattr(config, "workerinput"),
+        cache=getattr(config, "cache", None),  # learnt imports, for the next session
     )
     if settings.mode != "off":
         if settings.mode == "all":  # every test needs it: a taken name is the session's error

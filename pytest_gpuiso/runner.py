@@ -31,7 +31,7 @@ from typing import Any
 
 import pytest
 
-from . import _compat, frames, pinning, ports, replay, workdir
+from . import _compat, frames, imports, pinning, ports, replay, workdir
 from ._linux import set_child_subreaper
 from .child import ItemJob
 from .forkserver import ServerBoot
@@ -71,6 +71,7 @@ class State:
     pin: Lease | None = None  # the GPUs this process has for life (--gpu-isolate-pin-workers)
     pins: list[Lease] = field(default_factory=list)  # pinning leases this process took
     pinned_to: dict[str, Lease] = field(default_factory=dict)  # controller: worker -> lease
+    cache: Any = None  # pytest's cache (config.cache; none with -p no:cacheprovider)
 
 
 STATE = pytest.StashKey[State]()
@@ -311,6 +312,7 @@ def supervisor(config: pytest.Config, state: State) -> Supervisor:
                 invocation_dir=str(config.invocation_params.dir),
                 collect_all=s.precollect and s.mode == "all",  # the template collects the args
                 learn=s.learn_imports,
+                learnt=imports.remembered(state.cache) if s.learn_imports else (),
                 template_wait=s.template_wait,
                 options=child_options(config, state),
             ),
@@ -342,6 +344,9 @@ def close(state: State) -> None:
     if state.supervisor is not None:
         if state.prewarmer is not None:
             state.prewarmer.close()
+        server = state.supervisor.server
+        if server is not None and state.settings.learn_imports:  # for the next session
+            imports.remember(state.cache, server.learnt, server.unfit)
         state.supervisor.close()
     if state.leases is not None:
         for lease in state.pins:

@@ -5,6 +5,7 @@ to fork (a thread) is never learnt, and the template serves on."""
 
 from __future__ import annotations
 
+import json
 import sys
 import types
 from pathlib import Path
@@ -108,3 +109,46 @@ def test_learnable_names_the_outermost_modules_imported_since_the_mark(
     assert learnt == {"names": ["learn_unit_mod", "learn_unit_pkg"], "modules": 5}
     assert imports.learnable(imports.mark()) == {"names": [], "modules": 0}
     frames.check((frames.IMPORTED, learnt))
+
+
+def _remembered(gpuiso: GpuIso) -> object:
+    path = gpuiso.path / ".pytest_cache" / "v" / "gpuiso" / "learnt-imports"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def test_what_tests_imported_is_remembered_for_the_next_session(forkserver: GpuIso, lease_region):
+    """Kept in pytest's cache, imported by a successor as soon as the template has
+    collected; --cache-clear forgets it, an unfit module is never kept."""
+    args = ("--gpu-isolate", "-p", "no:randomly", f"{DIR}/test_remembered.py")
+    forkserver.run_with_cache(*args, "-k", "test_imports").assert_outcomes(passed=1)
+    assert _remembered(forkserver) == ["lazy_pkg"]
+    forkserver.run_with_cache(*args, "-k", "test_has").assert_outcomes(passed=4)
+    had = _had(forkserver)
+    assert not had[0][1] and had[3][1], had  # forked after the successor took over
+    (forkserver.path / "tests.log").unlink()
+    forkserver.run_with_cache(*args, "-k", "test_has", "--cache-clear").assert_outcomes(passed=4)
+    assert not any(had for _, had in _had(forkserver).values())
+    assert _remembered(forkserver) is None
+    thready = ("--gpu-isolate", "-p", "no:randomly", f"{DIR}/test_thready.py")
+    forkserver.run_with_cache(*thready).assert_outcomes(passed=4)
+    assert _remembered(forkserver) is None  # nothing fit to keep
+
+
+class _Cache(dict):
+    """pytest's Cache, as far as imports.remembered and remember use it."""
+
+    def set(self, key: str, value: object) -> None:  # noqa: A003 - pytest's name
+        self[key] = value
+
+
+@pytest.mark.parametrize(
+    "value", [{"a": 1}, "torch", [1, None], ["os.system('x')", "a" * 300], None]
+)
+def test_a_cache_value_that_is_not_module_names_is_ignored_then_replaced(value):
+    cache = _Cache({imports.CACHE_KEY: value} if value is not None else {})
+    assert imports.remembered(cache) == ()
+    imports.remember(cache, {"torch.distributed.tensor", "bad name"}, set())
+    assert cache[imports.CACHE_KEY] == ["torch.distributed.tensor"]
+    imports.remember(cache, {"sympy", "thready_pkg"}, {"thready_pkg"})
+    assert imports.remembered(cache) == ("sympy", "torch.distributed.tensor")
+    assert imports.remembered(None) == ()

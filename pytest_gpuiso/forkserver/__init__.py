@@ -41,6 +41,7 @@ class ForkServer:
         self.ready = False
         self.template_pid: int | None = None  # the server's template, when it is our child
         self.learnt: set[str] = set()  # modules the template was told to import
+        self.unfit: set[str] = set()  # modules that left a successor template unfit to fork
 
     @property
     def pid(self) -> int:
@@ -98,11 +99,13 @@ class ForkServer:
             if not self.conn.poll(timeout):
                 return "failed", f"the fork server did not answer ({what}) within {timeout:g} s"
             answer = wire.decode(self.conn.recv_bytes(_ANSWER_BYTES))
-            kind, payload, *template = answer
-            if template and type(template[0]) is int:
-                if self.template_pid not in (None, template[0]):  # a successor took over
+            kind, payload, *rest = answer
+            if rest and type(rest[0]) is int:
+                if self.template_pid not in (None, rest[0]):  # a successor took over
                     reap_pid(self.template_pid)  # the server killed the old one
-                self.template_pid = template[0]
+                self.template_pid = rest[0]
+            if len(rest) > 1 and isinstance(rest[1], list):
+                self.unfit.update(name for name in rest[1] if isinstance(name, str))
             return kind, payload
         except (wire.WireError, ValueError, TypeError) as exc:  # not an answer of ours
             return "failed", f"the fork server sent an answer that is not one: {exc}"

@@ -51,6 +51,7 @@ class ServerBoot:
     invocation_dir: str
     collect_all: bool = False  # every test is isolated: the template collects the args at once
     learn: bool = True  # the template imports what tests imported (--gpu-isolate-learn-imports)
+    learnt: tuple[str, ...] = ()  # what earlier sessions' tests imported (imports.remembered)
     template_wait: float = TEMPLATE_WAIT_DEFAULT  # seconds a fork request waits for it
     log: str = ""  # the server's log file (the supervisor makes it)
     options: tuple[tuple[str, Any], ...] = ()  # pytest_gpuiso_child_options, for the template
@@ -143,9 +144,11 @@ class Server:
         self.template_note: str | None = None  # why there is no template, if it was refused
         self.successor: TemplateHandle | None = None  # importing what tests imported
         self.learning: list[str] = []  # what it imports
-        self.to_learn: list[str] = []  # what the next successor imports
-        self.weight = 0  # modules the tests imported with to_learn (a successor's worth)
+        # what the next successor imports: first what earlier sessions' tests imported
+        self.to_learn: list[str] = list(boot.learnt) if boot.learn else []
+        self.weight = LEARN_WEIGHT if self.to_learn else 0  # modules tests imported with them
         self.unfit = 0  # successors that could not take over
+        self.unfit_names: list[str] = []  # the modules that left them unfit (told to pytest)
 
     def loop(self) -> Any:
         """Serve requests until pytest closes the socket (None); in a test's process
@@ -168,9 +171,11 @@ class Server:
                 return answer
             close_fds(fds)
             if answer is not None:
-                # Every answer names the template, pytest's child to spare and reap.
+                # Every answer names the template, pytest's child to spare and reap, and the
+                # modules that could not be learnt (not to be remembered).
                 template = self.template.reaper_pid if self.template is not None else None
-                self.conn.send_bytes(wire.encode((*answer, template)))  # plain data for pytest
+                answer = (*answer, template, self.unfit_names)
+                self.conn.send_bytes(wire.encode(answer))  # plain data for pytest
         return None
 
     def collect(self, directories: list[str], modules: list[str]) -> None:
@@ -218,6 +223,7 @@ class Server:
             else:  # the template serves on; the next successor leaves that module out
                 successor.stop()
                 self.unfit += 1
+                self.unfit_names.append(str(payload[0]))
                 print(f"gpu-isolate: a successor template could not take over: {payload[-1]}")
                 rest = [name for name in self.learning if name != payload[0]]
                 if rest:  # worth a successor before: still worth one
@@ -237,6 +243,7 @@ class Server:
         template = self.template
         if template is not None and template.serves(job):
             kind, payload = template.fork(fds, cboot, job)
+            self.adopt()  # the first fork: the template has said what it collected
             if kind == "forked":
                 return kind, (payload, "template", None)
         ours: list[Any] = [self.sock, self.conn]
