@@ -3,8 +3,11 @@
 The clean-CUDA guarantee is checked before every fork (``unsafe_to_fork``): a
 process that has loaded the CUDA driver, or has more than one thread (a thread
 holding a lock at fork time deadlocks the child) once OpenBLAS's pool is stopped
-(``pools``), refuses, and pytest falls back to ``spawn``. Each test's process
-checks again when it starts.
+(``pools``), refuses, and pytest falls back to ``spawn``. Each test's process forked
+from the server checks again when it starts. The template's CUDA state is checked
+once it has collected and after each import it learns (``audit``), the only times
+code other than ours runs in it, not again before each fork (reading
+/proc/self/maps costs ~0.5 ms with torch loaded); its threads are.
 
 A test's process must be pytest's own child (its exit status, its pdeathsig, the
 process sweep). ``fork_sibling`` (native/gpuiso_fork.c, ``clone(CLONE_PARENT)``)
@@ -42,9 +45,11 @@ FORK_TWICE_ENV = "PYTEST_GPUISO_FORK_TWICE"
 _siblings = os.environ.get(FORK_TWICE_ENV, "") in ("", "0")  # until it fails once
 
 
-def unsafe_to_fork(who: str = "the fork server") -> str | None:
-    """Why forking this process (``who``) would not give a clean child, or None."""
-    reason = cuda_state.touched()
+def unsafe_to_fork(who: str = "the fork server", cuda_checked: bool = False) -> str | None:
+    """Why forking this process (``who``) would not give a clean child, or None.
+
+    ``cuda_checked``: its CUDA state was checked since anything but ours last ran."""
+    reason = None if cuda_checked else cuda_state.touched()
     if reason is not None:
         return reason
     count = pools.quiesce()  # OpenBLAS's workers (numpy's, started at import) stop until used
@@ -71,16 +76,21 @@ def fork_sibling() -> int | None:
 
 
 def fork_test_process(
-    parent_pid: int, close: list[Any], stdio: tuple[int, int], who: str = "the fork server"
+    parent_pid: int,
+    close: list[Any],
+    stdio: tuple[int, int],
+    who: str = "the fork server",
+    cuda_checked: bool = False,
 ) -> tuple[str, Any] | None:
     """Fork a test's process that is pytest's (``parent_pid``'s) child.
 
     Like ``os.fork()``, it returns twice: here ("forked", pid) or ("refused", why),
     and None in the test's process, which has closed ``close`` (this process's own
     connections), has ``stdio`` (pytest's stdout and stderr) as its fds 1 and 2, and
-    is pytest's child. ``who``: this process, for the messages.
+    is pytest's child. ``who``: this process, for the messages; ``cuda_checked``: as
+    ``unsafe_to_fork``'s.
     """
-    problem = unsafe_to_fork(who)
+    problem = unsafe_to_fork(who, cuda_checked)
     if problem is not None:
         return "refused", f"{who} refused to fork: {problem}"
     pid = fork_sibling()

@@ -280,7 +280,8 @@ def _serve_forks(
             successor = False
             _await_parent(parent_pid)
         cboot, job = payload
-        answer = fork_test_process(parent_pid, [sock, conn], stdio, "the template")
+        # Its CUDA state was checked when it had collected or learnt: nothing ran since.
+        answer = fork_test_process(parent_pid, [sock, conn], stdio, "the template", True)
         if answer is None:  # the test's process: back into the session, with its pipes
             return cboot, job, Connection(fds[0]), Connection(fds[1])
         close_fds(fds)
@@ -331,8 +332,7 @@ class TemplatePlugin(child_plugin.ChildPlugin):
         child.bootstrap(boot, conn)
         self.job = job
         self.channel = child.Channel(conn, boot.spill_prefix, go, boot.output)
-        child.refuse_inherited_cuda()
-        self.channel.send(frames.READY, os.getpid())
+        self.channel.send(frames.READY, os.getpid())  # the template's CUDA state was checked
         config = self.config
         self._record_junit(config)
         child_plugin.name_capture_files(boot.capture_prefix)
