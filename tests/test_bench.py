@@ -212,7 +212,7 @@ def test_memory_leases_bench_packs_tests_and_prints_the_ratio() -> None:
     once is proven without timing in tests/test_memory_leases.py.)"""
     done = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "memory_leases.py"), "--tests", "4", "--gib", "1"]
-        + ["--device-gib", "4", "--workers", "2", "--hold", "1"],
+        + ["--device-gib", "4", "--workers", "2", "--hold", "0.5"],
         capture_output=True,
         text=True,
         timeout=600,

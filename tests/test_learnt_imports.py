@@ -39,6 +39,11 @@ def _importers(gpuiso: GpuIso) -> list[int]:
     return [int(pid) for pid in (gpuiso.path / "imports.log").read_text().split()]
 
 
+def _remembered(gpuiso: GpuIso) -> object:
+    path = gpuiso.path / ".pytest_cache" / "v" / "gpuiso" / "learnt-imports"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
 def test_later_tests_have_what_an_earlier_test_imported(forkserver: GpuIso, lease_region):
     args = ("--gpu-isolate", "-p", "no:randomly", "--gpu-isolate-leaks=fail")
     result = forkserver.run(*args, f"{DIR}/test_lazy.py")
@@ -70,8 +75,9 @@ def test_a_module_that_starts_a_thread_is_not_learnt(forkserver: GpuIso, lease_r
         "--gpu-isolate-leaks=fail",
         "--gpu-isolate-report=report.json",
     )
-    result = forkserver.run(*args, f"{DIR}/test_thready.py")
+    result = forkserver.run_with_cache(*args, f"{DIR}/test_thready.py")
     result.assert_outcomes(passed=4)
+    assert _remembered(forkserver) is None  # nothing fit to keep for the next session
     assert not any(had for _, had in _had(forkserver).values())
     records = forkserver.records().values()
     assert all(r["start"]["collected"] for r in records)  # each forked from the template
@@ -111,14 +117,9 @@ def test_learnable_names_the_outermost_modules_imported_since_the_mark(
     frames.check((frames.IMPORTED, learnt))
 
 
-def _remembered(gpuiso: GpuIso) -> object:
-    path = gpuiso.path / ".pytest_cache" / "v" / "gpuiso" / "learnt-imports"
-    return json.loads(path.read_text()) if path.exists() else None
-
-
 def test_what_tests_imported_is_remembered_for_the_next_session(forkserver: GpuIso, lease_region):
     """Kept in pytest's cache, imported by a successor as soon as the template has
-    collected; --cache-clear forgets it, an unfit module is never kept."""
+    collected; --cache-clear forgets it (an unfit module is never kept: above)."""
     args = ("--gpu-isolate", "-p", "no:randomly", f"{DIR}/test_remembered.py")
     forkserver.run_with_cache(*args, "-k", "test_imports").assert_outcomes(passed=1)
     assert _remembered(forkserver) == ["lazy_pkg"]
@@ -129,9 +130,6 @@ def test_what_tests_imported_is_remembered_for_the_next_session(forkserver: GpuI
     forkserver.run_with_cache(*args, "-k", "test_has", "--cache-clear").assert_outcomes(passed=4)
     assert not any(had for _, had in _had(forkserver).values())
     assert _remembered(forkserver) is None
-    thready = ("--gpu-isolate", "-p", "no:randomly", f"{DIR}/test_thready.py")
-    forkserver.run_with_cache(*thready).assert_outcomes(passed=4)
-    assert _remembered(forkserver) is None  # nothing fit to keep
 
 
 class _Cache(dict):

@@ -6,7 +6,9 @@ JSON snapshot is a file of its own: five snapshots. The snapshot report must cou
 five, ``--snapshot-update`` must keep all five (a test's
 process, running one test, must not delete the others', and pytest must know the
 isolated tests used theirs) while still deleting a snapshot no test uses. Under both
-start methods, and under xdist (where syrupy locks the file its workers share).
+start methods, and under xdist (where syrupy locks the file its workers share): the two
+tests that run every way take each (start method, workers) pair once between them, as
+the start method and xdist change different things (the test's process; the shared file).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import re
 
 import pytest
 
-from tests.helpers import GpuIso
+from tests.helpers import GpuIso, make_gpuiso
 
 # Another plugin's API: the runs load it beside ours
 pytestmark = [pytest.mark.plugins("syrupy"), pytest.mark.versions]
@@ -35,6 +37,12 @@ def _names(gpuiso: GpuIso) -> list[str]:
     return re.findall(r"^# name: (.*)$", (gpuiso.path / AMBR).read_text(), re.MULTILINE)
 
 
+@pytest.fixture
+def make(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch):
+    """A ``GpuIso`` of the given start method that loads syrupy."""
+    return lambda start: make_gpuiso(pytester, monkeypatch, start, plugins=("syrupy",))
+
+
 def _run(gpuiso: GpuIso, workers: int, *args: str) -> pytest.RunResult:
     return gpuiso.run(*(("-n", str(workers)) if workers else ()), *args, PROGRAM)
 
@@ -46,8 +54,13 @@ def _summary(result: pytest.RunResult) -> str:
     return lines[at + 1].strip()
 
 
-@pytest.mark.parametrize("workers", [0, 2], ids=["serial", "xdist"])
-def test_update_keeps_every_snapshot_and_a_plain_run_passes(gpuiso: GpuIso, workers: int) -> None:
+@pytest.mark.parametrize(
+    ("start", "workers"),
+    [("spawn", 0), ("forkserver", 2)],
+    ids=["spawn-serial", "forkserver-xdist"],
+)
+def test_update_keeps_every_snapshot_and_a_plain_run_passes(make, start: str, workers: int) -> None:
+    gpuiso = make(start)
     gpuiso.copy(PROGRAM)
     result = _run(gpuiso, workers, "--snapshot-update")
     result.assert_outcomes(passed=4)
@@ -67,8 +80,13 @@ def test_update_keeps_every_snapshot_and_a_plain_run_passes(gpuiso: GpuIso, work
     assert files == {AMBR, JSON}
 
 
-@pytest.mark.parametrize("workers", [0, 2], ids=["serial", "xdist"])
-def test_unused_snapshots_are_still_found(gpuiso: GpuIso, workers: int) -> None:
+@pytest.mark.parametrize(
+    ("start", "workers"),
+    [("spawn", 2), ("forkserver", 0)],
+    ids=["spawn-xdist", "forkserver-serial"],
+)
+def test_unused_snapshots_are_still_found(make, start: str, workers: int) -> None:
+    gpuiso = make(start)
     gpuiso.copy(PROGRAM)
     assert _run(gpuiso, workers, "--snapshot-update").ret == 0
     with open(gpuiso.path / AMBR, "a") as f:
