@@ -48,6 +48,11 @@ def die_with_parent(expected_parent: int, sig: int = signal.SIGKILL) -> None:
         os._exit(70)
 
 
+def outlive_parent() -> None:
+    """Undo ``die_with_parent``: this process lives on when its parent dies."""
+    _prctl(PR_SET_PDEATHSIG, 0)
+
+
 def huge_page_steps(chunk: int = 8 << 20) -> Iterator[int]:
     """Move this process's private writable memory into transparent huge pages, in steps.
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -23,7 +24,7 @@ DIR = "learnt_imports"
 def forkserver(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> GpuIso:
     gpuiso = make_gpuiso(pytester, monkeypatch, "forkserver")
     gpuiso.copy(DIR)
-    for package in ("lazy_pkg", "thready_pkg"):  # importable from the rootdir
+    for package in ("lazy_pkg", "thready_pkg", "slow_pkg"):  # importable from the rootdir
         (gpuiso.path / DIR / package).rename(gpuiso.path / package)
     return gpuiso
 
@@ -85,6 +86,18 @@ def test_a_module_that_starts_a_thread_is_not_learnt(forkserver: GpuIso, lease_r
     successors = [pid for pid in _importers(forkserver) if pid not in tests]
     assert successors  # it tried
     assert not any(psutil.pid_exists(pid) for pid in successors)
+
+
+def test_a_successor_still_importing_ends_with_the_session(forkserver: GpuIso, lease_region):
+    """It dies with the template that forked it until it is ready to take over."""
+    result = forkserver.run("--gpu-isolate", "-p", "no:randomly", f"{DIR}/test_slow.py")
+    result.assert_outcomes(passed=2)
+    tests = {pid for pid, _ in _had(forkserver).values()}
+    [successor] = [pid for pid in _importers(forkserver) if pid not in tests]
+    deadline = time.monotonic() + 2.0  # its import sleeps 5 s
+    while psutil.pid_exists(successor) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not psutil.pid_exists(successor)
 
 
 def test_names_that_are_not_modules_go_nowhere(forkserver: GpuIso, lease_region):

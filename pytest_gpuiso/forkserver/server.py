@@ -266,7 +266,11 @@ class Server:
         os._exit(72)  # main() never returns
 
     def stop_template(self) -> None:
-        for handle in (self.template, self.successor):
+        """At the session's end. With a successor still importing, the template is let go
+        (its socket closed) so that it ends and reaps that successor before it exits (a
+        successor dies with it anyway, but unreaped); otherwise it is killed at once."""
+        importing = self.successor is not None
+        for handle in (self.successor, self.template):
             if handle is not None:
-                handle.stop()
+                handle.stop(kill=not importing)
         self.template = self.successor = None

@@ -33,7 +33,7 @@ from typing import Any, Protocol
 import pytest
 
 from .. import _compat, child, child_plugin, frames
-from .._linux import die_with_parent, huge_page_steps, set_child_subreaper
+from .._linux import die_with_parent, huge_page_steps, outlive_parent, set_child_subreaper
 from ..leaks.shm import LOG_ENV, created_entries, remove_created
 from ..proctree import live_descendants
 from . import audit, pools
@@ -156,8 +156,9 @@ class TemplateHandle:
             theirs.close()
         return TemplateHandle(0, ours, False, patience)  # its pid comes with "learnt"
 
-    def stop(self) -> None:
-        """Kill it (once: after our waitpid its pid may be anyone's)."""
+    def stop(self, kill: bool = True) -> None:
+        """Kill it (once: after our waitpid its pid may be anyone's); ``kill=False``: close
+        its socket only, and it ends a successor that is still importing and exits."""
         if self.stopped:
             return
         self.stopped = True
@@ -165,7 +166,8 @@ class TemplateHandle:
         if self.pid <= 0:  # a successor that never said its pid: it exits by itself
             return
         with contextlib.suppress(ChildProcessError, OSError):
-            os.kill(self.pid, signal.SIGKILL)  # pytest's child: a zombie until pytest reaps it
+            if kill:
+                os.kill(self.pid, signal.SIGKILL)  # pytest's child: a zombie until pytest reaps it
             if self.ours:
                 os.waitpid(self.pid, 0)
 
@@ -248,27 +250,38 @@ def _serve_forks(
     pytest, goes on in this loop."""
     compact: Iterator[int] | None = huge_page_steps()
     successor = False  # this process took over from the template that forked it
+    successors: list[int] = []  # those it forked, until they are reaped
     while True:
-        with contextlib.suppress(ChildProcessError):  # a successor that was unfit
-            os.waitpid(-1, os.WNOHANG)
+        successors = [pid for pid in successors if not _reaped(pid, os.WNOHANG)]
         if compact is not None and not conn.poll(0):  # idle: compact a little
             if next(compact, None) is None:
                 compact = None
             continue
         request = receive_request(sock, conn)
-        if request is None:
+        if request is None:  # the session is over: so is a successor still importing
+            for pid in successors:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+                _reaped(pid, 0)
             return None
         fds, (kind, *payload) = request
         if kind == "import" and len(fds) == 1:
-            if os.fork() != 0:
+            template = os.getpid()
+            if (pid := os.fork()) != 0:
+                successors.append(pid)
                 close_fds(fds)
                 continue
-            close_quietly(sock, conn)  # the successor: its own socket to the server
+            # The successor: it dies with this template (the session's end) while it
+            # imports, and no longer once it is ready to take over (the server kills this
+            # one then).
+            die_with_parent(template)
+            close_quietly(sock, conn)  # its own socket to the server
             sock, conn = socket.socket(fileno=fds[0]), Connection(os.dup(fds[0]))
             unfit = audit.learn(payload[0])
             if unfit is not None:
                 conn.send(("unfit", *unfit))
                 os._exit(0)
+            outlive_parent()
             conn.send(("learnt", os.getpid(), items))
             compact, successor = huge_page_steps(), True
             continue
@@ -286,6 +299,14 @@ def _serve_forks(
             return cboot, job, Connection(fds[0]), Connection(fds[1])
         close_fds(fds)
         conn.send(answer)
+
+
+def _reaped(pid: int, options: int) -> bool:
+    """Whether our child ``pid`` is gone (reaped now, or before)."""
+    try:
+        return os.waitpid(pid, options)[0] != 0
+    except ChildProcessError:
+        return True
 
 
 def _await_parent(parent_pid: int) -> None:
