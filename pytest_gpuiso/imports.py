@@ -82,6 +82,9 @@ CACHE_MAX = 1024
 MODULE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
 LEARN_MAX = 256  # modules one test's process reports at most (the outermost, sorted)
 _NAME_MAX = 200
+_ORIGIN_MAX = 4096
+
+Learnt = tuple[str, str]  # a module's name and where it was found (its spec's origin)
 
 
 def mark() -> tuple[int, str | None]:
@@ -95,66 +98,79 @@ def mark() -> tuple[int, str | None]:
 
 def learnable(start: tuple[int, str | None]) -> dict[str, Any]:
     """What was imported since ``start`` (``mark()``): ``names``, the modules another
-    process can import by name (a module object whose spec has that name, not an alias or
-    a stand-in a test put in ``sys.modules``, and a file or a built-in origin; of a
-    package and its submodules only the outermost new one), and ``modules``, how many
-    modules were imported in all (what importing ``names`` costs, roughly). Best effort:
-    a test that removed modules from ``sys.modules`` may hide some."""
+    process can import by name, with where they were found: (name, origin) of a module
+    object whose spec has that name (not an alias or a stand-in a test put in
+    ``sys.modules``) and a file or a built-in origin; of a package and its submodules only
+    the outermost new one. ``modules``: how many modules were imported in all (what
+    importing ``names`` costs, roughly). Best effort: a test that removed modules from
+    ``sys.modules`` may hide some."""
     size, last = start
     new = []
     for name in reversed(sys.modules.keys()):  # the newest first, until the mark
         if name == last or len(new) >= len(sys.modules) - size:
             break
         new.append(name)
-    names = set()
+    found: dict[str, str] = {}
     for name in new:
         module = sys.modules.get(name)
         spec = getattr(module, "__spec__", None)
+        origin = getattr(spec, "origin", None)
         if (
             isinstance(module, types.ModuleType)
-            and spec is not None
-            and spec.name == name
-            and spec.origin is not None
-            and len(name) <= _NAME_MAX
-            and MODULE.fullmatch(name)
+            and getattr(spec, "name", None) == name
+            and is_learnt((name, origin))
             and not name.startswith("__")
         ):
-            names.add(name)
-    outer = [name for name in names if not _has_parent_in(name, names)]
-    return {"names": sorted(outer)[:LEARN_MAX], "modules": len(new)}
+            found[name] = origin  # type: ignore[assignment] - is_learnt: a str
+    outer = sorted(name for name in found if not _has_parent_in(name, found))
+    return {"names": [(name, found[name]) for name in outer[:LEARN_MAX]], "modules": len(new)}
 
 
-def _has_parent_in(name: str, names: set[str]) -> bool:
+def is_learnt(pair: Any) -> bool:
+    """Whether ``pair`` is a (module name, origin) that may be learnt."""
+    return (
+        isinstance(pair, (tuple, list))
+        and len(pair) == 2
+        and isinstance(pair[0], str)
+        and isinstance(pair[1], str)
+        and len(pair[0]) <= _NAME_MAX
+        and 0 < len(pair[1]) <= _ORIGIN_MAX
+        and MODULE.fullmatch(pair[0]) is not None
+    )
+
+
+def _has_parent_in(name: str, names: Any) -> bool:
     parts = name.split(".")
     return any(".".join(parts[:i]) in names for i in range(1, len(parts)))
 
 
-def remembered(cache: Any) -> tuple[str, ...]:
+def remembered(cache: Any) -> tuple[Learnt, ...]:
     """The modules tests of earlier sessions imported while they ran (``learnable``), as
     pytest's cache keeps them (``remember``); none without the cache. A value that is not
-    a list of module names (edited by hand, another version's) is ignored, and replaced
-    at the session's end."""
+    a list of (name, origin) pairs (edited by hand, another version's) is ignored, and
+    replaced at the session's end."""
     if cache is None:
         return ()
     with contextlib.suppress(Exception):  # pytest's cache reads JSON; anything else: ignored
         value = cache.get(CACHE_KEY, None)
         if isinstance(value, list):
-            return tuple(name for name in value[:CACHE_MAX] if _is_name(name))
+            return tuple((p[0], p[1]) for p in value[:CACHE_MAX] if is_learnt(p))
     return ()
 
 
-def remember(cache: Any, learnt: set[str], unfit: set[str]) -> None:
-    """Keep in pytest's cache what this session's tests imported (``learnt``), with what
-    earlier sessions kept (read again now: xdist's workers write it too), less the
-    modules that left the template unfit to fork (``unfit``)."""
+def remember(cache: Any, learnt: dict[str, str], unfit: set[str]) -> None:
+    """Keep in pytest's cache what this session's tests imported (``learnt``: name ->
+    origin), then what earlier sessions kept (read again now: xdist's workers write it
+    too), less the modules that left the template unfit to fork (``unfit``); the most
+    recent first, up to ``CACHE_MAX``."""
     if cache is None:
         return
-    earlier = set(remembered(cache))
-    names = sorted((earlier | {n for n in learnt if _is_name(n)}) - unfit)[:CACHE_MAX]
-    if set(names) != earlier:
+    earlier = remembered(cache)
+    kept: dict[str, str] = {}
+    for name, origin in (*learnt.items(), *earlier):
+        if name not in unfit and name not in kept and is_learnt((name, origin)):
+            kept[name] = origin
+    pairs = [[name, origin] for name, origin in kept.items()][:CACHE_MAX]
+    if pairs != [list(p) for p in earlier]:
         with contextlib.suppress(Exception):  # a read-only checkout: pytest warns itself
-            cache.set(CACHE_KEY, names)
-
-
-def _is_name(name: Any) -> bool:
-    return isinstance(name, str) and len(name) <= _NAME_MAX and MODULE.fullmatch(name) is not None
+            cache.set(CACHE_KEY, pairs)

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from pytest_gpuiso import frames, imports
-from tests.helpers import GpuIso, make_gpuiso
+from tests.helpers import REPORT, GpuIso, make_gpuiso
 
 DIR = "learnt_imports"
 
@@ -24,7 +24,7 @@ DIR = "learnt_imports"
 def forkserver(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> GpuIso:
     gpuiso = make_gpuiso(pytester, monkeypatch, "forkserver")
     gpuiso.copy(DIR)
-    for package in ("lazy_pkg", "thready_pkg", "slow_pkg"):  # importable from the rootdir
+    for package in ("lazy_pkg", "thready_pkg", "slow_pkg", "shadow_mod.py"):  # on sys.path
         (gpuiso.path / DIR / package).rename(gpuiso.path / package)
     return gpuiso
 
@@ -46,9 +46,12 @@ def _remembered(gpuiso: GpuIso) -> object:
 
 
 def test_later_tests_have_what_an_earlier_test_imported(forkserver: GpuIso, lease_region):
-    args = ("--gpu-isolate", "-p", "no:randomly", "--gpu-isolate-leaks=fail")
+    args = ("--gpu-isolate", "-p", "no:randomly", "--gpu-isolate-leaks=fail", REPORT)
     result = forkserver.run(*args, f"{DIR}/test_lazy.py")
     result.assert_outcomes(passed=6)
+    # every one forked from a template: the successor took over, and the old one was gone
+    # before it could end the successor it forked
+    assert all(r["start"]["collected"] for r in forkserver.records().values())
     had = _had(forkserver)
     assert not had[0][1]  # the first test imported it itself
     assert all(had[n][1] for n in (3, 4, 5)), had  # forked once the successor took over
@@ -100,9 +103,22 @@ def test_a_successor_still_importing_ends_with_the_session(forkserver: GpuIso, l
     assert not psutil.pid_exists(successor)
 
 
-def test_names_that_are_not_modules_go_nowhere(forkserver: GpuIso, lease_region):
-    result = forkserver.run("--gpu-isolate", "-p", "no:randomly", f"{DIR}/test_hostile_names.py")
+def test_a_module_found_elsewhere_by_the_template_is_not_learnt(
+    forkserver: GpuIso, lease_region, monkeypatch: pytest.MonkeyPatch
+):
+    """A test imports shadow_mod from a folder it put first on sys.path; the template would
+    find the rootdir's shadow_mod instead: it does not import that one for later tests."""
+    monkeypatch.setenv("SHADOW_LOG", str(forkserver.path / "tests.log"))
+    result = forkserver.run("--gpu-isolate", "-p", "no:randomly", f"{DIR}/test_shadow.py")
     result.assert_outcomes(passed=4)
+    assert not any(had for _, had in _had(forkserver).values())
+
+
+def test_names_that_are_not_modules_go_nowhere(forkserver: GpuIso, lease_region):
+    args = ("--gpu-isolate", "-p", "no:randomly", REPORT, f"{DIR}/test_hostile_names.py")
+    result = forkserver.run(*args)
+    result.assert_outcomes(passed=4)
+    assert all(r["start"]["collected"] for r in forkserver.records().values())
     assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()
     assert not (forkserver.path / "pwned").exists()
 
@@ -125,7 +141,9 @@ def test_learnable_names_the_outermost_modules_imported_since_the_mark(
     monkeypatch.setitem(sys.modules, "learn_unit_fake", types.ModuleType("learn_unit_fake"))
     monkeypatch.setitem(sys.modules, "learn_unit_alias", sys.modules["learn_unit_mod"])
     learnt = imports.learnable(start)
-    assert learnt == {"names": ["learn_unit_mod", "learn_unit_pkg"], "modules": 5}
+    origins = [str(tmp_path / "learn_unit_mod.py"), str(package / "__init__.py")]
+    names = list(zip(["learn_unit_mod", "learn_unit_pkg"], origins, strict=True))
+    assert learnt == {"names": names, "modules": 5}
     assert imports.learnable(imports.mark()) == {"names": [], "modules": 0}
     frames.check((frames.IMPORTED, learnt))
 
@@ -135,7 +153,8 @@ def test_what_tests_imported_is_remembered_for_the_next_session(forkserver: GpuI
     collected; --cache-clear forgets it (an unfit module is never kept: above)."""
     args = ("--gpu-isolate", "-p", "no:randomly", f"{DIR}/test_remembered.py")
     forkserver.run_with_cache(*args, "-k", "test_imports").assert_outcomes(passed=1)
-    assert _remembered(forkserver) == ["lazy_pkg"]
+    [[name, origin]] = _remembered(forkserver)
+    assert name == "lazy_pkg" and origin.endswith("lazy_pkg/__init__.py")
     forkserver.run_with_cache(*args, "-k", "test_has").assert_outcomes(passed=4)
     had = _had(forkserver)
     assert not had[0][1] and had[3][1], had  # forked after the successor took over
@@ -152,14 +171,16 @@ class _Cache(dict):
         self[key] = value
 
 
-@pytest.mark.parametrize(
-    "value", [{"a": 1}, "torch", [1, None], ["os.system('x')", "a" * 300], None]
-)
+BAD = [{"a": 1}, "torch", [1, None], ["torch"], [["os.system('x')", "/x"]], [["a", ""]], None]
+
+
+@pytest.mark.parametrize("value", BAD)
 def test_a_cache_value_that_is_not_module_names_is_ignored_then_replaced(value):
     cache = _Cache({imports.CACHE_KEY: value} if value is not None else {})
     assert imports.remembered(cache) == ()
-    imports.remember(cache, {"torch.distributed.tensor", "bad name"}, set())
-    assert cache[imports.CACHE_KEY] == ["torch.distributed.tensor"]
-    imports.remember(cache, {"sympy", "thready_pkg"}, {"thready_pkg"})
-    assert imports.remembered(cache) == ("sympy", "torch.distributed.tensor")
+    tensor = ("torch.distributed.tensor", "/t/__init__.py")
+    imports.remember(cache, dict([tensor, ("bad name", "/b.py")]), set())
+    assert cache[imports.CACHE_KEY] == [list(tensor)]
+    imports.remember(cache, {"sympy": "/s.py", "thready_pkg": "/p.py"}, {"thready_pkg"})
+    assert imports.remembered(cache) == (("sympy", "/s.py"), tensor)  # the newest first
     assert imports.remembered(None) == ()

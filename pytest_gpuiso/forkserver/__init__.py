@@ -40,7 +40,7 @@ class ForkServer:
         self.sock = socket.socket(fileno=os.dup(self.conn.fileno()))
         self.ready = False
         self.template_pid: int | None = None  # the server's template, when it is our child
-        self.learnt: set[str] = set()  # modules the template was told to import
+        self.learnt: dict[str, str] = {}  # modules the template was told to import: origins
         self.unfit: set[str] = set()  # modules that left a successor template unfit to fork
 
     @property
@@ -84,15 +84,15 @@ class ForkServer:
         with contextlib.suppress(OSError):
             send_request(self.sock, self.conn, ("collect", directories, modules))
 
-    def learn(self, names: list[str], modules: int) -> None:
-        """Tell the server what a test's process imported while its test ran (``names``,
-        ``modules`` in all: ``imports.learnable``; best effort): its template imports
-        them for later tests."""
-        new = [name for name in names if name not in self.learnt and imports.MODULE.fullmatch(name)]
+    def learn(self, names: list[Any], modules: int) -> None:
+        """Tell the server what a test's process imported while its test ran (``names``:
+        (name, origin) pairs, ``modules`` in all: ``imports.learnable``; best effort): its
+        template imports them for later tests."""
+        new = {p[0]: p[1] for p in names if imports.is_learnt(p) and p[0] not in self.learnt}
         if new and self.ready:
             self.learnt.update(new)
             with contextlib.suppress(OSError):
-                send_request(self.sock, self.conn, ("learn", new, max(0, modules)))
+                send_request(self.sock, self.conn, ("learn", list(new.items()), max(0, modules)))
 
     def _answer(self, timeout: float, what: str) -> tuple[str, Any]:
         try:

@@ -20,19 +20,28 @@ from . import pools
 from .fork import unsafe_to_fork
 
 
-def learn(names: list[str]) -> tuple[str, str] | None:
+def learn(names: list[tuple[str, str]]) -> tuple[str, str] | None:
     """In a successor template: import modules a test's process imported while its test
     ran, so that the tests forked after it have them, as in-process pytest keeps them.
 
     Each import is audited like the collection: a module that starts a thread or a
     process, opens a file or a shared mapping or touches CUDA leaves this process unfit
     to fork; (that module, why) is returned, and the template that forked it serves on.
-    A module that fails to import is left to the tests that import it.
+    A module that fails to import, or that this process would find elsewhere than the
+    test's process did (a test that put a folder first on ``sys.path``), is left to the
+    tests that import it.
     """
     from importlib import import_module
+    from importlib.util import find_spec
 
-    for name in names:
-        if name in sys.modules or not imports.MODULE.fullmatch(name):
+    for name, origin in names:
+        if name in sys.modules or not imports.is_learnt((name, origin)):
+            continue
+        try:
+            spec = find_spec(name)  # imports its parent packages
+        except BaseException:  # noqa: BLE001 - a parent that fails: the tests meet it
+            continue
+        if spec is None or spec.origin != origin:
             continue
         before = snapshot()
         set_child_subreaper(True)  # a daemon it starts is seen (left_outside)

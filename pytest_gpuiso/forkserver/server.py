@@ -15,6 +15,7 @@ import gc
 import os
 import signal
 import socket
+import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -51,7 +52,7 @@ class ServerBoot:
     invocation_dir: str
     collect_all: bool = False  # every test is isolated: the template collects the args at once
     learn: bool = True  # the template imports what tests imported (--gpu-isolate-learn-imports)
-    learnt: tuple[str, ...] = ()  # what earlier sessions' tests imported (imports.remembered)
+    learnt: tuple[tuple[str, str], ...] = ()  # earlier sessions' (imports.remembered)
     template_wait: float = TEMPLATE_WAIT_DEFAULT  # seconds a fork request waits for it
     log: str = ""  # the server's log file (the supervisor makes it)
     options: tuple[tuple[str, Any], ...] = ()  # pytest_gpuiso_child_options, for the template
@@ -143,9 +144,9 @@ class Server:
         self.template: TemplateHandle | None = None
         self.template_note: str | None = None  # why there is no template, if it was refused
         self.successor: TemplateHandle | None = None  # importing what tests imported
-        self.learning: list[str] = []  # what it imports
+        self.learning: list[tuple[str, str]] = []  # what it imports: (name, origin)
         # what the next successor imports: first what earlier sessions' tests imported
-        self.to_learn: list[str] = list(boot.learnt) if boot.learn else []
+        self.to_learn: list[tuple[str, str]] = list(boot.learnt) if boot.learn else []
         self.weight = LEARN_WEIGHT if self.to_learn else 0  # modules tests imported with them
         self.unfit = 0  # successors that could not take over
         self.unfit_names: list[str] = []  # the modules that left them unfit (told to pytest)
@@ -193,46 +194,64 @@ class Server:
         if modules and self.template is None:
             self.template = TemplateHandle.start(self, modules)
 
-    def learn(self, names: list[str], modules: int) -> None:
-        """Modules a test imported while it ran (``modules`` with what they import): the
-        tests forked after it get them from a successor of the template that imported
-        them (as pytest in-process keeps them), once they are worth a successor's fork
-        and audit (``LEARN_WEIGHT``). Not the server's own forks: they configure and
-        collect for themselves."""
-        if self.boot.learn and self.unfit < UNFIT_MAX:
+    def learn(self, names: list[tuple[str, str]], modules: int) -> None:
+        """Modules a test imported while it ran ((name, origin); ``modules`` with what they
+        import): the tests forked after it get them from a successor of the template that
+        imported them (as pytest in-process keeps them), once they are worth a
+        successor's fork and audit (``LEARN_WEIGHT``). Not the server's own forks: they
+        configure and collect for themselves. A successor is started here, never taken
+        over: only a fork's answer tells pytest the new template's pid (``adopt``)."""
+        if self.boot.learn:
             self.to_learn += names
             self.weight += modules
-            self.adopt()
+            self.adopt(take_over=False)
 
-    def adopt(self) -> None:
+    def adopt(self, take_over: bool = True) -> None:
         """Make the successor the template once it has imported what it learnt (the old
-        one is killed; pytest reaps it), or drop it; then start the next one, if due."""
+        one is killed; pytest reaps it once this fork's answer names the new one), or
+        drop it; then start the next one, if due."""
         successor = self.successor
-        if successor is not None and successor.conn.poll(0):
+        if successor is not None and take_over and successor.conn.poll(0):
             self.successor = None
             try:
                 kind, *payload = successor.conn.recv()
             except (EOFError, OSError, ValueError):
-                kind, payload = "unfit", ["", "it exited"]
+                kind, payload = "exited", []
             if kind == "learnt" and self.template is not None:
                 successor.pid, successor.items = payload[0], frozenset(payload[1])
                 self.template.stop()
                 self.template = successor
-            elif kind == "learnt":  # the template is gone: so is learning
+            else:
                 successor.stop()
-            else:  # the template serves on; the next successor leaves that module out
-                successor.stop()
-                self.unfit += 1
-                self.unfit_names.append(str(payload[0]))
-                print(f"gpu-isolate: a successor template could not take over: {payload[-1]}")
-                rest = [name for name in self.learning if name != payload[0]]
-                if rest:  # worth a successor before: still worth one
-                    self.to_learn, self.weight = rest + self.to_learn, self.weight + LEARN_WEIGHT
+                if kind != "learnt":
+                    self._unfit(kind, payload)
+        elif successor is not None and time.monotonic() > successor.deadline:  # stuck
+            successor.stop()
+            self.successor = None
+            self._unfit("exited", [])
         template = self.template
         ready = template is not None and template.items is not None and not template.unusable
-        if ready and self.successor is None and self.to_learn and self.weight >= LEARN_WEIGHT:
+        due = self.to_learn and self.weight >= LEARN_WEIGHT and self.unfit < UNFIT_MAX
+        if ready and self.successor is None and due:
             self.learning, self.to_learn, self.weight = self.to_learn, [], 0
             self.successor = template.learn(self.learning, self.boot.template_wait)
+
+    def _unfit(self, kind: str, payload: list[Any]) -> None:
+        """A successor could not take over: the template serves on. Unfit after importing a
+        module (payload: the module, why): the others are tried again without it. Gone or
+        stuck (a crash or a hang while importing): none of what it imported is learnt."""
+        self.unfit += 1
+        if kind == "unfit" and len(payload) == 2:
+            module, why = str(payload[0]), str(payload[1])
+            rest = [pair for pair in self.learning if pair[0] != module]
+            if rest:  # worth a successor before: still worth one
+                self.to_learn, self.weight = rest + self.to_learn, self.weight + LEARN_WEIGHT
+            culprits = [module]
+        else:
+            why = "it exited or did not answer while importing"
+            culprits = [name for name, _ in self.learning]
+        self.unfit_names += [name for name in culprits if name not in self.unfit_names]
+        print(f"gpu-isolate: a successor template could not take over: {why}")
 
     def fork(self, fds: list[int], cboot: Any, job: Any) -> Any:
         """("forked", (pid, source, note)) as ``ForkServer.answer`` describes, or

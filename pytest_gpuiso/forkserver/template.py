@@ -142,7 +142,7 @@ class TemplateHandle:
             self.stop()
         return answer
 
-    def learn(self, names: list[str], patience: float) -> TemplateHandle | None:
+    def learn(self, names: list[tuple[str, str]], patience: float) -> TemplateHandle | None:
         """Have it fork a successor that imports ``names`` (a test imported them) while it
         goes on serving: the successor's handle, which says ``learnt`` once it can take
         over (``Server.adopt``), or ``unfit``."""
@@ -162,13 +162,12 @@ class TemplateHandle:
         if self.stopped:
             return
         self.stopped = True
-        close_quietly(self.sock, self.conn)
-        if self.pid <= 0:  # a successor that never said its pid: it exits by itself
-            return
-        with contextlib.suppress(ChildProcessError, OSError):
-            if kill:
+        if kill and self.pid > 0:  # first: on the socket's end it would end its successors,
+            with contextlib.suppress(OSError):  # among them the one taking over from it
                 os.kill(self.pid, signal.SIGKILL)  # pytest's child: a zombie until pytest reaps it
-            if self.ours:
+        close_quietly(self.sock, self.conn)
+        if self.pid > 0 and self.ours:
+            with contextlib.suppress(ChildProcessError, OSError):
                 os.waitpid(self.pid, 0)
 
 
@@ -265,25 +264,18 @@ def _serve_forks(
                 _reaped(pid, 0)
             return None
         fds, (kind, *payload) = request
-        if kind == "import" and len(fds) == 1:
+        if kind == "import" and len(fds) != 1:  # never answered: the server waits for none
+            close_fds(fds)
+            continue
+        if kind == "import":
             template = os.getpid()
             if (pid := os.fork()) != 0:
                 successors.append(pid)
                 close_fds(fds)
                 continue
-            # The successor: it dies with this template (the session's end) while it
-            # imports, and no longer once it is ready to take over (the server kills this
-            # one then).
-            die_with_parent(template)
-            close_quietly(sock, conn)  # its own socket to the server
-            sock, conn = socket.socket(fileno=fds[0]), Connection(os.dup(fds[0]))
-            unfit = audit.learn(payload[0])
-            if unfit is not None:
-                conn.send(("unfit", *unfit))
-                os._exit(0)
-            outlive_parent()
-            conn.send(("learnt", os.getpid(), items))
-            compact, successor = huge_page_steps(), True
+            close_quietly(sock, conn)
+            sock, conn = _succeed(template, fds[0], payload[0], items)
+            compact, successor, successors = huge_page_steps(), True, []
             continue
         if kind != "fork" or len(fds) != 2:
             close_fds(fds)
@@ -301,6 +293,28 @@ def _serve_forks(
         conn.send(answer)
 
 
+def _succeed(
+    template: int, fd: int, names: list[tuple[str, str]], items: list[str]
+) -> tuple[socket.socket, Connection]:
+    """In a successor just forked from ``template``: import ``names``, say whether this
+    process can take over (on ``fd``, its own socket to the server) and return that
+    socket; or leave, unfit, or once the server gave up on it (running no hook). It dies
+    with the template while it imports, and no longer once it is ready to take over (the
+    server kills that one then)."""
+    die_with_parent(template)
+    sock, conn = socket.socket(fileno=fd), Connection(os.dup(fd))
+    unfit = audit.learn(names)
+    if unfit is None:
+        outlive_parent()
+    try:
+        conn.send(("unfit", *unfit) if unfit is not None else ("learnt", os.getpid(), items))
+    except OSError:
+        os._exit(0)
+    if unfit is not None:
+        os._exit(0)
+    return sock, conn
+
+
 def _reaped(pid: int, options: int) -> bool:
     """Whether our child ``pid`` is gone (reaped now, or before)."""
     try:
@@ -312,7 +326,7 @@ def _reaped(pid: int, options: int) -> bool:
 def _await_parent(parent_pid: int) -> None:
     """Wait (5 s at most) until the template that forked this one is gone and pytest is
     its parent, then die with pytest as that template did."""
-    deadline = time.monotonic() + 5.0
+    deadline = time.monotonic() + 30.0  # the old template's exit: a large process's
     while os.getppid() != parent_pid and time.monotonic() < deadline:
         time.sleep(0.0005)
     die_with_parent(parent_pid)
