@@ -339,8 +339,10 @@ def started(records: list[dict]) -> str:
         method = (r.get("start") or {}).get("method") or "none"
         counts[method] = counts.get(method, 0) + 1
     prewarmed = sum(1 for r in records if (r.get("start") or {}).get("prewarmed"))
+    collected = sum(1 for r in records if (r.get("start") or {}).get("collected"))
     parts = [f"{n} {method}" for method, n in sorted(counts.items())]
-    return ", ".join(parts) + f"; {prewarmed} prewarmed (every round)"
+    text = ", ".join(parts) + f"; {prewarmed} prewarmed; {collected} forked from the template"
+    return text + " (every round)"
 
 
 def counts(outcomes: dict[str, str]) -> str:
