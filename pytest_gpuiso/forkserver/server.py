@@ -32,6 +32,7 @@ from .fork import close_fds, fork_test_process, one_line, receive_request
 from .template import TemplateHandle
 
 UNFIT_MAX = 3  # successor templates that could not take over before learning stops
+SUCCESSOR_WAIT = 30.0  # seconds a successor may import before it counts as stuck
 # Modules tests imported (with what those import) before a successor imports them: a
 # successor costs a fork, a garbage collection and an audit (~50 ms of CPU), which a few
 # small modules do not repay; torch.distributed.tensor alone brings ~520.
@@ -234,7 +235,7 @@ class Server:
         due = self.to_learn and self.weight >= LEARN_WEIGHT and self.unfit < UNFIT_MAX
         if ready and self.successor is None and due:
             self.learning, self.to_learn, self.weight = self.to_learn, [], 0
-            self.successor = template.learn(self.learning, self.boot.template_wait)
+            self.successor = template.learn(self.learning, SUCCESSOR_WAIT)
 
     def _unfit(self, kind: str, payload: list[Any]) -> None:
         """A successor could not take over: the template serves on. Unfit after importing a
