@@ -48,15 +48,24 @@ def learn(names: list[tuple[str, str]]) -> tuple[str, str] | None:
         with contextlib.suppress(BaseException):  # even SystemExit: the tests meet it
             import_module(name)
         pools.step(f"importing {name}, which a test imported")
-        problem = unsafe_to_fork("the template") or left_outside(before, None)
+        problem = unfit(before, None)
         set_child_subreaper(False)
         if problem is not None:
-            for pid in live_descendants():
-                with contextlib.suppress(OSError):
-                    os.kill(pid, signal.SIGKILL)
             return name, f"after importing {name}, as a test did: {problem}"
     child_plugin.freeze()
     return None
+
+
+def unfit(before: tuple[dict[int, str], set[str]], shm_log: str | None) -> str | None:
+    """Why this template may not be forked (``unsafe_to_fork``, ``left_outside``), or None;
+    when it may not, the processes it started are killed first: they go with it, not to
+    a test's account."""
+    problem = unsafe_to_fork("the template") or left_outside(before, shm_log)
+    if problem is not None:
+        for pid in live_descendants():
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+    return problem
 
 
 def snapshot() -> tuple[dict[int, str], set[str]]:

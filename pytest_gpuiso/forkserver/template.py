@@ -35,7 +35,6 @@ import pytest
 from .. import _compat, child, child_plugin, frames
 from .._linux import die_with_parent, huge_page_steps, outlive_parent, set_child_subreaper
 from ..leaks.shm import LOG_ENV, created_entries, remove_created
-from ..proctree import live_descendants
 from . import audit, pools
 from .fork import (
     close_fds,
@@ -193,12 +192,9 @@ def _template_main(server: Server, sock: socket.socket, modules: list[str] | Non
         """Called by the session once collected; returns only in a test's process."""
         os.environ.pop(LOG_ENV, None)
         pools.step("collecting test modules")
-        problem = unsafe_to_fork("the template") or audit.left_outside(before, shm_log)
+        problem = audit.unfit(before, shm_log)  # what it started is killed with it
         set_child_subreaper(False)  # tests' orphans (with two forks: tests) go to pytest
         if problem is not None:  # what it made goes with it, not to a test's account
-            for pid in live_descendants():
-                with contextlib.suppress(OSError):
-                    os.kill(pid, signal.SIGKILL)
             if shm_log is not None:  # only what the shim saw it create, still that inode
                 if _cleanup_wanted(config):
                     remove_created(shm_log)
