@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import os
 import signal
 import sys
@@ -85,6 +86,6 @@ def huge_page_steps(chunk: int = 8 << 20) -> Iterator[int]:
         for at in range(start, end, chunk):
             size = min(chunk, end - at)
             libc.madvise(at, size, MADV_HUGEPAGE)
-            if libc.madvise(at, size, MADV_COLLAPSE) != 0 and ctypes.get_errno() == 22:
-                return  # EINVAL: this kernel has no MADV_COLLAPSE
+            if libc.madvise(at, size, MADV_COLLAPSE) != 0 and ctypes.get_errno() == errno.EINVAL:
+                break  # not this mapping (a thread's stack), or no MADV_COLLAPSE at all
             yield size
