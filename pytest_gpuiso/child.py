@@ -13,6 +13,10 @@ It talks to the parent in frames (``frames``): ``READY`` once bootstrapped,
 then what the job produced, and ``DONE`` last. Once ``DONE`` is sent the child runs
 threading's exit hooks and multiprocessing's finalizers and leaves with ``os._exit``
 (``flush_and_exit``), so a non-daemon thread left running by a test cannot keep it alive.
+Just before ``os._exit`` it closes its descriptors (not stdio, not the pipe) and says
+``EXITING``: the parent may then go on while the kernel tears its memory down
+(``supervisor``), and what the test held through a descriptor (a port, a lock, a file)
+is already free for the next test, as after an exit.
 
 A child may be started before its test's turn (prewarming, ``supervisor``): it
 bootstraps, imports, parses the configuration and configures pytest, collects its
@@ -92,7 +96,7 @@ def main(
         status = 1
         with contextlib.suppress(Exception):
             send_frame(conn, frames.ERROR, internal_error(), boot.spill_prefix)
-    flush_and_exit(status)
+    flush_and_exit(status, conn)
 
 
 def refuse_inherited_cuda() -> None:
@@ -108,7 +112,7 @@ def internal_error() -> str:
     return "internal error in the isolated process:\n" + traceback.format_exc()
 
 
-def flush_and_exit(status: int) -> NoReturn:
+def flush_and_exit(status: int, conn: Connection | None = None) -> NoReturn:
     """Leave as multiprocessing's own processes leave, then at once (``os._exit``).
 
     threading's exit hooks run (concurrent.futures shuts its executors down there), then
@@ -117,13 +121,39 @@ def flush_and_exit(status: int) -> NoReturn:
     them with the exit bound. Not run, as there: ``atexit`` handlers (torch's alone cost
     ~23 ms in a forked process and change nothing a test could observe), the joining of
     non-daemon threads still running (they would keep the process alive; in-process they
-    would keep pytest alive) and the interpreter's teardown of every module."""
+    would keep pytest alive) and the interpreter's teardown of every module.
+
+    ``conn``: the pipe to the parent, which is told ``EXITING`` last (``say_exiting``)."""
     _flush()
     run_exit_hooks()
     _flush()
     with contextlib.suppress(Exception):  # os._exit() runs no atexit handler: ours now
         workdir.remove_process_dir()
+    if conn is not None and status == 0:
+        with contextlib.suppress(Exception):
+            say_exiting(conn)
     os._exit(status)
+
+
+GPU_DEVICES = ("/dev/nvidia", "/dev/kfd", "/dev/dri/")  # CUDA's and ROCm's device files
+
+
+def say_exiting(conn: Connection) -> None:
+    """Close every descriptor but stdio and ``conn``, send ``EXITING`` and close ``conn``:
+    nothing but ``os._exit`` comes after. Not with a GPU device open: its driver frees
+    the test's GPU memory as the process ends, which the parent then waits for."""
+    keep = conn.fileno()
+    fds = [int(name) for name in os.listdir("/proc/self/fd")]
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/self/fd/{fd}").startswith(GPU_DEVICES):
+                return
+    for fd in fds:
+        if fd > 2 and fd != keep:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    send_frame(conn, frames.EXITING, None, "")
+    conn.close()
 
 
 def _flush() -> None:

@@ -44,7 +44,8 @@ ERROR = "error"  # why the process could not run its test (text)
 RESULT = "result"  # run_isolated: the function's value
 EXCEPTION = "exception"  # run_isolated: the exception it raised (``describe_exception``)
 PAYLOAD = "payload"  # other plugins' data from the test's process (pytest_gpuiso_child_payload)
-DONE = "done"  # the last frame: the job finished (its exit status)
+DONE = "done"  # the job finished (its exit status)
+EXITING = "exiting"  # the very last: descriptors closed, only os._exit comes next (None)
 SPILL_BYTES = 1 << 20  # 1 MiB: a larger frame goes in a file
 SPILL_MAX = 256 << 20  # the largest spill file read
 KEEP_BYTES = 512 << 20  # of one test's frames, at most this much is kept
@@ -88,6 +89,7 @@ SHAPES: dict[str, Any] = {
     },
     PAYLOAD: (dict,),
     DONE: _INT,
+    EXITING: (type(None),),
 }
 KINDS = frozenset(SHAPES)  # the whole vocabulary
 
@@ -334,6 +336,17 @@ def pump(
             while (frame := reader.next()) is not None:
                 received.append(frame)
             return EXITED
+
+
+def drain(reader: Reader, received: list) -> None:
+    """Collect the frames already in the pipe into ``received``, without waiting (and
+    without following a writer that goes on writing)."""
+    for _ in range(64):
+        if reader.eof or not wait([reader], 0):
+            break
+        reader.fill()
+    while (frame := reader.next()) is not None:
+        received.append(frame)
 
 
 def encode_warning(message: warnings.WarningMessage, nodeid: str) -> dict[str, Any]:

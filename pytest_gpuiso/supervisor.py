@@ -9,7 +9,9 @@ re-parented here, where ``psutil`` finds them (``leaks.process``).
 
 Leak probes (``leaks/``) take their snapshot just before the child gets its go
 (it may have been started earlier: prewarmed) and check once the child and its
-descendants are gone; the process probe is the sweep itself and always runs.
+descendants are gone; the process probe is the sweep itself and always runs. A
+test's process that says it is exiting, is past its exit and left no process is
+not waited for while the kernel tears it down (``leaving``): reaped later.
 
 The parent waits on the pipe and on a pidfd of the child together with
 ``multiprocessing.connection.wait``; it never sleep-polls while the child runs.
@@ -26,12 +28,11 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
-from . import child, frames, imports
+from . import child, frames, imports, leaving
 from .dead_sessions import OWNER_ENV
 from .forkserver import ForkServer, ServerBoot, Unavailable
 from .leaks import Leak, Probe, RunInfo
@@ -40,16 +41,17 @@ from .leaks.shm import LOG_ENV, dispose_created
 from .outcome import Outcome, captured_tail, read_output
 from .proctree import (
     Child,
+    descendant_keys,
     ensure_resource_tracker,
     exec_environment,
     kill_tree,
     main_not_rerun,
-    pidfd,
     reap,
     signal_group,
     unlist,
 )
 from .settings import DEFAULT_STARTUP_TIMEOUT
+from .started import Started
 from .watch import STACK_SIGNAL, Watch
 from .workdir import describe, private_file, remove
 
@@ -61,52 +63,6 @@ _RUNS = itertools.count(1)  # unique file tags within this process, whatever the
 
 class StartError(RuntimeError):
     """The child could not be started (e.g. the job could not be pickled)."""
-
-
-@dataclass(eq=False)
-class Started:
-    """A started child, waiting for its go (prewarmed, or about to be run)."""
-
-    job: Any
-    reader: frames.Reader  # frames from the child
-    go: Connection  # the go (and its environment) to the child
-    method: str
-    output: Path | None
-    stack_file: Path
-    capture_prefix: Path
-    created: float = 0.0  # time.time() when it was started
-    shm_log: str | None = None  # the /dev/shm shim's log, given to the child at its start
-    # multiprocessing's Process (spawn) or a ``Forked``; None until the fork server answers
-    proc: Any = None
-    sentinel: Any = None  # readable once the child has exited
-    failed: str | None = None  # the fork server could not fork it
-    collected: bool = False  # forked from the fork server's collected session (template)
-    uncollected: str | None = None  # why it was not, when the template gave up
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def attach(self, proc: Any) -> None:
-        self.proc = proc
-        fd = pidfd(proc.pid)
-        self.sentinel = proc.sentinel if fd is None else fd
-
-    def close(self) -> None:
-        """Close our ends of the pipes and the pidfd."""
-        for conn in (self.reader, self.go):
-            conn.close()
-        if isinstance(self.sentinel, int):
-            with contextlib.suppress(OSError):
-                os.close(self.sentinel)
-        self.sentinel = None
-
-    def capture_files(self) -> list[Path]:
-        """The files pytest captured the test's output into, in order."""
-        prefix = self.capture_prefix
-        return sorted(
-            prefix.parent.glob(prefix.name + "*"), key=lambda p: int(p.name.rsplit("-", 1)[1])
-        )
 
 
 class Supervisor:
@@ -150,6 +106,7 @@ class Supervisor:
         # ... or its test module did: prewarmed processes then stop collecting ahead.
         self.collect_ahead = True
         self.live: dict[int, Started] = {}  # started children not yet reaped, by id()
+        self.ending = leaving.Ending()  # tests' processes left while past their exit
         self._awaiting: collections.deque[Started] = collections.deque()  # fork answers due
         self._ctx = multiprocessing.get_context("spawn")
 
@@ -231,6 +188,7 @@ class Supervisor:
         if self.server is not None:
             self.server.close()  # it kills its template on its way out, and reaps both
             self.server = None
+        self.ending.reap(block=True)
 
     def spare(self, *, settle: bool = False) -> frozenset[int]:
         """Our processes that are not a test's leftovers: the server and waiting children.
@@ -238,7 +196,7 @@ class Supervisor:
         ``settle``: wait for pending fork answers first, so that every child counts.
         """
         self._settle(everything=settle)
-        pids = {s.pid for s in self.live.values() if s.proc is not None}
+        pids = {s.pid for s in self.live.values() if s.proc is not None} | self.ending.reap()
         if self.server is not None:
             pids.add(self.server.pid)
             if self.server.template_pid is not None:
@@ -397,6 +355,32 @@ class Supervisor:
         outcome.prewarmed = prewarmed
         return outcome
 
+    def _leave(
+        self, started: Started, probes: tuple[Probe, ...], before: set[tuple[int, float]]
+    ) -> Callable[[], bool] | None:
+        """Whether a test's process that says ``EXITING`` may be left to the kernel's
+        teardown (``leaving``): None where it never may, else the check, for ``Watch``."""
+        proc = started.proc
+        if not (
+            isinstance(proc, Child)
+            and isinstance(started.job, child.ItemJob)
+            and self.mark is None
+            and all(probe.kind in ("process", "shm") for probe in probes)
+        ):
+            return None
+
+        def leave() -> bool:
+            status = leaving.ended(proc.pid)
+            if status is None:
+                return False
+            spare = self.spare(settle=True) - {proc.pid}
+            if any(pid != proc.pid for pid, _ in descendant_keys(spare) - before):
+                return False  # it left a process: the sweep waits for its end, as ever
+            proc.exitcode = status
+            return True
+
+        return leave
+
     def _replaced(self, why: dict[str, Any]) -> None:
         """A prewarmed child could not take its GPUs (``why``: ``child.Channel._stale``):
         say so once, and stop prewarming (plugins, conftests) or collecting ahead."""
@@ -447,7 +431,7 @@ class Supervisor:
         watched = Watch(proc, reader, sentinel, started.stack_file)
         interrupted = False
         try:
-            watched.run(go_at, timeout, startup, grace)
+            watched.run(go_at, timeout, startup, grace, self._leave(started, probes, snapshots[0]))
         except BaseException as exc:  # Ctrl-C: take the child's tree down before leaving
             interrupted = True
             watched.escalate(min(grace, 1.0))
@@ -455,7 +439,10 @@ class Supervisor:
                 raise  # a test's Ctrl-C is its outcome; run_isolated's caller gets its own
         finally:
             duration = time.monotonic() - go_at
-            reap(proc, sentinel)
+            if watched.left:  # past its exit: the kernel tears it down while we go on
+                self.ending.add(proc.pid)
+            else:
+                reap(proc, sentinel)
             self.live.pop(id(started), None)
             sweep.spare = self.spare(settle=True)  # children forked during the test included
             run = RunInfo(proc.pid, started.created, time.time(), grace, frozenset({proc.pid}))
@@ -466,6 +453,8 @@ class Supervisor:
             for probe, before in checks:
                 if interrupted and probe.kind not in ("process", "shm"):
                     continue
+                if watched.left and probe is sweep:
+                    continue  # leave() listed our descendants once the process was past its exit
                 found = probe.check(before, run)
                 leaks += found
                 pids = {leak.fields["pid"] for leak in found if leak.kind == "process"}

@@ -6,7 +6,8 @@ A test's process has three bounds, one after the other (``Watch.run``):
    the interpreter, plugins, conftests and the test module's import;
 2. the test's ``timeout``, until it says its test's protocol ended (``frames.END``):
    setup, call and teardown, as pytest-timeout counts them;
-3. ``startup`` again, until the process has exited.
+3. ``startup`` again, until the process has exited (or, with ``leave``, until it
+   says it is exiting and ``leave()`` agrees to go on: ``leaving``).
 
 Past a bound, in order:
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Callable
 from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
@@ -46,13 +48,23 @@ class Watch:
         self.began: float | None = None  # time.monotonic() when its test began
         self.cutoff: int | None = None  # frames that had arrived when the bound ran out
         self.stack = ""
+        self.left = False  # gone on once it said it was exiting (``leave``)
 
-    def run(self, go_at: float, timeout: float | None, startup: float, grace: float) -> None:
-        """Read the frames until the process exits, or stop it past a bound."""
+    def run(
+        self,
+        go_at: float,
+        timeout: float | None,
+        startup: float,
+        grace: float,
+        leave: Callable[[], bool] | None = None,
+    ) -> None:
+        """Read the frames until the process exits, or stop it past a bound.
+
+        ``leave``: asked once the process says ``EXITING``; True returns at once."""
         bounds = {"startup": (startup, frames.BEGIN), "test": (timeout, frames.END)}
         stage, since = "startup", go_at
         while True:
-            seconds, until = bounds.get(stage, (startup, None))
+            seconds, until = bounds.get(stage, (startup, frames.EXITING if leave else None))
             deadline = None if seconds is None else since + seconds
             status = frames.pump(self.reader, self.sentinel, self.received, deadline, until)
             if status == frames.EXITED:
@@ -61,6 +73,13 @@ class Watch:
                 return
             if status == frames.EXPIRED:
                 break
+            if status == frames.EXITING:
+                if leave is not None and leave():
+                    self.left = True
+                    frames.drain(self.reader, self.received)  # what a test sent after it
+                    return
+                leave = None  # wait for the exit, within the same bound
+                continue
             since = time.monotonic()
             if status == frames.BEGIN:
                 stage, self.began = "test", since

@@ -1,10 +1,16 @@
 """Issue 31: a test's process lives as a Python process does for the code it runs. Dead
 classes are collected before what exists is frozen out of garbage collection, and at its
 end threading's exit hooks and multiprocessing's finalizers run (not atexit's handlers,
-as in multiprocessing's own processes), under both start methods."""
+as in multiprocessing's own processes), under both start methods. What it held through
+a descriptor is free when the next test starts, also where pytest does not wait for the
+kernel's teardown of its memory (``leaving``)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+
+from pytest_gpuiso import leaving
 from tests.helpers import GpuIso
 
 PROGRAM = "process_life.py"
@@ -16,7 +22,7 @@ def test_garbage_is_collected_and_the_exit_ends_what_multiprocessing_started(
     gpuiso.copy(PROGRAM)
     result = gpuiso.run("--gpu-isolate", "--gpu-isolate-leaks=fail", "-p", "no:randomly", PROGRAM)
     text = result.stdout.str()
-    result.assert_outcomes(passed=3)
+    result.assert_outcomes(passed=5)
     assert "leaked semaphore" not in text + result.stderr.str()
     assert "gpu-isolate leaks" not in text
     assert not list(gpuiso.path.glob("atexit-*.txt"))  # as in a multiprocessing.Process
@@ -40,3 +46,25 @@ def test_a_spawned_process_preloads_only_what_its_test_imports(gpuiso_spawn: Gpu
     )
     result.assert_outcomes(passed=6)
     assert "prewarmed" in result.stdout.str()
+
+
+def test_a_child_counts_as_ended_once_past_its_exit_with_its_status():
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        os.close(write)
+        os.read(read, 1)
+        os._exit(3)
+    ending = leaving.Ending()
+    try:
+        assert leaving.ended(pid, patience=0.01) is None  # running
+        os.write(write, b"x")
+        assert leaving.ended(pid, patience=5.0) == 3
+        ending.add(pid)
+        assert ending.reap(block=True) == frozenset()
+        assert leaving.exit_status(pid) is None  # reaped: nothing to read
+    finally:
+        os.close(write)  # a child still waiting reads the end of the pipe and exits
+        os.close(read)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)

@@ -248,7 +248,8 @@ def test_a_fork_of_a_process_with_the_driver_counts_as_touched(fake_libcuda: Pat
 @pytest.mark.parametrize("driver", [True, False], ids=["libcuda-loaded", "clean"])
 def test_an_isolated_process_with_cuda_state_refuses_to_run(fake_libcuda: Path, driver):
     """child.main, started in a fork of a process that loaded the driver, sends an error
-    naming libcuda and runs nothing; from a clean process it runs its job."""
+    naming libcuda and runs nothing; from a clean process it runs its job, and says it is
+    exiting last."""
     seen = _probe("child-main", fake_libcuda if driver else None)
     kinds = [kind for kind, _ in seen["frames"]]
     if driver:
@@ -257,7 +258,8 @@ def test_an_isolated_process_with_cuda_state_refuses_to_run(fake_libcuda: Path, 
         assert "started with CUDA state it must not have" in message
         assert f"the CUDA driver library is loaded ({fake_libcuda})" in message
     else:
-        assert (kinds, seen["status"]) == (["ready", "begin", "end", "result", "done"], 0), seen
+        expected = ["ready", "begin", "end", "result", "done", "exiting"]
+        assert (kinds, seen["status"]) == (expected, 0), seen
         assert seen["frames"][3][1] == seen["child"]  # the job ran, in the forked child
 
 

@@ -404,10 +404,10 @@ def run_session(
         with contextlib.suppress(Exception):
             plugin.channel.send(frames.ERROR, child.internal_error())
         child.flush_and_exit(1)
-    if plugin.channel is not None:  # a test's process: its session is over
-        plugin.channel.send(frames.DONE, status)
-        status = 0
-    child.flush_and_exit(status)
+    if plugin.channel is None:
+        child.flush_and_exit(status)
+    plugin.channel.send(frames.DONE, status)  # a test's process: its session is over
+    child.flush_and_exit(0, plugin.channel.conn)
 
 
 def _random_states() -> list[Any]:
