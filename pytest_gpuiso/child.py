@@ -34,6 +34,9 @@ import contextlib
 import faulthandler
 import os
 import pickle
+import socket
+import stat
+import struct
 import sys
 import traceback
 from collections.abc import Callable
@@ -140,20 +143,35 @@ GPU_DEVICES = ("/dev/nvidia", "/dev/kfd", "/dev/dri/")  # CUDA's and ROCm's devi
 
 def say_exiting(conn: Connection) -> None:
     """Close every descriptor but stdio and ``conn``, send ``EXITING`` and close ``conn``:
-    nothing but ``os._exit`` comes after. Not with a GPU device open: its driver frees
-    the test's GPU memory as the process ends, which the parent then waits for."""
+    nothing but ``os._exit`` comes after. Only as the process's one thread (another
+    could be using a descriptor closed under it), with no GPU device open (its driver
+    frees the test's GPU memory as the process ends, which the parent then waits for)
+    and no socket that lingers on close (an exit never waits for one to flush)."""
+    if len(os.listdir("/proc/self/task")) != 1:
+        return
     keep = conn.fileno()
-    fds = [int(name) for name in os.listdir("/proc/self/fd")]
+    fds = [fd for fd in map(int, os.listdir("/proc/self/fd")) if fd > 2 and fd != keep]
     for fd in fds:
         with contextlib.suppress(OSError):
-            if os.readlink(f"/proc/self/fd/{fd}").startswith(GPU_DEVICES):
+            if os.readlink(f"/proc/self/fd/{fd}").startswith(GPU_DEVICES) or _lingers(fd):
                 return
     for fd in fds:
-        if fd > 2 and fd != keep:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        with contextlib.suppress(OSError):
+            os.close(fd)
     send_frame(conn, frames.EXITING, None, "")
     conn.close()
+
+
+def _lingers(fd: int) -> bool:
+    """Whether ``fd`` is a socket whose close would wait for its data to be sent."""
+    if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+        return False
+    sock = socket.socket(fileno=fd)
+    try:
+        on, seconds = struct.unpack("ii", sock.getsockopt(socket.SOL_SOCKET, socket.SO_LINGER, 8))
+    finally:
+        sock.detach()
+    return bool(on) and seconds > 0
 
 
 def _flush() -> None:

@@ -49,6 +49,7 @@ EXITING = "exiting"  # the very last: descriptors closed, only os._exit comes ne
 SPILL_BYTES = 1 << 20  # 1 MiB: a larger frame goes in a file
 SPILL_MAX = 256 << 20  # the largest spill file read
 KEEP_BYTES = 512 << 20  # of one test's frames, at most this much is kept
+_ALWAYS_KEPT = (READY, BEGIN, END, EXIT, DONE, EXITING)  # past KEEP_BYTES too
 _SPILL = "spill"  # a frame in a file: its payload is the file's number
 _HEADER = struct.Struct("!i")  # multiprocessing's framing of send_bytes
 _READ = 1 << 16
@@ -249,7 +250,7 @@ class Reader:
         except (wire.WireError, FrameError) as exc:
             self._break(str(exc))
             return None
-        if self.kept + len(data) > KEEP_BYTES and kind not in (READY, BEGIN, END, EXIT, DONE):
+        if self.kept + len(data) > KEEP_BYTES and kind not in _ALWAYS_KEPT:
             self.dropped += 1
             if self.dropped == 1:
                 self.errors.append(

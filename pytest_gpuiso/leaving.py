@@ -10,23 +10,30 @@ once (``Watch``'s ``leave``) when all of these hold, and else waits for the exit
   server, and no probe of the test needs its end: the GPU memory probe does (the
   driver frees the test's GPU memory as the process ends), and a process with a GPU
   device open does not say ``EXITING`` at all;
-* it is past its exit: ``/proc/PID/stat`` has ``PF_EXITING`` and no memory any more
-  (the kernel detaches it before tearing it down), and its exit status (field 52)
-  is final (``exit_status``), seen within ``PATIENCE``; a test that sends the frame
-  itself and goes on running is waited for as before;
-* it left no process: nothing new among our descendants but itself. Being past its
-  exit, neither it nor its threads can start one any more, so the sweep is complete.
+* it is past its exit, with no thread left but the one exiting: ``/proc/PID/stat`` has
+  ``PF_EXITING``, one thread and no memory any more (the kernel detaches it before
+  tearing it down), and its exit status (field 52) is final (``exit_status``), seen
+  within ``PATIENCE``. A test's process says ``EXITING`` only when it is its only
+  thread (no other thread can be using a descriptor it closes, or start anything);
+  one that sends the frame itself and goes on running is waited for as before;
+* it left no process: it has no child (read first: an exiting process's children go
+  to pytest, where the listing that follows finds them), and nothing is new among
+  our descendants but itself. Past its exit it can start none, so the sweep is complete.
 
 Its probes then run at once: it maps nothing any more and holds no descriptor but its
 stdio and the pipe, so /dev/shm's holder check sees it as the ended process it is. The
 next test gets its go while the kernel finishes, and the process is reaped later
-(``Ending``): before every listing of our descendants, and at the session's end.
+through its pidfd (``Ending``): before every listing of our descendants, before a test
+that runs in pytest's own process, and at the session's end.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import time
+from multiprocessing.connection import wait
 
 PF_EXITING = 0x4  # <linux/sched.h>: the task is in do_exit()
 PATIENCE = 0.05  # seconds from EXITING until the process must be past its exit
@@ -42,10 +49,15 @@ def exit_status(pid: int) -> int | None:
     except OSError:
         return None
     fields = stat[stat.rindex(b")") + 2 :].split()
-    # fields[0] is field 3 (state): flags is field 9, vsize 23, exit_code 52
-    if len(fields) < 50 or not int(fields[6]) & PF_EXITING or int(fields[20]) != 0:
+    # fields[0] is field 3 (state): flags is field 9, num_threads 20, vsize 23, exit_code 52
+    if len(fields) < 50 or not int(fields[6]) & PF_EXITING:
         return None
-    return os.waitstatus_to_exitcode(int(fields[49]))
+    if int(fields[17]) != 1 or int(fields[20]) != 0:
+        return None
+    try:
+        return os.waitstatus_to_exitcode(int(fields[49]))
+    except ValueError:  # not a status waitpid would give
+        return None
 
 
 def ended(pid: int, patience: float = PATIENCE) -> int | None:
@@ -57,22 +69,35 @@ def ended(pid: int, patience: float = PATIENCE) -> int | None:
 
 
 class Ending:
-    """Our children past their exit, reaped when they are gone (their pids stay ours
-    until then: no other process can have them)."""
+    """Our children past their exit, each with its pidfd, reaped once they are gone (a
+    pidfd names its process: no later one with the same pid is ever waited for)."""
 
     def __init__(self) -> None:
-        self.pids: set[int] = set()
+        self.fds: dict[int, int] = {}  # pid -> pidfd
 
-    def add(self, pid: int) -> None:
-        self.pids.add(pid)
+    def add(self, pid: int, fd: int) -> None:
+        self.fds[pid] = fd
 
-    def reap(self, block: bool = False) -> frozenset[int]:
-        """Reap those that are gone (all, waiting: ``block``); returns those left."""
-        for pid in list(self.pids):
-            try:
-                done = os.waitpid(pid, 0 if block else os.WNOHANG)[0] != 0
-            except ChildProcessError:  # reaped by someone else (a test's os.wait())
-                done = True
-            if done:
-                self.pids.discard(pid)
-        return frozenset(self.pids)
+    def reap(self, patience: float = 0.0) -> frozenset[int]:
+        """Reap those that are gone, waiting up to ``patience`` seconds for each (then
+        SIGKILL, and as long again); returns the pids still unreaped."""
+        for pid, fd in list(self.fds.items()):
+            if not _reaped(fd, patience):
+                if patience <= 0:
+                    continue  # still being torn down
+                with contextlib.suppress(OSError):
+                    signal.pidfd_send_signal(fd, signal.SIGKILL)
+                if not _reaped(fd, patience):
+                    continue  # stuck in the kernel: tried again next time
+            del self.fds[pid]
+            os.close(fd)
+        return frozenset(self.fds)
+
+
+def _reaped(fd: int, patience: float) -> bool:
+    if patience > 0:
+        wait([fd], patience)
+    try:
+        return os.waitid(os.P_PIDFD, fd, os.WEXITED | os.WNOHANG) is not None
+    except ChildProcessError:  # reaped by other code of this process (os.wait())
+        return True

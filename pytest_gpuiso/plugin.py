@@ -171,6 +171,7 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
     if not runner.isolated(item):
+        runner.settle(item.config)
         return None
     ihook = item.ihook
     attempt = 1

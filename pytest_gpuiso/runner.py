@@ -43,6 +43,7 @@ from .leases import Devices, Lease, LeaseError, Leases
 from .memory_cap import MEMORY_ENV
 from .outcome import Outcome
 from .prewarm import HIDDEN_GPUS, Prewarmer
+from .proctree import REAP_WAIT
 from .record import attach_record, build_record
 from .results import apply_xfail, item_reports, setup_error_reports, skip_reports
 from .settings import IsolationSpec, Settings, SpecError, spec_for_item, wants_isolation
@@ -150,6 +151,14 @@ def run_item(item: pytest.Item, nextitem: pytest.Item | None) -> Ran:
     if ran.stop is None:
         prewarm()
     return ran
+
+
+def settle(config: pytest.Config) -> None:
+    """Before a test runs in pytest's own process: reap the isolated tests' processes the
+    kernel still tears down (``leaving``), which its own ``os.wait()`` could take."""
+    state = config.stash.get(STATE, None)
+    if state is not None and state.supervisor is not None:
+        state.supervisor.ending.reap(REAP_WAIT)
 
 
 def finish_item(item: pytest.Item, nextitem: pytest.Item | None, ran: Ran, attempt: int) -> None:

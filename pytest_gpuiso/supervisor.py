@@ -40,7 +40,9 @@ from .leaks.process import Mark, ProcessProbe
 from .leaks.shm import LOG_ENV, dispose_created
 from .outcome import Outcome, captured_tail, read_output
 from .proctree import (
+    REAP_WAIT,
     Child,
+    children,
     descendant_keys,
     ensure_resource_tracker,
     exec_environment,
@@ -188,7 +190,7 @@ class Supervisor:
         if self.server is not None:
             self.server.close()  # it kills its template on its way out, and reaps both
             self.server = None
-        self.ending.reap(block=True)
+        self.ending.reap(REAP_WAIT)
 
     def spare(self, *, settle: bool = False) -> frozenset[int]:
         """Our processes that are not a test's leftovers: the server and waiting children.
@@ -363,6 +365,7 @@ class Supervisor:
         proc = started.proc
         if not (
             isinstance(proc, Child)
+            and isinstance(started.sentinel, int)  # its pidfd, for the reaping later
             and isinstance(started.job, child.ItemJob)
             and self.mark is None
             and all(probe.kind in ("process", "shm") for probe in probes)
@@ -371,7 +374,7 @@ class Supervisor:
 
         def leave() -> bool:
             status = leaving.ended(proc.pid)
-            if status is None:
+            if status is None or children(proc.pid):  # its children first: see leaving
                 return False
             spare = self.spare(settle=True) - {proc.pid}
             if any(pid != proc.pid for pid, _ in descendant_keys(spare) - before):
@@ -440,7 +443,8 @@ class Supervisor:
         finally:
             duration = time.monotonic() - go_at
             if watched.left:  # past its exit: the kernel tears it down while we go on
-                self.ending.add(proc.pid)
+                self.ending.add(proc.pid, sentinel)
+                started.sentinel = None  # the pidfd is the reaper's now
             else:
                 reap(proc, sentinel)
             self.live.pop(id(started), None)

@@ -60,8 +60,8 @@ def test_a_child_counts_as_ended_once_past_its_exit_with_its_status():
         assert leaving.ended(pid, patience=0.01) is None  # running
         os.write(write, b"x")
         assert leaving.ended(pid, patience=5.0) == 3
-        ending.add(pid)
-        assert ending.reap(block=True) == frozenset()
+        ending.add(pid, os.pidfd_open(pid))
+        assert ending.reap(patience=5.0) == frozenset()
         assert leaving.exit_status(pid) is None  # reaped: nothing to read
     finally:
         os.close(write)  # a child still waiting reads the end of the pipe and exits
