@@ -1,12 +1,14 @@
 """Isolation's cost on real test suites: in-process and isolated, side by side in one run.
 
 Fetches the pinned sdists of a few projects that ship their tests (opt_einsum 3.4.0,
-einops 0.8.2), extracts them, and runs chosen test files or folders of each (a few
-slow tests deselected, each suite says why) from the extracted tree, in a venv of its
-own: the plugin (a wheel built from this checkout, or ``--plugin PATH_OR_SPEC``), numpy,
-and torch 2.13.0's CPU build where this machine has a file of it (``pip download
---no-index``, as .ci/run's ML stage); nothing else, so that the plugins loaded are ours
-and pytest's. The venv, the sdists and their trees
+einops 0.8.2, linear_operator 0.6), extracts them, and runs chosen test files or folders
+of each (a few slow tests deselected, each suite says why) from the extracted tree, in a
+venv of its own: the plugin (a wheel built from this checkout, or ``--plugin
+PATH_OR_SPEC``), numpy, and torch 2.13.0's CPU build where this machine has a file of it
+(``pip download --no-index``, as .ci/run's ML stage); what else a suite's tests import
+(linear_operator's: scipy, jaxtyping, mpmath) goes into a folder of that suite's own on
+its PYTHONPATH, so that the plugins loaded are ours and pytest's (and, for that suite
+only, jaxtyping's). The venv, the sdists, their trees and those folders
 are kept under ``--cache DIR`` (default ~/.cache/pytest-gpuiso-bench) and reused; the
 plugin is reinstalled every run. It downloads, so it is not part of CI.
 
@@ -74,6 +76,9 @@ class Suite:
     files: tuple[str, ...]  # test files or folders, relative to the extracted sdist's root
     env: tuple[tuple[str, str], ...] = ()  # what its tests need in the environment
     deselect: tuple[str, ...] = ()  # node ids left out (--deselect), and why in a comment
+    # What else its tests import, installed into a folder of its own on its PYTHONPATH
+    # only (pip --target), so that the other suites' runs load the same plugins as before.
+    requires: tuple[str, ...] = ()
 
 
 SUITES = {
@@ -99,6 +104,17 @@ SUITES = {
                 "einops/tests/test_other.py::test_torch_compile_for_functions",
                 "einops/tests/test_other.py::test_torch_compile_for_layers",
             ),
+        ),
+        # GPyTorch's linear algebra: 4,795 tests in test/operators, mostly fast; these four
+        # files are 574. jaxtyping brings a pytest plugin of its own (in the header).
+        Suite(
+            "linear_operator",
+            "0.6",
+            tuple(
+                f"test/operators/test_{name}_linear_operator.py"
+                for name in ("diag", "dense", "identity", "zero")
+            ),
+            requires=("scipy==1.17.1", "jaxtyping==0.3.11", "mpmath==1.3.0"),
         ),
     )
 }
@@ -271,9 +287,28 @@ def suite_env(python: Path, tree: Path, suite: Suite) -> dict[str, str]:
     """
     env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "PYTHONPATH")}
     env["PATH"] = f"{python.parent}{os.pathsep}{env.get('PATH', '')}"
-    env["PYTHONPATH"] = str(tree)
+    env["PYTHONPATH"] = os.pathsep.join([str(tree), *map(str, requirements(tree, suite))])
     env.update(suite.env)
     return env
+
+
+def requirements(tree: Path, suite: Suite) -> list[Path]:
+    """The folder ``suite.requires`` is installed into (none when it requires nothing)."""
+    return [tree.parent / f"{tree.name}-requires"] if suite.requires else []
+
+
+def install_requirements(python: Path, tree: Path, suite: Suite) -> None:
+    """Install ``suite.requires`` into its folder once (numpy and torch are the venv's)."""
+    for folder in requirements(tree, suite):
+        ready = folder / "bench-installed.txt"
+        if ready.exists() and ready.read_text().split() == list(suite.requires):
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        pip = [str(python), "-m", "pip", "install", "--target", str(folder), *suite.requires]
+        step(f"installing what {suite.name}'s tests import: " + ", ".join(suite.requires), pip)
+        for duplicate in folder.glob("numpy*"):  # the venv's numpy, not a second one
+            shutil.rmtree(duplicate, ignore_errors=True)
+        ready.write_text("\n".join(suite.requires) + "\n")
 
 
 def run_suite(
@@ -469,6 +504,8 @@ def measure_all(suites: list[Suite], opts) -> None:
     with_torch = torch_available(cache)
     python = prepare_venv(cache, opts.plugin, with_torch)
     trees = {suite.name: fetch_suite(cache, python, suite) for suite in suites}
+    for suite in suites:
+        install_requirements(python, trees[suite.name], suite)
     print(f"venv: {python.parent.parent}: {versions(python)}")
     if not with_torch:
         print(f"no CPU build of {TORCH} on this machine: the venv has numpy without torch")
