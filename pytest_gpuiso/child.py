@@ -32,10 +32,11 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import gc
 import os
 import pickle
+import signal
 import socket
-import stat
 import struct
 import sys
 import traceback
@@ -146,15 +147,23 @@ def say_exiting(conn: Connection) -> None:
     nothing but ``os._exit`` comes after. Only as the process's one thread (another
     could be using a descriptor closed under it), with no GPU device open (its driver
     frees the test's GPU memory as the process ends, which the parent then waits for)
-    and no socket that lingers on close (an exit never waits for one to flush)."""
+    and no socket that lingers on close (an exit never waits for one to flush). No
+    signal handler or finalizer runs meanwhile (one could start a thread)."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+    gc.disable()
     if len(os.listdir("/proc/self/task")) != 1:
         return
     keep = conn.fileno()
-    fds = [fd for fd in map(int, os.listdir("/proc/self/fd")) if fd > 2 and fd != keep]
-    for fd in fds:
-        with contextlib.suppress(OSError):
-            if os.readlink(f"/proc/self/fd/{fd}").startswith(GPU_DEVICES) or _lingers(fd):
-                return
+    fds = []
+    for fd in map(int, os.listdir("/proc/self/fd")):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # gone: the listing's own descriptor
+        if target.startswith(GPU_DEVICES) or (target.startswith("socket:") and _lingers(fd)):
+            return
+        if fd > 2 and fd != keep:
+            fds.append(fd)
     for fd in fds:
         with contextlib.suppress(OSError):
             os.close(fd)
@@ -163,14 +172,21 @@ def say_exiting(conn: Connection) -> None:
 
 
 def _lingers(fd: int) -> bool:
-    """Whether ``fd`` is a socket whose close would wait for its data to be sent."""
-    if not stat.S_ISSOCK(os.fstat(fd).st_mode):
-        return False
-    sock = socket.socket(fileno=fd)
+    """Whether the socket ``fd`` would wait on close for its data to be sent (or cannot
+    tell). The socket object is made without a timeout: one would make the socket, which
+    other processes may share, non-blocking."""
+    socket.setdefaulttimeout(None)
     try:
-        on, seconds = struct.unpack("ii", sock.getsockopt(socket.SOL_SOCKET, socket.SO_LINGER, 8))
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return True
+    try:
+        linger = sock.getsockopt(socket.SOL_SOCKET, socket.SO_LINGER, 8)
+    except OSError:
+        return True
     finally:
         sock.detach()
+    on, seconds = struct.unpack("ii", linger)
     return bool(on) and seconds > 0
 
 

@@ -29,9 +29,7 @@ that runs in pytest's own process, and at the session's end.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import time
 from multiprocessing.connection import wait
 
@@ -74,30 +72,36 @@ class Ending:
 
     def __init__(self) -> None:
         self.fds: dict[int, int] = {}  # pid -> pidfd
+        self.stuck: set[int] = set()  # outlasted a wait once: polled only, from then on
 
     def add(self, pid: int, fd: int) -> None:
         self.fds[pid] = fd
 
     def reap(self, patience: float = 0.0) -> frozenset[int]:
-        """Reap those that are gone, waiting up to ``patience`` seconds for each (then
-        SIGKILL, and as long again); returns the pids still unreaped."""
+        """Reap those that are gone, waiting up to ``patience`` seconds in all for the
+        others; returns the pids still unreaped. (A signal would change nothing: they
+        are past their exit.)"""
+        deadline = time.monotonic() + patience
         for pid, fd in list(self.fds.items()):
-            if not _reaped(fd, patience):
-                if patience <= 0:
-                    continue  # still being torn down
-                with contextlib.suppress(OSError):
-                    signal.pidfd_send_signal(fd, signal.SIGKILL)
-                if not _reaped(fd, patience):
-                    continue  # stuck in the kernel: tried again next time
-            del self.fds[pid]
-            os.close(fd)
+            wait_for = 0.0 if pid in self.stuck else max(0.0, deadline - time.monotonic())
+            if _reaped(pid, fd, wait_for):
+                del self.fds[pid]
+                self.stuck.discard(pid)
+                os.close(fd)
+            elif patience > 0:
+                self.stuck.add(pid)
         return frozenset(self.fds)
 
 
-def _reaped(fd: int, patience: float) -> bool:
+def _reaped(pid: int, fd: int, patience: float) -> bool:
     if patience > 0:
         wait([fd], patience)
     try:
         return os.waitid(os.P_PIDFD, fd, os.WEXITED | os.WNOHANG) is not None
     except ChildProcessError:  # reaped by other code of this process (os.wait())
         return True
+    except OSError:  # waitid(P_PIDFD) needs Linux 5.4: the pid is still ours until reaped
+        try:
+            return os.waitpid(pid, os.WNOHANG)[0] != 0
+        except ChildProcessError:
+            return True

@@ -154,8 +154,9 @@ def run_item(item: pytest.Item, nextitem: pytest.Item | None) -> Ran:
 
 
 def settle(config: pytest.Config) -> None:
-    """Before a test runs in pytest's own process: reap the isolated tests' processes the
-    kernel still tears down (``leaving``), which its own ``os.wait()`` could take."""
+    """Before test code runs in pytest's own process (a test, a fixture's teardown): reap
+    the isolated tests' processes the kernel still tears down (``leaving``), which its
+    own ``os.wait()`` could take."""
     state = config.stash.get(STATE, None)
     if state is not None and state.supervisor is not None:
         state.supervisor.ending.reap(REAP_WAIT)
@@ -478,6 +479,7 @@ def _teardown_parent_stack(item: pytest.Item, nextitem: pytest.Item | None, repo
     setupstate = _compat.setup_state(item.session)
     if setupstate is None or not setupstate.stack:
         return
+    settle(item.config)  # pytest's own code runs: see settle
     call = pytest.CallInfo.from_call(lambda: setupstate.teardown_exact(nextitem), when="teardown")
     if call.excinfo is None or not reports or reports[-1].when != "teardown":
         return

@@ -366,6 +366,7 @@ class Supervisor:
         if not (
             isinstance(proc, Child)
             and isinstance(started.sentinel, int)  # its pidfd, for the reaping later
+            and hasattr(os, "P_PIDFD")
             and isinstance(started.job, child.ItemJob)
             and self.mark is None
             and all(probe.kind in ("process", "shm") for probe in probes)

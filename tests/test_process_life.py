@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
+import struct
 
-from pytest_gpuiso import leaving
+from pytest_gpuiso import child, leaving
 from tests.helpers import GpuIso
 
 PROGRAM = "process_life.py"
@@ -68,3 +70,21 @@ def test_a_child_counts_as_ended_once_past_its_exit_with_its_status():
         os.close(read)
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, 0)
+
+
+def test_the_linger_check_leaves_a_shared_socket_blocking():
+    """say_exiting asks each socket whether it lingers through a socket object made on
+    its descriptor: with a default timeout set (by a test, a conftest) that object
+    would switch the socket, which other processes may share, to non-blocking."""
+    a, b = socket.socketpair()
+    default = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(2.0)
+    try:
+        assert child._lingers(a.fileno()) is False
+        a.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 5))
+        assert child._lingers(a.fileno()) is True
+        assert os.get_blocking(a.fileno()) and a.fileno() >= 0  # still ours, still blocking
+    finally:
+        socket.setdefaulttimeout(default)
+        a.close()
+        b.close()
