@@ -331,20 +331,15 @@ def pump(
         if reader in ready:
             reader.fill()
         if sentinel in ready:
-            stop = time.monotonic() + _DRAIN
-            while not reader.eof and time.monotonic() < stop and wait([reader], 0):
-                reader.fill()
-            while (frame := reader.next()) is not None:
-                received.append(frame)
+            drain(reader, received)
             return EXITED
 
 
 def drain(reader: Reader, received: list) -> None:
-    """Collect the frames already in the pipe into ``received``, without waiting (and
-    without following a writer that goes on writing)."""
-    for _ in range(64):
-        if reader.eof or not wait([reader], 0):
-            break
+    """Collect the frames already in the pipe into ``received``, without waiting for more
+    (a descendant that holds the pipe open and keeps writing gets ``_DRAIN`` seconds)."""
+    stop = time.monotonic() + _DRAIN
+    while not reader.eof and time.monotonic() < stop and wait([reader], 0):
         reader.fill()
     while (frame := reader.next()) is not None:
         received.append(frame)

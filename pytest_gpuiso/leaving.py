@@ -33,6 +33,8 @@ import os
 import time
 from multiprocessing.connection import wait
 
+from .proctree import stat_fields
+
 PF_EXITING = 0x4  # <linux/sched.h>: the task is in do_exit()
 PATIENCE = 0.05  # seconds from EXITING until the process must be past its exit
 
@@ -41,14 +43,9 @@ def exit_status(pid: int) -> int | None:
     """The exit status of our child ``pid`` once it is past its exit and its memory is
     detached (``waitpid``'s value, as ``Process.exitcode``); None until then, or
     where ``/proc`` does not say (not Linux, a kernel before 3.5)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    fields = stat[stat.rindex(b")") + 2 :].split()
-    # fields[0] is field 3 (state): flags is field 9, num_threads 20, vsize 23, exit_code 52
-    if len(fields) < 50 or not int(fields[6]) & PF_EXITING:
+    fields = stat_fields(pid)
+    # flags is field 9, num_threads 20, vsize 23, exit_code 52
+    if fields is None or len(fields) < 50 or not int(fields[6]) & PF_EXITING:
         return None
     if int(fields[17]) != 1 or int(fields[20]) != 0:
         return None

@@ -25,14 +25,21 @@ REAP_WAIT = 10.0  # upper bound for the kernel to reap a SIGKILLed process
 STOP_ROUNDS = 1000  # listings of what a tree started while it was being stopped
 
 
-def start_time(pid: int) -> int | None:
-    """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat)."""
+def stat_fields(pid: int) -> list[bytes] | None:
+    """/proc/PID/stat's fields after the command name: ``[0]`` is field 3 (the state),
+    ``[k - 3]`` field k; None when it cannot be read."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
     except OSError:
         return None
-    return int(stat[stat.rindex(b")") + 2 :].split()[19])
+    return stat[stat.rindex(b")") + 2 :].split()
+
+
+def start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (field 22 of /proc/PID/stat)."""
+    fields = stat_fields(pid)
+    return None if fields is None else int(fields[19])
 
 
 def alive(p: psutil.Process) -> bool:
