@@ -42,8 +42,11 @@ download, a venv that does not build, pytest exiting with a status above 1) ends
 run with one line and its command's output tail.
 
     python bench/real_suites.py [--suite opt_einsum,einops] [--repeat 3] [--spawn]
-                                [--cache DIR] [--plugin PATH_OR_SPEC]
+                                [--cache DIR] [--plugin PATH_OR_SPEC | --python PATH]
                                 [--files PATH,...] [--timeout S]
+
+On a machine without a network (the GPU machine), ``--python`` runs the suites with an
+interpreter that has everything already, from trees copied under ``--cache DIR/src``.
 """
 
 from __future__ import annotations
@@ -477,6 +480,13 @@ def main() -> None:
         "own (with one --suite only)",
     )
     parser.add_argument("--timeout", type=float, default=1800, help="limit per command, s (1800)")
+    parser.add_argument(
+        "--python",
+        type=Path,
+        help="run the suites with this interpreter as it is: no venv, nothing installed or "
+        "downloaded (the plugin and what the suites import must be there already, their "
+        "trees under --cache): a machine without a network, such as a GPU machine",
+    )
     opts = parser.parse_args()
     names = [n.strip() for n in opts.suite.split(",") if n.strip()]
     unknown = [n for n in names if n not in SUITES]
@@ -501,12 +511,15 @@ def main() -> None:
 def measure_all(suites: list[Suite], opts) -> None:
     cache = opts.cache.expanduser().resolve()
     cache.mkdir(parents=True, exist_ok=True)
-    with_torch = torch_available(cache)
-    python = prepare_venv(cache, opts.plugin, with_torch)
+    if opts.python:
+        python, with_torch = opts.python, True
+    else:
+        with_torch = torch_available(cache)
+        python = prepare_venv(cache, opts.plugin, with_torch)
     trees = {suite.name: fetch_suite(cache, python, suite) for suite in suites}
-    for suite in suites:
+    for suite in suites if not opts.python else ():
         install_requirements(python, trees[suite.name], suite)
-    print(f"venv: {python.parent.parent}: {versions(python)}")
+    print(f"python: {python}: {versions(python)}")
     if not with_torch:
         print(f"no CPU build of {TORCH} on this machine: the venv has numpy without torch")
     print(f"machine: {os.cpu_count()} CPUs, {load()}")
