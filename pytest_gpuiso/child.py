@@ -22,10 +22,10 @@ A child may be started before its test's turn (prewarming, ``supervisor``): it
 bootstraps, imports, parses the configuration and configures pytest, collects its
 test's module (``Bootstrap.collect_ahead``), then waits for the parent's go, which
 carries the environment of the GPUs it was leased. Nothing of the test itself (its
-fixtures, its body) runs before the go. A child that initialised CUDA before the
-go, or read a variable the go changes (``CUDA_VISIBLE_DEVICES``), cannot switch
-GPUs any more: it says ``stale`` (and whether the module's import did it) and
-leaves, and the parent starts a fresh one.
+fixtures, its body) runs before the go. A child that touched CUDA before the go
+(``Channel.cuda_touched``), or read a variable the go changes (``CUDA_VISIBLE_DEVICES``),
+cannot switch GPUs any more: it says ``stale`` (and whether the module's import did it)
+and leaves, and the parent starts a fresh one.
 """
 
 from __future__ import annotations
@@ -47,12 +47,7 @@ from typing import Any, NoReturn
 
 from . import _compat, cuda_state, frames, workdir
 from ._linux import die_with_parent, set_child_subreaper
-from .child_plugin import (
-    ChildPlugin,
-    name_capture_files,
-    override_options,
-    restart_capture,
-)
+from .child_plugin import ChildPlugin, name_capture_files, override_options, restart_capture
 from .frames import send_frame
 
 _keep: list[Any] = []  # objects that must live as long as the process (faulthandler's file)
@@ -95,6 +90,7 @@ def main(
         refuse_inherited_cuda()
         channel.send(frames.READY, os.getpid())
         _preload(channel, boot.preload)
+        cuda_state.baseline()
         job.run(channel, boot, config)
     except BaseException:
         status = 1
@@ -270,12 +266,14 @@ class Channel:
         go: Connection | None = None,
         output: str | None = None,
         collect_ahead: bool = False,
+        configured: bool = False,
     ) -> None:
         self.conn = conn
         self.spill_prefix = spill_prefix
         self.go = go
         self.output = output  # the file fds 1 and 2 write to (None: pytest's terminal)
         self.collect_ahead = collect_ahead and go is not None
+        self.configured = configured  # user code ran before, GPUs visible (the template)
         self.ahead: str | None = None  # the module it is collecting before its go
         if go is not None:
             _EnvReads.start()
@@ -314,6 +312,10 @@ class Channel:
             with contextlib.suppress(OSError):
                 os.ftruncate(1, 0)
 
+    def cuda_touched(self) -> str | None:
+        """Why CUDA counts as touched while this process waits with its GPUs hidden."""
+        return cuda_state.touched() if self.configured else cuda_state.hidden_touch()
+
     def _stale(self, env: dict[str, str], reads: dict[str, str | None]) -> dict | None:
         """Why this process cannot take the go's environment, or None when it can.
 
@@ -321,10 +323,8 @@ class Channel:
         whose import (before the go) did it, or None: plugins or conftests did}``.
         """
         changed = sorted(name for name, value in env.items() if os.environ.get(name) != value)
-        if any(name in CUDA_ENV for name in changed):
-            reason = cuda_state.touched()
-            if reason is not None:  # collect_ahead is only tried before CUDA is touched
-                return {"cuda": reason, "read": None, "module": self.ahead}
+        if any(name in CUDA_ENV for name in changed) and (reason := self.cuda_touched()):
+            return {"cuda": reason, "read": None, "module": self.ahead}
         for name in changed:
             if name in reads:
                 return {"cuda": None, "read": name, "module": reads[name]}

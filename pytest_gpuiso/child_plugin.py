@@ -148,7 +148,7 @@ class ChildPlugin:
         module = os.path.relpath(self.job.collect_arg.split("::", 1)[0])
         # A prewarmed process collects while it waits for its go (seeing no GPU), unless
         # CUDA is touched already: it would be replaced at its go anyway.
-        ahead = self.channel.collect_ahead and cuda_state.touched() is None
+        ahead = self.channel.collect_ahead and self.channel.cuda_touched() is None
         if ahead:
             self.channel.collecting_ahead(module)
             self._collect(session, module)

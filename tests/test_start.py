@@ -176,7 +176,7 @@ def test_preload_and_where_the_processes_come_from(
 def test_server_with_cuda_refuses_to_fork_and_tests_start_with_spawn(
     forkserver_iso: GpuIso, logs: Logs, fake_libcuda: Path, monkeypatch, prewarm
 ) -> None:
-    """A conftest loads the CUDA driver at import, so the fork server has it mapped when
+    """A conftest initialises the CUDA driver at import, so the fork server has too when
     asked to fork: it refuses, every test still passes (started with spawn), and the
     reason is said once."""
     iso = forkserver_iso
@@ -185,10 +185,27 @@ def test_server_with_cuda_refuses_to_fork_and_tests_start_with_spawn(
     result = iso.run("--gpu-isolate", f"--gpu-isolate-prewarm={prewarm}", REPORT, PROCS)
     result.assert_outcomes(passed=4, warnings=1)
     [warning] = _start_warnings(result)
-    assert "the fork server refused to fork: the CUDA driver library is loaded" in warning
+    assert "the fork server refused to fork: the CUDA driver is initialised" in warning
     assert f"{fake_libcuda}); isolated tests are started with spawn instead" in warning
     assert {start["method"] for start in _starts(iso).values()} == {"spawn"}
     result.stdout.fnmatch_lines(["gpu-isolate: started 4 spawn; *"])
+
+
+def test_a_driver_only_mapped_keeps_the_fork_server_forking(
+    forkserver_iso: GpuIso, logs: Logs, fake_libcuda: Path, monkeypatch
+) -> None:
+    """A conftest maps the CUDA driver at import without initialising it (as importing
+    torch's CUDA 13 build does): the fork server, its template and prewarmed processes
+    go on forking, with no warning."""
+    iso = forkserver_iso
+    iso.copy("start_log.py", "start_preload_mod.py", PROCS)
+    _cuda_conftest(iso, monkeypatch, fake_libcuda)
+    monkeypatch.setenv("GPUISO_FAKE_LIBCUDA_MAPPED", "1")
+    result = iso.run("--gpu-isolate", "--gpu-isolate-prewarm=1", REPORT, PROCS)
+    result.assert_outcomes(passed=4)
+    assert _start_warnings(result) == []
+    assert {start["method"] for start in _starts(iso).values()} == {"forkserver"}
+    result.stdout.fnmatch_lines(["gpu-isolate: started 4 forkserver; * 4 pre-collected"])
 
 
 def test_server_that_queried_nvml_refuses_to_fork(
@@ -233,30 +250,38 @@ def test_our_processes_are_not_in_active_children(spawn_iso: GpuIso) -> None:
         result.stdout.fnmatch_lines([f"gpu-isolate: started 2 {start}; 1 prewarmed*"])
 
 
-@pytest.mark.parametrize("driver", [True, False], ids=["libcuda-loaded", "clean"])
-def test_a_fork_of_a_process_with_the_driver_counts_as_touched(fake_libcuda: Path, driver):
-    """cuda_state.touched() in a forked child names the driver library its parent loaded
+DRIVER_STATES = ["initialised", "mapped", "clean"]
+
+
+@pytest.mark.parametrize("driver", DRIVER_STATES)
+def test_a_fork_of_a_process_that_initialised_the_driver_counts_as_touched(
+    fake_libcuda: Path, driver: str
+) -> None:
+    """cuda_state.touched() in a forked child names the driver its parent initialised; a
+    driver only mapped (as torch's CUDA 13 build leaves it at import) is not CUDA state
     (in a subprocess: this process never maps the fake driver)."""
-    seen = _probe("touched", fake_libcuda if driver else None)
-    if driver:
-        expected = f"the CUDA driver library is loaded ({fake_libcuda})"
+    seen = _probe("touched", fake_libcuda, driver)
+    if driver == "initialised":
+        expected = f"the CUDA driver is initialised ({fake_libcuda})"
         assert seen == {"parent": expected, "child": expected}
     else:
         assert seen == {"parent": None, "child": None}
 
 
-@pytest.mark.parametrize("driver", [True, False], ids=["libcuda-loaded", "clean"])
-def test_an_isolated_process_with_cuda_state_refuses_to_run(fake_libcuda: Path, driver):
-    """child.main, started in a fork of a process that loaded the driver, sends an error
-    naming libcuda and runs nothing; from a clean process it runs its job, and says it is
-    exiting last."""
-    seen = _probe("child-main", fake_libcuda if driver else None)
+@pytest.mark.parametrize("driver", DRIVER_STATES)
+def test_an_isolated_process_with_cuda_state_refuses_to_run(
+    fake_libcuda: Path, driver: str
+) -> None:
+    """child.main, started in a fork of a process that initialised the driver, sends an
+    error naming libcuda and runs nothing; from a clean process, or one where the driver
+    is only mapped, it runs its job, and says it is exiting last."""
+    seen = _probe("child-main", fake_libcuda, driver)
     kinds = [kind for kind, _ in seen["frames"]]
-    if driver:
+    if driver == "initialised":
         assert (kinds, seen["status"]) == (["error"], 1), seen
         message = seen["frames"][0][1]
         assert "started with CUDA state it must not have" in message
-        assert f"the CUDA driver library is loaded ({fake_libcuda})" in message
+        assert f"the CUDA driver is initialised ({fake_libcuda})" in message
     else:
         expected = ["ready", "begin", "end", "result", "done", "exiting"]
         assert (kinds, seen["status"]) == (expected, 0), seen
@@ -280,11 +305,13 @@ def test_unsafe_to_fork_reports_a_running_thread() -> None:
     assert seen["after"] is None, seen
 
 
-def _probe(mode: str, lib: Path | None) -> dict:
+def _probe(mode: str, lib: Path | None, driver: str = "clean") -> dict:
+    """Run start_fork_probe.py's ``mode``; ``lib`` is loaded unless ``driver`` is
+    "clean", and initialised where it is "initialised"."""
     args = [sys.executable, str(PROGRAMS / "start_fork_probe.py"), mode]
-    done = subprocess.run(
-        args + ([str(lib)] if lib else []), capture_output=True, text=True, timeout=60
-    )
+    if driver != "clean":
+        args += [str(lib)] + (["init"] if driver == "initialised" else [])
+    done = subprocess.run(args, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 
@@ -402,9 +429,13 @@ def test_prewarmed_process_that_touched_cuda_is_replaced(
         if lib is not None:
             assert (
                 "prewarming turned off: a process started ahead of its test initialised CUDA "
-                f"before it was given its GPUs (the CUDA driver library is loaded ({lib})); "
-                "a plugin or conftest uses CUDA or NVML at import (torch.cuda.is_available() "
-                "and device_count() do): call them in fixtures or tests instead"
+                f"before it was given its GPUs (the CUDA driver library is loaded ({lib}) while "
+                "the GPUs are hidden, where a CUDA call leaves no other trace; "
+            ) in warning
+            assert (
+                "with the GPUs visible); a plugin or conftest uses CUDA or NVML at import "
+                "(torch.cuda.is_available() and device_count() do): call them in fixtures or "
+                "tests instead"
             ) in warning
             assert "PYTORCH_NVML_BASED_CUDA_CHECK" not in warning  # it loads NVML: stale too
         else:
@@ -461,13 +492,13 @@ def test_module_that_looks_at_gpus_at_import_is_not_collected_ahead(
     assert all(run["at_import"] == run["cvd"] for run in runs.values()), runs
     [warning] = _start_warnings(result)
     what = (
-        f"initialised CUDA (the CUDA driver library is loaded ({lib}))"
+        f"initialised CUDA (the CUDA driver library is loaded ({lib}) while the GPUs are hidden, "
         if lib
-        else ("read CUDA_VISIBLE_DEVICES")
+        else "read CUDA_VISIBLE_DEVICES before it was given its GPUs"
     )
     assert (
         "prewarmed processes no longer collect their test's module ahead of its turn: "
-        f"importing test_start_module_gpus.py, one {what} before it was given its GPUs"
+        f"importing test_start_module_gpus.py, one {what}"
     ) in warning
     starts = _starts(iso, "collected")
     # The first two were started collecting ahead (the second's while the first got its

@@ -245,7 +245,7 @@ def test_unusable_template_falls_back(env: Env, request, cause: str) -> None:
         env.monkeypatch.setenv("GPUISO_FAKE_LIBCUDA", str(lib))
         env.iso.copy(IDS, "test_template_cuda.py")
         nodeids += [f"test_template_cuda.py::test_cuda_module_{n}" for n in ("one", "two")]
-        reason = re.escape(f"the CUDA driver library is loaded ({lib})")
+        reason = re.escape(f"the CUDA driver is initialised ({lib})")
     else:
         env.iso.copy(IDS)
         env.conftest(cause)

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 import pytest
 
-from .. import _compat, child, child_plugin, frames
+from .. import _compat, child, child_plugin, cuda_state, frames
 from .._linux import die_with_parent, huge_page_steps, outlive_parent, set_child_subreaper
 from ..leaks.shm import LOG_ENV, created_entries, remove_created
 from . import audit, pools
@@ -362,8 +362,9 @@ class TemplatePlugin(child_plugin.ChildPlugin):
         """This process is now the test's: take its job and what is its own."""
         child.bootstrap(boot, conn)
         self.job = job
-        self.channel = child.Channel(conn, boot.spill_prefix, go, boot.output)
+        self.channel = child.Channel(conn, boot.spill_prefix, go, boot.output, configured=True)
         self.channel.send(frames.READY, os.getpid())  # the template's CUDA state was checked
+        cuda_state.baseline()
         config = self.config
         self._record_junit(config)
         child_plugin.name_capture_files(boot.capture_prefix)

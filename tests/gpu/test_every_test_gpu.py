@@ -17,8 +17,14 @@ def test_unmarked_tests_get_the_gpu_and_a_port(gpuiso):
 
 
 def test_a_test_without_a_gpu_that_loads_cuda_is_named(gpuiso):
+    """Without a preload, the test's own process imports torch and asks
+    torch.cuda.is_available() (in its skipif), seeing no GPU. A CUDA 12 build loads the
+    driver then, a CUDA 13 build at import: either way the test's code loaded it. (A
+    cuInit that found no GPU leaves no other trace: with torch's CUDA 13 build preloaded,
+    the driver is mapped before the test, and such a test is not named.)"""
     gpuiso.copy("gpu_every_test.py")
-    args = ("--gpu-isolate", "--gpu-isolate-gpus=0", "--gpu-isolate-report=report.json")
+    args = ("--gpu-isolate", "--gpu-isolate-gpus=0", "--gpu-isolate-preload=none")
+    args += ("--gpu-isolate-report=report.json",)
     result = gpuiso.run(*args, "-rs", "-k", "sees_one", "gpu_every_test.py")
     result.assert_outcomes(skipped=1, warnings=1)
     result.stdout.fnmatch_lines(["*this test loaded libcuda.so* but leased no GPU*"])
