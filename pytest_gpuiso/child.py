@@ -32,12 +32,8 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
-import gc
 import os
 import pickle
-import signal
-import socket
-import struct
 import sys
 import traceback
 from collections.abc import Callable
@@ -49,6 +45,7 @@ from . import _compat, cuda_state, frames, workdir
 from ._linux import die_with_parent, set_child_subreaper
 from .child_plugin import ChildPlugin, name_capture_files, override_options, restart_capture
 from .frames import send_frame
+from .leaving import say_exiting
 
 _keep: list[Any] = []  # objects that must live as long as the process (faulthandler's file)
 
@@ -91,6 +88,7 @@ def main(
         channel.send(frames.READY, os.getpid())
         _preload(channel, boot.preload)
         cuda_state.baseline()
+        channel.go_first()
         job.run(channel, boot, config)
     except BaseException:
         status = 1
@@ -133,57 +131,6 @@ def flush_and_exit(status: int, conn: Connection | None = None) -> NoReturn:
         with contextlib.suppress(Exception):
             say_exiting(conn)
     os._exit(status)
-
-
-GPU_DEVICES = ("/dev/nvidia", "/dev/kfd", "/dev/dri/")  # CUDA's and ROCm's device files
-
-
-def say_exiting(conn: Connection) -> None:
-    """Close every descriptor but stdio and ``conn``, send ``EXITING`` and close ``conn``:
-    nothing but ``os._exit`` comes after. Only as the process's one thread (another
-    could be using a descriptor closed under it), with no GPU device open (its driver
-    frees the test's GPU memory as the process ends, which the parent then waits for)
-    and no socket that lingers on close (an exit never waits for one to flush). No
-    signal handler or finalizer runs meanwhile (one could start a thread)."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
-    gc.disable()
-    if len(os.listdir("/proc/self/task")) != 1:
-        return
-    keep = conn.fileno()
-    fds = []
-    for fd in map(int, os.listdir("/proc/self/fd")):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue  # gone: the listing's own descriptor
-        if target.startswith(GPU_DEVICES) or (target.startswith("socket:") and _lingers(fd)):
-            return
-        if fd > 2 and fd != keep:
-            fds.append(fd)
-    for fd in fds:
-        with contextlib.suppress(OSError):
-            os.close(fd)
-    send_frame(conn, frames.EXITING, None, "")
-    conn.close()
-
-
-def _lingers(fd: int) -> bool:
-    """Whether the socket ``fd`` would wait on close for its data to be sent (or cannot
-    tell). The socket object is made without a timeout: one would make the socket, which
-    other processes may share, non-blocking."""
-    socket.setdefaulttimeout(None)
-    try:
-        sock = socket.socket(fileno=fd)
-    except OSError:
-        return True
-    try:
-        linger = sock.getsockopt(socket.SOL_SOCKET, socket.SO_LINGER, 8)
-    except OSError:
-        return True
-    finally:
-        sock.detach()
-    on, seconds = struct.unpack("ii", linger)
-    return bool(on) and seconds > 0
 
 
 def _flush() -> None:
@@ -296,6 +243,7 @@ class Channel:
         except (EOFError, OSError):
             os._exit(0)  # discarded before its turn (session over, other test order)
         self.go.close()
+        self.go = None
         reads = _EnvReads.stop()
         set_child_subreaper(False)
         stale = self._stale(env, reads)
@@ -311,6 +259,14 @@ class Channel:
                     stream.flush()
             with contextlib.suppress(OSError):
                 os.ftruncate(1, 0)
+
+    def go_first(self) -> None:
+        """Take the go before any code of the session's runs (plugins, conftests, the
+        module) where the driver library is mapped already (inherited, or by the preload:
+        torch's CUDA 13 build): a CUDA call made with the GPUs hidden would not show."""
+        if self.go is not None and not self.configured and cuda_state.loaded(cuda_state.DRIVER):
+            self.configured, self.collect_ahead = True, False  # none of it ran hidden
+            self.wait_go()
 
     def cuda_touched(self) -> str | None:
         """Why CUDA counts as touched while this process waits with its GPUs hidden."""

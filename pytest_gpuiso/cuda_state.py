@@ -24,7 +24,8 @@ But a ``cuInit`` that found no GPU (``CUDA_VISIBLE_DEVICES=""``) leaves the driv
 answering "not initialised" again (H100, 2026-11-26), while torch has cached "no GPU"
 for the process's life. So where the GPUs are hidden, the library's loading is the only
 trace: ``hidden_touch()`` counts it for a process that runs user code before its GPUs
-are given (a prewarmed one), and ``driver_libraries()`` names a driver the test's own
+are given (a prewarmed one; one whose preload mapped it takes its go first instead,
+``child.Channel.go_first``), and ``driver_libraries()`` names a driver the test's own
 code loaded (since ``baseline()``) as one it used.
 """
 
@@ -67,8 +68,10 @@ def _maps() -> bytes:
         return b""
 
 
-def touched() -> str | None:
-    """Why this process counts as having initialised CUDA, or None when it has not."""
+def touched(maps: bytes | None = None) -> str | None:
+    """Why this process counts as having initialised CUDA, or None when it has not.
+
+    ``maps``: /proc/self/maps, read already."""
     torch = sys.modules.get("torch")
     cuda = getattr(torch, "cuda", None)
     try:
@@ -76,7 +79,7 @@ def touched() -> str | None:
             return "torch.cuda is initialised"
     except Exception:  # a stub or a half-imported torch: the checks below decide
         pass
-    maps = _maps()
+    maps = _maps() if maps is None else maps
     path = loaded(DRIVER, maps)
     if path is not None and driver_initialised(path):
         return f"the CUDA driver is initialised ({path})"
@@ -93,12 +96,14 @@ def hidden_touch() -> str | None:
     """``touched()``, or the driver library mapped: for a process whose own code (plugins,
     conftests, modules) ran while its GPUs were hidden, where a ``cuInit`` that found
     none leaves no other trace (importing torch's CUDA 13 build alone maps it too)."""
-    reason = touched()
-    if reason is None and (path := loaded(DRIVER)) is not None:
+    maps = _maps()
+    reason = touched(maps)
+    if reason is None and (path := loaded(DRIVER, maps)) is not None:
         reason = (
-            f"the CUDA driver library is loaded ({path}) while the GPUs are hidden, where a "
-            "CUDA call leaves no other trace; a CUDA 13 build of torch loads it at import, "
-            "which the fork server's template does with the GPUs visible"
+            f"the CUDA driver library was loaded ({path}) while the GPUs were hidden, where a "
+            "CUDA call leaves no other trace; importing a CUDA 13 build of torch or CuPy loads "
+            "it too: name it in --gpu-isolate-preload, and processes that preload it wait "
+            "for their GPUs before running plugins and conftests"
         )
     return reason
 

@@ -3,7 +3,7 @@
 A process's exit shows (pidfd, ``waitpid``) only once the kernel has torn its memory
 down: ~4 ms for a process forked from a template that imported torch, on every test's
 critical path. A test's process ends by closing its descriptors (not stdio, not the
-pipe) and saying ``EXITING`` (``child.say_exiting``); the supervisor then goes on at
+pipe) and saying ``EXITING`` (``say_exiting``); the supervisor then goes on at
 once (``Watch``'s ``leave``) when all of these hold, and else waits for the exit as before:
 
 * the process ran a test (not a ``run_isolated`` call), was forked from the fork
@@ -29,10 +29,16 @@ that runs in pytest's own process, and at the session's end.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
+import signal
+import socket
+import struct
 import time
-from multiprocessing.connection import wait
+from multiprocessing.connection import Connection, wait
 
+from . import frames
 from .proctree import stat_fields
 
 PF_EXITING = 0x4  # <linux/sched.h>: the task is in do_exit()
@@ -102,3 +108,57 @@ def _reaped(pid: int, fd: int, patience: float) -> bool:
             return os.waitpid(pid, os.WNOHANG)[0] != 0
         except ChildProcessError:
             return True
+
+
+# --------------------------------------------------------------------------- the test's side
+
+
+GPU_DEVICES = ("/dev/nvidia", "/dev/kfd", "/dev/dri/")  # CUDA's and ROCm's device files
+
+
+def say_exiting(conn: Connection) -> None:
+    """Close every descriptor but stdio and ``conn``, send ``EXITING`` and close ``conn``:
+    nothing but ``os._exit`` comes after. Only as the process's one thread (another
+    could be using a descriptor closed under it), with no GPU device open (its driver
+    frees the test's GPU memory as the process ends, which the parent then waits for)
+    and no socket that lingers on close (an exit never waits for one to flush). No
+    signal handler or finalizer runs meanwhile (one could start a thread)."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+    gc.disable()
+    if len(os.listdir("/proc/self/task")) != 1:
+        return
+    keep = conn.fileno()
+    fds = []
+    for fd in map(int, os.listdir("/proc/self/fd")):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # gone: the listing's own descriptor
+        if target.startswith(GPU_DEVICES) or (target.startswith("socket:") and _lingers(fd)):
+            return
+        if fd > 2 and fd != keep:
+            fds.append(fd)
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    frames.send_frame(conn, frames.EXITING, None, "")
+    conn.close()
+
+
+def _lingers(fd: int) -> bool:
+    """Whether the socket ``fd`` would wait on close for its data to be sent (or cannot
+    tell). The socket object is made without a timeout: one would make the socket, which
+    other processes may share, non-blocking."""
+    socket.setdefaulttimeout(None)
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return True
+    try:
+        linger = sock.getsockopt(socket.SOL_SOCKET, socket.SO_LINGER, 8)
+    except OSError:
+        return True
+    finally:
+        sock.detach()
+    on, seconds = struct.unpack("ii", linger)
+    return bool(on) and seconds > 0

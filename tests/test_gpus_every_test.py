@@ -100,6 +100,34 @@ def test_no_gpus_by_default_names_the_tests_that_load_cuda(
         assert "master_port" not in record and "gpus" not in record
 
 
+def test_a_driver_mapped_before_the_test_s_own_process_is_not_named(
+    gpuiso: GpuIso, lease_region, fake_libcuda: Path, tmp_path, monkeypatch
+):
+    """A conftest maps the driver without initialising it (as importing torch's CUDA 13
+    build does), and the tests that leased no GPU call its cuInit, which finds none and
+    leaves no trace. Under spawn the conftest ran in the test's own process, which loaded
+    the driver: named. Forked from the fork server's template, the driver was mapped
+    before the test's process began: not named (a CUDA call would have shown only as an
+    initialised driver)."""
+    monkeypatch.setenv("GPUISO_FAKE_LIBCUDA", str(fake_libcuda))
+    monkeypatch.setenv("GPUISO_FAKE_LIBCUDA_MAPPED", "1")
+    gpuiso.copy(PROGRAM)
+    (gpuiso.path / "conftest.py").write_text(
+        (Path(__file__).parent.parent / "fixtures/programs/start_cuda_conftest.py").read_text()
+    )
+    args = ("--gpu-isolate", DEVICES, "--gpu-isolate-gpus=0", REPORT, "-k", "driver")
+    result = gpuiso.run(*args)
+    records = gpuiso.records().values()
+    if gpuiso.start == "spawn":
+        result.assert_outcomes(passed=2, warnings=1)
+        result.stdout.fnmatch_lines([NO_GPU])
+        assert [r.get("cuda_without_gpu") for r in records] == [["libcuda.so.1"]] * 2
+    else:
+        result.assert_outcomes(passed=2)
+        assert "leased no GPU" not in result.stdout.str()
+        assert [r.get("cuda_without_gpu") for r in records] == [None, None]
+
+
 def test_two_sessions_at_once_listen_on_distinct_ports(
     gpuiso_spawn: GpuIso, lease_region, tmp_path, monkeypatch
 ):

@@ -12,7 +12,7 @@ import os
 import socket
 import struct
 
-from pytest_gpuiso import child, leaving
+from pytest_gpuiso import leaving
 from tests.helpers import GpuIso
 
 PROGRAM = "process_life.py"
@@ -80,9 +80,9 @@ def test_the_linger_check_leaves_a_shared_socket_blocking():
     default = socket.getdefaulttimeout()
     socket.setdefaulttimeout(2.0)
     try:
-        assert child._lingers(a.fileno()) is False
+        assert leaving._lingers(a.fileno()) is False
         a.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 5))
-        assert child._lingers(a.fileno()) is True
+        assert leaving._lingers(a.fileno()) is True
         assert os.get_blocking(a.fileno()) and a.fileno() >= 0  # still ours, still blocking
     finally:
         socket.setdefaulttimeout(default)

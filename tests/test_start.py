@@ -268,6 +268,22 @@ def test_a_fork_of_a_process_that_initialised_the_driver_counts_as_touched(
         assert seen == {"parent": None, "child": None}
 
 
+def test_an_open_gpu_device_file_counts_as_touched(tmp_path: Path, monkeypatch) -> None:
+    """cuInit and nvmlInit open /dev/nvidia*: a process holding one has touched CUDA (the
+    device prefix points at a file of this test's, in this process)."""
+    from pytest_gpuiso import cuda_state
+
+    device = tmp_path / "nvidia0"
+    device.write_bytes(b"")
+    monkeypatch.setattr(cuda_state, "DEVICES", str(tmp_path / "nvidia"))
+    assert cuda_state.open_device() is None
+    with open(device, "rb"):
+        assert cuda_state.open_device() == str(device)
+        if cuda_state.loaded(cuda_state.NVML) is None:  # NVML would be named first
+            assert cuda_state.touched() == f"a GPU device file is open ({device})"
+    assert cuda_state.open_device() is None
+
+
 @pytest.mark.parametrize("driver", DRIVER_STATES)
 def test_an_isolated_process_with_cuda_state_refuses_to_run(
     fake_libcuda: Path, driver: str
@@ -429,13 +445,13 @@ def test_prewarmed_process_that_touched_cuda_is_replaced(
         if lib is not None:
             assert (
                 "prewarming turned off: a process started ahead of its test initialised CUDA "
-                f"before it was given its GPUs (the CUDA driver library is loaded ({lib}) while "
-                "the GPUs are hidden, where a CUDA call leaves no other trace; "
+                f"before it was given its GPUs (the CUDA driver library was loaded ({lib}) while "
+                "the GPUs were hidden, where a CUDA call leaves no other trace; "
             ) in warning
             assert (
-                "with the GPUs visible); a plugin or conftest uses CUDA or NVML at import "
-                "(torch.cuda.is_available() and device_count() do): call them in fixtures or "
-                "tests instead"
+                "before running plugins and conftests); a plugin or conftest uses CUDA or NVML "
+                "at import (torch.cuda.is_available() and device_count() do): call them in "
+                "fixtures or tests instead"
             ) in warning
             assert "PYTORCH_NVML_BASED_CUDA_CHECK" not in warning  # it loads NVML: stale too
         else:
@@ -462,6 +478,40 @@ def test_prewarmed_process_that_touched_cuda_is_replaced(
         result.stdout.fnmatch_lines(["gpu-isolate: started 3 spawn; 3 prewarmed; 3 pre-collected"])
         # No GPU while waiting, its GPU after the go (the tests saw "0" or "1", above).
         assert {cvd_at_import[pid] for pid in test_pids} == {""}, cvd_at_import
+
+
+@pytest.mark.parametrize("how", ["spawn", "forkserver-server", "forkserver-template"])
+def test_a_process_with_the_driver_mapped_before_user_code_keeps_prewarming(
+    request, logs: Logs, lease_region, fake_libcuda: Path, monkeypatch, how: str
+) -> None:
+    """Fake GPUs 0,1 and a preload that maps the driver without initialising it (as
+    importing torch's CUDA 13 build does), where a CUDA call made with the GPUs hidden
+    would leave no trace. A process started ahead takes its go before any conftest runs
+    (spawn, the fork server's own forks), or was forked from the template, which ran
+    them with the GPUs visible: no process goes stale, prewarming stays on, no warning."""
+    start, _, source = how.partition("-")
+    iso = request.getfixturevalue(f"{start}_iso")
+    iso.copy("start_log.py", "test_start_gpus.py", "start_map_driver.py")
+    _cuda_conftest(iso, monkeypatch, fake_libcuda)
+    with open(iso.path / "conftest.py", "a") as conftest:  # spawn preloads what it names
+        conftest.write("\nimport start_map_driver  # noqa: E402, F401\n")
+    monkeypatch.setenv("GPUISO_FAKE_LIBCUDA_MAPPED", "1")
+    args = ["--gpu-isolate-devices=0,1", "--gpu-isolate-preload=start_map_driver", REPORT]
+    if source == "server":
+        args.append("--gpu-isolate-no-precollect")
+    result = iso.run(*args, "test_start_gpus.py")
+    result.assert_outcomes(passed=3)
+    assert _start_warnings(result) == []
+    runs = logs.by_test()
+    assert {run["cvd"] for run in runs.values()} <= {"0", "1"}, runs
+    starts = _starts(iso, "collected")
+    assert {s["method"] for s in starts.values()} == {start}, starts
+    assert all(s["prewarmed"] for s in starts.values()), starts
+    assert all(s["collected"] == (source == "template") for s in starts.values()), starts
+    if start == "spawn":  # its conftest ran after the go, seeing its GPU
+        test_pids = {run["pid"] for run in runs.values()}
+        cvd_at_import = {row["pid"]: row["cvd"] for row in logs.conftest_imports()}
+        assert {cvd_at_import[pid] for pid in test_pids} <= {"0", "1"}, cvd_at_import
 
 
 MODULE_GPU_TESTS = [
@@ -492,7 +542,7 @@ def test_module_that_looks_at_gpus_at_import_is_not_collected_ahead(
     assert all(run["at_import"] == run["cvd"] for run in runs.values()), runs
     [warning] = _start_warnings(result)
     what = (
-        f"initialised CUDA (the CUDA driver library is loaded ({lib}) while the GPUs are hidden, "
+        f"initialised CUDA (the CUDA driver library was loaded ({lib}) while the GPUs were hidden, "
         if lib
         else "read CUDA_VISIBLE_DEVICES before it was given its GPUs"
     )

@@ -1,7 +1,8 @@
 """Forking a test's process that is pytest's own child, and the wire that asks for one.
 
 The clean-CUDA guarantee is checked before every fork (``unsafe_to_fork``): a
-process that has loaded the CUDA driver, or has more than one thread (a thread
+process that has initialised the CUDA driver or touched the GPUs otherwise
+(``cuda_state``), or has more than one thread (a thread
 holding a lock at fork time deadlocks the child) once OpenBLAS's pool is stopped
 (``pools``), refuses, and pytest falls back to ``spawn``. Each test's process forked
 from the server checks again when it starts. The template's CUDA state is checked
