@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import PROGRAMS, GpuIso, make_gpuiso
+from tests.helpers import GPUSIM, PROGRAMS, GpuIso, make_gpuiso
 
 # The markers that say why a test must run in a CI stage that runs a sample of the suite.
 STAGE_MARKERS = {
@@ -147,6 +147,24 @@ def _fake_library(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
         timeout=60,
     )
     return lib
+
+
+@pytest.fixture(scope="session")
+def gpusim_libs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The simulated GPU's stand-in libcuda.so.1 and libnvidia-ml.so.1 (fixtures/gpusim/),
+    built into one folder for LD_LIBRARY_PATH."""
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        pytest.skip("gcc is needed to build the simulated GPU")
+    folder = tmp_path_factory.mktemp("gpusim")
+    for source, name in (("cuda.c", "libcuda.so.1"), ("nvml.c", "libnvidia-ml.so.1")):
+        subprocess.run(
+            [gcc, "-shared", "-fPIC", "-O1", "-o", str(folder / name), str(GPUSIM / source)],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+    return folder
 
 
 @pytest.fixture(scope="session")

@@ -19,6 +19,7 @@ from pytest_gpuiso.settings import TEMPLATE_WAIT_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 PROGRAMS = ROOT / "fixtures" / "programs"
+GPUSIM = ROOT / "fixtures" / "gpusim"  # the simulated GPU: stand-in libcuda and NVML
 # The JSON report of a run, read back by GpuIso.report() and records()
 REPORT = "--gpu-isolate-report=report.json"
 
