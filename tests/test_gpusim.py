@@ -17,6 +17,10 @@ import pytest
 
 from tests.helpers import GPUSIM
 
+# nvidia-ml-py's version decides which NVML functions it calls; the installed wheel finds
+# NVML as users' do: CI's wheel and lowest-versions stages run these whole.
+pytestmark = [pytest.mark.installation, pytest.mark.versions]
+
 MIB = 1024 * 1024
 TWO_GPUS = "Sim H100,81559;Sim A10,23028"
 CUDA_ERROR_NOT_INITIALIZED, CUDA_ERROR_OUT_OF_MEMORY, CUDA_ERROR_NO_DEVICE = 3, 2, 100

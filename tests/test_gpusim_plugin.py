@@ -17,6 +17,10 @@ import pytest
 
 from tests.helpers import GPUSIM, REPORT, GpuIso, kill_quietly, wait_gone
 
+# nvidia-ml-py's version decides which NVML functions it calls; the installed wheel finds
+# NVML as users' do: CI's wheel and lowest-versions stages run these whole.
+pytestmark = [pytest.mark.installation, pytest.mark.versions]
+
 MOD = "sim_leaks.py"
 GPU_CHECKS_ON = "gpu-isolate: leak checks *(gpu_memory tolerance 64 MiB)"
 MARK = "gpuiso-sim-escaped-allocator"
