@@ -7,6 +7,7 @@ the driver's asynchronous teardown is not modelled."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.helpers import GPUSIM, REPORT, GpuIso, kill_quietly, wait_gone
+from tests.helpers import GPUSIM, REPORT, GpuIso, kill_quietly, make_gpuiso, wait_gone
 
 # nvidia-ml-py's version decides which NVML functions it calls; the installed wheel finds
 # NVML as users' do: CI's wheel and lowest-versions stages run these whole.
@@ -127,3 +128,153 @@ def test_escaped_gpu_holder_fails_teardown(
             "the GPU during the test and still holds it after the test's processes were reaped*",
         ]
     )
+
+
+PARENT_CHECK = """
+import os
+from pytest_gpuiso.child_plugin import CHILD_PLUGIN
+
+def pytest_sessionfinish(session):
+    if session.config.pluginmanager.has_plugin(CHILD_PLUGIN):
+        return  # a test's process, where CUDA is expected
+    with open("/proc/self/maps") as f:
+        maps = f.read()
+    print("PARENT libcuda=%s libnvidia-ml=%s" % ("/libcuda.so" in maps, "/libnvidia-ml.so" in maps))
+"""
+
+
+def test_the_pytest_process_never_loads_the_driver(gpuiso: GpuIso, sim: Path) -> None:
+    """The tests use CUDA on their leased GPUs; pytest's own process reads NVML (the
+    simulated GPUs' sizes and memory) but never loads the CUDA driver."""
+    _copy(gpuiso, MOD, "sim_process.py")
+    (gpuiso.path / "conftest.py").write_text(PARENT_CHECK)
+    result = gpuiso.run(REPORT, "-s", f"{MOD}::test_clean_cuda")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*PARENT libcuda=False libnvidia-ml=True*"])
+    assert len(_record(gpuiso, "test_clean_cuda")["gpus"]) == 1
+
+
+def test_a_conftest_that_initialises_cuda_makes_the_fork_server_refuse(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, sim: Path
+) -> None:
+    """A conftest calls cuInit at import (the GPUs visible to the fork server): the server
+    refuses to fork, and every test still runs, started with spawn, on its own GPU."""
+    iso = make_gpuiso(pytester, monkeypatch, "forkserver")
+    _copy(iso, MOD, "sim_process.py")
+    (iso.path / "conftest.py").write_text("import ctypes\nctypes.CDLL('libcuda.so.1').cuInit(0)\n")
+    result = iso.run(REPORT, "--gpu-isolate-prewarm=0", f"{MOD}::test_clean_cuda")
+    result.assert_outcomes(passed=1, warnings=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*the fork server refused to fork: the CUDA driver is initialised (*libcuda.so.1); "
+            "isolated tests are started with spawn instead*",
+            "gpu-isolate: started 1 spawn; *",
+        ]
+    )
+
+
+def test_the_peak_is_recorded_and_the_lease_right_sized(gpuiso_spawn: GpuIso, sim: Path) -> None:
+    """3 GiB and a 300 MiB context under a 16 GiB lease: the record's peak is what NVML
+    said the test's process held at most, and the Markdown summary suggests a lease that
+    fits it with 25% headroom."""
+    iso = gpuiso_spawn
+    _copy(iso, MOD, "sim_process.py")
+    args = (REPORT, "--gpu-isolate-summary=summary.md", f"{MOD}::test_peaks_at_3_gib_under_16")
+    result = iso.run(*args)
+    result.assert_outcomes(passed=1)
+    record = _record(iso, "test_peaks_at_3_gib_under_16")
+    assert record["gpu_memory"] == 16 << 30
+    assert record["gpu_memory_peak"] == (3 << 30) + 300 * MIB
+    summary = (iso.path / "summary.md").read_text()
+    assert "### Right-size your leases" in summary
+    assert '| 16.00 GiB | 3.29 GiB | `gpu_memory="4.25GiB"` |' in summary, summary
+
+
+def test_memory_leases_are_sized_from_nvml(
+    gpuiso_spawn: GpuIso, sim: Path, lease_region: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """Two GPUs of different sizes, known only from NVML: 20 GiB leases pack three at a
+    time onto the 79.65 GiB GPU and one onto the 22.49 GiB one, never more than either
+    holds; 30 GiB goes to the big GPU only; 90 GiB fits neither and is skipped saying so."""
+    from tests.test_lease_table import max_overlap
+
+    log = tmp_path / "held.log"
+    monkeypatch.setenv("GPUISO_LEASE_LOG", str(log))
+    _copy(gpuiso_spawn, "sim_leases.py")
+    result = gpuiso_spawn.run(REPORT, "-n", "4", "-rs", "sim_leases.py", "-k", "not told")
+    result.assert_outcomes(passed=9, skipped=1)
+    result.stdout.fnmatch_lines(
+        ["*needs gpu_memory=90GiB (90 GiB) on 1 GPU, the largest is 79.65 GiB*"]
+    )
+    held = [line.split() for line in log.read_text().splitlines()]
+    assert len(held) == 9
+    for gpu, size in (("0", 79.65), ("1", 22.49)):
+        on = [(float(s), float(e), int(gib)) for s, e, cvd, gib in held if cvd == gpu]
+        assert on, f"nothing ran on GPU {gpu}: {held}"
+        assert max_overlap(on) <= size, (gpu, on)
+
+
+def test_mig_instances_are_leased_as_devices(gpuiso_spawn: GpuIso, sim: Path, monkeypatch) -> None:
+    """A GPU in MIG mode with two instances (NVML lists them): each is a device of its own,
+    leased by its UUID, and CUDA in the test sees that instance alone, at its size."""
+    monkeypatch.setenv("GPUISO_SIM_GPUS", "Sim A100,40960,mig=20480+10240")
+    _copy(gpuiso_spawn, MOD, "sim_process.py")
+    result = gpuiso_spawn.run(REPORT, "-s", f"{MOD}::test_sees_one_device")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "gpu-isolate: GPUs MIG-00000001-0000-4000-8000-000000000001 (20 GiB), "
+            "MIG-00000001-0000-4000-8000-000000000002 (10 GiB) (from NVML)*"
+        ]
+    )
+    [seen] = [m.split() for m in re.findall(r"SEEN (\S+ \d+ \d+)", result.stdout.str())]
+    assert seen[0].startswith("MIG-00000001-") and seen[1] == "1", seen
+    assert int(seen[2]) in (20480 * MIB, 10240 * MIB), seen
+    [record] = gpuiso_spawn.records().values()
+    assert record["gpus"] == [seen[0]]
+
+
+def test_status_shows_the_gpus_memory_from_nvml(
+    gpuiso_spawn: GpuIso, sim: Path, lease_region: Path, tmp_path: Path, monkeypatch
+) -> None:
+    """While a test holds a 20 GiB lease, `python -m pytest_gpuiso status` shows both
+    simulated GPUs at their NVML sizes, the leased and free memory, and the holder."""
+    holding, release = tmp_path / "holding", tmp_path / "release"
+    monkeypatch.setenv("GPUISO_HOLDING", str(holding))
+    monkeypatch.setenv("GPUISO_RELEASE", str(release))
+    _copy(gpuiso_spawn, "sim_leases.py")
+    session = gpuiso_spawn.popen("sim_leases.py::test_holds_until_told")
+    try:
+        assert _eventually(holding.exists), "the test never held its lease"
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest_gpuiso", "status"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        release.touch()
+        out, _ = session.communicate(timeout=120)
+    assert session.returncode == 0, out.decode()
+    assert done.returncode == 0, done.stderr
+    rows = [line.split() for line in done.stdout.splitlines()]
+    assert rows[1][:4] == ["DEVICE", "MEMORY", "LEASED", "FREE"], done.stdout
+    devices = {row[0]: row[1:] for row in rows[2:] if row and row[0] in ("0", "1")}
+    leased_on = "0" if devices["0"][2:4] == ["20", "GiB"] else "1"
+    other = "1" if leased_on == "0" else "0"
+    sizes = {"0": ["79.65", "GiB"], "1": ["22.49", "GiB"]}
+    free = {"0": ["59.65", "GiB"], "1": ["2.49", "GiB"]}
+    assert devices[leased_on] == [*sizes[leased_on], "20", "GiB", *free[leased_on]], done.stdout
+    assert devices[other] == [*sizes[other], "0", "bytes", *sizes[other]], done.stdout
+    assert "sim_leases.py::test_holds_until_told" in done.stdout
+
+
+def _eventually(check, timeout: float = 60.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.05)
+    return False
