@@ -191,3 +191,46 @@ def test_faults_a_lost_gpu_and_a_failing_synchronize(sim) -> None:
     assert "used" in gpus[0]
     assert gpus[1] == {"index": 1, "error": "GPU is lost"}
     assert machine.run("--alloc", "1")["sync"] == 999
+
+
+def test_an_injected_xid_reaches_the_event_sets_of_its_gpu(sim) -> None:
+    """An Xid injected on GPU 0 is not seen by a set registered for GPU 1; one on GPU 1
+    is, with its UUID and code, through nvidia-ml-py's event functions."""
+    machine = sim()
+    listener = subprocess.Popen(
+        [sys.executable, str(GPUSIM / "sim_events.py"), "listen", "1", "20000"],
+        env=machine.env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert listener.stdout.readline().strip() == "ready"
+        for gpu, xid in (("0", "48"), ("1", "79")):
+            injected = subprocess.run(
+                [sys.executable, str(GPUSIM / "sim_events.py"), "xid", gpu, xid],
+                env=machine.env,
+                timeout=60,
+            )
+            assert injected.returncode == 0
+        out, _ = listener.communicate(timeout=60)
+    finally:
+        listener.kill()
+    assert json.loads(out) == {"uuid": "GPU-00000002-0000-4000-8000-000000000000", "xid": 79}
+
+
+def test_a_gpu_lost_while_running_answers_gpu_is_lost(sim) -> None:
+    machine = sim()
+    assert "error" not in machine.query()["gpus"][0]
+    lost = subprocess.run(
+        [sys.executable, str(GPUSIM / "sim_events.py"), "lose", "0"], env=machine.env, timeout=60
+    )
+    assert lost.returncode == 0
+    assert machine.query()["gpus"][0] == {"index": 0, "error": "GPU is lost"}
+    quiet = subprocess.run(
+        [sys.executable, str(GPUSIM / "sim_events.py"), "listen", "1", "100"],
+        env=machine.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert quiet.stdout.splitlines() == ["ready", '{"timeout": true}'], quiet.stderr
