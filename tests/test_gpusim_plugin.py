@@ -278,3 +278,32 @@ def _eventually(check, timeout: float = 60.0) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+def test_every_test_leases_a_gpu_nvml_found(gpuiso: GpuIso, sim: Path, lease_region) -> None:
+    """`pytest --gpu-isolate` on tests nobody marked, GPUs found through NVML: each leases
+    one and CUDA shows it that one; gpus=0 sees none, its driver use recorded, not warned."""
+    _copy(gpuiso, "sim_every.py")
+    args = ("--gpu-isolate", "-n", "2", "--gpu-isolate-slots=2", REPORT, "sim_every.py")
+    result = gpuiso.run(*args)
+    result.assert_outcomes(passed=3)
+    assert "leased no GPU" not in result.stdout.str()
+    records = {nodeid.split("::")[1]: r for nodeid, r in gpuiso.records().items()}
+    assert len(records["test_unmarked_sees_one_gpu"]["gpus"]) == 1
+    assert len(records["test_another_unmarked_sees_one_gpu"]["gpus"]) == 1
+    assert "gpus" not in records["test_marked_none_sees_none"]
+    assert records["test_marked_none_sees_none"]["cuda_without_gpu"] == ["libcuda.so.1"]
+
+
+def test_no_gpus_names_the_tests_that_use_cuda(gpuiso: GpuIso, sim: Path, lease_region) -> None:
+    """--gpu-isolate-gpus=0: the unmarked tests see no GPU, fail, and each is named in a
+    warning as having loaded the driver without a lease."""
+    _copy(gpuiso, "sim_every.py")
+    args = ("--gpu-isolate", "--gpu-isolate-gpus=0", REPORT, "sim_every.py", "-k", "unmarked")
+    result = gpuiso.run(*args)
+    result.assert_outcomes(failed=2, warnings=2)
+    result.stdout.fnmatch_lines(
+        ["*this test loaded libcuda.so.1 but leased no GPU, so it saw none*gpus=1*"]
+    )
+    for record in gpuiso.records().values():
+        assert record["cuda_without_gpu"] == ["libcuda.so.1"]
