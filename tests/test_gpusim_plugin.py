@@ -174,20 +174,22 @@ def test_a_conftest_that_initialises_cuda_makes_the_fork_server_refuse(
 
 
 def test_the_peak_is_recorded_and_the_lease_right_sized(gpuiso_spawn: GpuIso, sim: Path) -> None:
-    """3 GiB and a 300 MiB context under a 16 GiB lease: the record's peak is what NVML
-    said the test's process held at most, and the Markdown summary suggests a lease that
-    fits it with 25% headroom."""
+    """3 GiB and a 300 MiB context under a 16 GiB lease, and 2 GiB and a context under a
+    1 GiB one: each record's peak is what NVML said the test's process held at most, and
+    the Markdown summary suggests leases that fit them with 25% headroom."""
     iso = gpuiso_spawn
     _copy(iso, MOD, "sim_process.py")
-    args = (REPORT, "--gpu-isolate-summary=summary.md", f"{MOD}::test_peaks_at_3_gib_under_16")
+    args = (REPORT, "--gpu-isolate-summary=summary.md", MOD, "-k", "peaks or exceeds")
     result = iso.run(*args)
-    result.assert_outcomes(passed=1)
-    record = _record(iso, "test_peaks_at_3_gib_under_16")
-    assert record["gpu_memory"] == 16 << 30
-    assert record["gpu_memory_peak"] == (3 << 30) + 300 * MIB
+    result.assert_outcomes(passed=2)
+    below = _record(iso, "test_peaks_at_3_gib_under_16")
+    assert (below["gpu_memory"], below["gpu_memory_peak"]) == (16 << 30, (3 << 30) + 300 * MIB)
+    above = _record(iso, "test_exceeds_its_1_gib_lease")
+    assert (above["gpu_memory"], above["gpu_memory_peak"]) == (1 << 30, (2 << 30) + 300 * MIB)
     summary = (iso.path / "summary.md").read_text()
     assert "### Right-size your leases" in summary
     assert '| 16.00 GiB | 3.29 GiB | `gpu_memory="4.25GiB"` |' in summary, summary
+    assert '| 1.00 GiB | 2.29 GiB | `gpu_memory="3GiB"` |' in summary, summary
 
 
 def test_memory_leases_are_sized_from_nvml(
