@@ -95,12 +95,14 @@ def test_an_allocation_shows_in_nvml_until_its_process_ends(sim) -> None:
     it exits, as the driver frees a process's memory."""
     machine = sim()
     proc, seen = machine.start("--alloc", "1024", "--hold")
-    assert (seen["init"], seen["count"], seen["context"], seen["alloc"]) == (0, 2, 0, 0)
-    held = machine.query()["gpus"]
-    assert held[0]["used"] == (300 + 1024) * MIB
-    assert held[0]["processes"] == [[seen["pid"], (300 + 1024) * MIB]]
-    assert held[1]["used"] == 0
-    proc.communicate(timeout=60)
+    try:
+        assert (seen["init"], seen["count"], seen["context"], seen["alloc"]) == (0, 2, 0, 0)
+        held = machine.query()["gpus"]
+        assert held[0]["used"] == (300 + 1024) * MIB
+        assert held[0]["processes"] == [[seen["pid"], (300 + 1024) * MIB]]
+        assert held[1]["used"] == 0
+    finally:
+        proc.communicate(timeout=60)
     assert machine.query()["gpus"][0] == {**held[0], "used": 0, "processes": []}
 
 
@@ -234,3 +236,61 @@ def test_a_gpu_lost_while_running_answers_gpu_is_lost(sim) -> None:
         timeout=60,
     )
     assert quiet.stdout.splitlines() == ["ready", '{"timeout": true}'], quiet.stderr
+
+
+THREADS_AND_FORK = """
+import ctypes, os, sys, threading
+cuda = ctypes.CDLL("libcuda.so.1")
+assert cuda.cuInit(0) == 0
+device, context = ctypes.c_int(), ctypes.c_void_p()
+assert cuda.cuDeviceGet(ctypes.byref(device), 0) == 0
+assert cuda.cuCtxCreate_v2(ctypes.byref(context), 0, device) == 0
+failed = []
+def allocate():
+    for _ in range(400):
+        pointer = ctypes.c_ulonglong()
+        if cuda.cuMemAlloc_v2(ctypes.byref(pointer), ctypes.c_size_t(1 << 20)) != 0:
+            failed.append(1)
+threads = [threading.Thread(target=allocate) for _ in range(2)]
+for t in threads: t.start()
+for t in threads: t.join()
+pid = os.fork()
+if pid == 0:
+    pointer = ctypes.c_ulonglong()
+    count = ctypes.c_int()
+    os._exit(10 * cuda.cuMemAlloc_v2(ctypes.byref(pointer), ctypes.c_size_t(1 << 20))
+             + cuda.cuDeviceGetCount(ctypes.byref(count)))
+_, status = os.waitpid(pid, 0)
+print(len(failed), os.waitstatus_to_exitcode(status), flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_threads_allocate_exactly_and_a_forked_child_cannot_use_the_driver(sim) -> None:
+    """Two threads allocate 400 MiB each, 1 MiB at a time: NVML counts all 800 (the state's
+    lock orders threads too). A forked child of the initialised process gets
+    CUDA_ERROR_NOT_INITIALIZED from every call, as from the real driver."""
+    machine = sim()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", THREADS_AND_FORK],
+        env=machine.env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        failed, child_status = map(int, proc.stdout.readline().split())
+        assert failed == 0
+        assert child_status == 10 * CUDA_ERROR_NOT_INITIALIZED + CUDA_ERROR_NOT_INITIALIZED
+        assert machine.query()["gpus"][0]["used"] == (300 + 800) * MIB
+    finally:
+        proc.communicate(timeout=60)
+
+
+def test_a_device_named_twice_ends_the_list(sim) -> None:
+    assert machine_count(sim(), "1,1,0") == 1
+    assert machine_count(sim(), ",".join(["0"] * 100)) == 1  # and never overruns
+
+
+def machine_count(machine: Sim, cvd: str) -> int:
+    return machine.run(cvd=cvd)["count"]
