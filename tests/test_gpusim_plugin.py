@@ -329,3 +329,22 @@ def test_no_gpus_names_the_tests_that_use_cuda(gpuiso: GpuIso, sim: Path, lease_
     )
     for record in gpuiso.records().values():
         assert record["cuda_without_gpu"] == ["libcuda.so.1"]
+
+
+def test_each_test_finds_the_gpu_whole_after_a_hog(gpuiso: GpuIso, sim: Path, monkeypatch) -> None:
+    """One GPU; a test takes all but 1 GiB of it and ends holding it: the next test, in a
+    fresh process, finds all of it free but its own context (as tests/gpu's hog test)."""
+    monkeypatch.setenv("GPUISO_SIM_GPUS", "Sim H100,81559")
+    _copy(gpuiso, MOD, "sim_process.py")
+    result = gpuiso.run(REPORT, "-p", "no:randomly", MOD, "-k", "hog or whole_again")
+    result.assert_outcomes(passed=2)
+
+
+def test_a_pinned_worker_s_in_process_test_sees_its_gpu(gpuiso_spawn: GpuIso, sim: Path) -> None:
+    """Not isolated: under --gpu-isolate-pin-workers the test runs in the xdist worker,
+    which pinned one NVML-found GPU, and CUDA shows the test that one."""
+    _copy(gpuiso_spawn, "sim_every.py")
+    args = ("--gpu-isolate-pin-workers", "-n", "1", "sim_every.py", "-k", "test_unmarked")
+    result = gpuiso_spawn.run(*args)
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*pinned workers (--gpu-isolate-pin-workers): each of the 1*"])
