@@ -87,8 +87,7 @@ def main(
         refuse_inherited_cuda()
         channel.send(frames.READY, os.getpid())
         _preload(channel, boot.preload)
-        cuda_state.baseline()
-        channel.go_first()
+        channel.go_first(driver=cuda_state.baseline())
         job.run(channel, boot, config)
     except BaseException:
         status = 1
@@ -260,11 +259,12 @@ class Channel:
             with contextlib.suppress(OSError):
                 os.ftruncate(1, 0)
 
-    def go_first(self) -> None:
+    def go_first(self, driver: str | None) -> None:
         """Take the go before any code of the session's runs (plugins, conftests, the
-        module) where the driver library is mapped already (inherited, or by the preload:
-        torch's CUDA 13 build): a CUDA call made with the GPUs hidden would not show."""
-        if self.go is not None and not self.configured and cuda_state.loaded(cuda_state.DRIVER):
+        module) where the driver library (``driver``, its path) is mapped already
+        (inherited, or by the preload: torch's CUDA 13 build): a CUDA call made with the
+        GPUs hidden would not show."""
+        if self.go is not None and not self.configured and driver:
             self.configured, self.collect_ahead = True, False  # none of it ran hidden
             self.wait_go()
 

@@ -108,9 +108,11 @@ def hidden_touch() -> str | None:
     return reason
 
 
-def baseline() -> None:
-    """The test's own code begins: a driver mapped later was loaded by it."""
+def baseline() -> str | None:
+    """The test's own code begins: a driver mapped later was loaded by it. Returns the
+    driver mapped now (its path), or None."""
     _before_test[0] = loaded(DRIVER)
+    return _before_test[0]
 
 
 def driver_initialised(path: str) -> bool:

@@ -38,7 +38,7 @@ import struct
 import time
 from multiprocessing.connection import Connection, wait
 
-from . import frames
+from . import cuda_state, frames
 from .proctree import stat_fields
 
 PF_EXITING = 0x4  # <linux/sched.h>: the task is in do_exit()
@@ -113,7 +113,7 @@ def _reaped(pid: int, fd: int, patience: float) -> bool:
 # --------------------------------------------------------------------------- the test's side
 
 
-GPU_DEVICES = ("/dev/nvidia", "/dev/kfd", "/dev/dri/")  # CUDA's and ROCm's device files
+GPU_DEVICES = (cuda_state.DEVICES, "/dev/kfd", "/dev/dri/")  # CUDA's and ROCm's device files
 
 
 def say_exiting(conn: Connection) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import GPUSIM
+from tests.test_lease_table import wait_until
 
 # nvidia-ml-py's version decides which NVML functions it calls; the installed wheel finds
 # NVML as users' do: CI's wheel and lowest-versions stages run these whole.
@@ -119,17 +120,7 @@ def test_a_killed_process_frees_and_a_daemon_keeps(sim) -> None:
         assert machine.query()["gpus"][0]["processes"] == [[daemon["pid"], (300 + 512) * MIB]]
     finally:
         os.kill(daemon["pid"], signal.SIGKILL)
-    assert _eventually(lambda: machine.query()["gpus"][0]["used"] == 0)
-
-
-def _eventually(check, tries: int = 200) -> bool:
-    import time
-
-    for _ in range(tries):
-        if check():
-            return True
-        time.sleep(0.05)
-    return False
+    wait_until(lambda: machine.query()["gpus"][0]["used"] == 0, "the daemon's memory freed", 20)
 
 
 @pytest.mark.parametrize(

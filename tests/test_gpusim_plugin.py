@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from tests.helpers import GPUSIM, REPORT, GpuIso, kill_quietly, make_gpuiso, wait_gone
+from tests.test_lease_table import max_overlap, wait_until
 
 # nvidia-ml-py's version decides which NVML functions it calls; the installed wheel finds
 # NVML as users' do: CI's wheel and lowest-versions stages run these whole.
@@ -211,8 +212,6 @@ def test_memory_leases_are_sized_from_nvml(
     79.65 GiB GPU (two or more at once) and one at a time onto the 22.49 GiB one, never
     more than either holds; 30 GiB goes to the big GPU only; 90 GiB fits neither and is
     skipped saying so."""
-    from tests.test_lease_table import max_overlap
-
     log = tmp_path / "held.log"
     monkeypatch.setenv("GPUISO_LEASE_LOG", str(log))
     _copy(gpuiso_spawn, "sim_leases.py")
@@ -263,7 +262,7 @@ def test_status_shows_the_gpus_memory_from_nvml(
     _copy(gpuiso_spawn, "sim_leases.py")
     session = gpuiso_spawn.popen("sim_leases.py::test_holds_until_told")
     try:
-        assert _eventually(holding.exists), "the test never held its lease"
+        wait_until(holding.exists, "the test to hold its lease", timeout=60)
         done = subprocess.run(
             [sys.executable, "-m", "pytest_gpuiso", "status"],
             capture_output=True,
@@ -289,17 +288,6 @@ def test_status_shows_the_gpus_memory_from_nvml(
     assert devices[leased_on] == [*sizes[leased_on], "20", "GiB", *free[leased_on]], done.stdout
     assert devices[other] == [*sizes[other], "0", "bytes", *sizes[other]], done.stdout
     assert "sim_leases.py::test_holds_until_told" in done.stdout
-
-
-def _eventually(check, timeout: float = 60.0) -> bool:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_every_test_leases_a_gpu_nvml_found(gpuiso: GpuIso, sim: Path, lease_region) -> None:
