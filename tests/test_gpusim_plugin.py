@@ -95,12 +95,14 @@ def test_escaped_gpu_process_is_killed_and_its_memory_freed(
 
 
 def test_escaped_gpu_holders_fail_teardown(
-    gpuiso: GpuIso, sim: Path, monkeypatch: pytest.MonkeyPatch
+    gpuiso_spawn: GpuIso, sim: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Two processes outside the test's tree take 1 GiB each on the test's GPU during the
     test: the residual-GPU-memory probe names both (NVML's pids and bytes: every entry of
     NVML's process list read right, whatever nvidia-ml-py's version) and fails the
-    teardown under gpu_memory=fail; the sweep leaves them alone (not the test's)."""
+    teardown under gpu_memory=fail; the sweep leaves them alone (not the test's). The
+    holders and the probe live outside the test's process: one start method is enough."""
+    gpuiso = gpuiso_spawn
     folders = [gpuiso.path / "holder-a", gpuiso.path / "holder-b"]
     for folder in folders:
         folder.mkdir()
