@@ -4,8 +4,8 @@ stdout costs pytest (wall time, and the peak memory of pytest's own process).
 The test writes ``--mb`` MiB to stdout (captured, as by default) and passes. Each mode
 runs ``--repeat`` times in a fresh pytest; the table shows the medians and the ratios
 isolated / in-process. An isolated test's captured output reaches pytest cut to its
-last 16 Mi characters per section (README, "What differs"), so pytest's memory stays
-flat while in-process it holds the whole output (twice, briefly).
+last 16 Mi characters per section (docs/semantics.md, "Differences, by design"), so
+pytest's memory stays flat while in-process it holds the whole output (twice, briefly).
 
     python bench/chatty.py [--mb 1024] [--repeat 3]
 """

@@ -53,6 +53,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 
 TARGET_S = 0.020  # per-test probe budget
 SHM = "/dev/shm"
@@ -107,6 +108,7 @@ class Load:
         self.real_shm = os.path.isdir(SHM) and os.access(SHM, os.W_OK)
         self.private = ""  # stands in for /dev/shm (on tmpfs when /dev/shm is writable)
         self.logs = ""  # the shim's per-test log files
+        self.shim = False  # the shim is built: each test's process has a log
         self.others: list = []  # psutil.Process of the non-descendant sleeps
         self.children: list[subprocess.Popen] = []  # descendant sleeps
 
@@ -247,7 +249,7 @@ class Variant:
 
 
 def one_test(v: Variant, reader, leak: bool, mods) -> None:
-    """Snapshot, (the test), check: as Supervisor.run does around one test."""
+    """Snapshot, (the test), check: as the supervisor does around one test."""
     RunInfo, ProcessProbe, ShmProbe, GpuMemoryProbe = mods
     clock = time.perf_counter
     v.n_logs += 1
@@ -255,11 +257,11 @@ def one_test(v: Variant, reader, leak: bool, mods) -> None:
     spent: dict[str, float] = {}
 
     t = clock()
-    probes = (
-        ProcessProbe(),
-        ShmProbe((), cleanup=False, directory=v.directory, log=log, alone=True),
-        GpuMemoryProbe(reader, ["0"]),
-    )
+    shm = ShmProbe((), cleanup=False, directory=v.directory, alone=True)
+    probes = (ProcessProbe(), shm, GpuMemoryProbe(reader, ["0"]))
+    if v.load.shim:  # the launcher makes the log and starts the test's process with it
+        os.close(os.open(log, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        shm.before_start(types.SimpleNamespace(shm_log=log))
     spent["build"] = clock() - t
     snaps = []
     for p in probes:
@@ -277,7 +279,7 @@ def one_test(v: Variant, reader, leak: bool, mods) -> None:
         os.ftruncate(fd, 8192)
         os.close(fd)  # not held by anyone: the holder scan goes through all of /proc
         with open(log, "a") as f:  # what the preloaded shim writes for the test
-            f.write(f"{test_pid} {os.path.basename(leaked)}\n")
+            f.write(f"{test_pid} {os.stat(leaked).st_ino} {os.path.basename(leaked)}\n")
     # ----------------------------------------
 
     run = RunInfo(test_pid, wall_start, time.time(), 1.0, frozenset({test_pid}))
@@ -411,9 +413,11 @@ def main() -> None:
     import psutil
 
     from pytest_gpuiso.leaks import RunInfo
-    from pytest_gpuiso.leaks.gpu_memory import GpuMemoryProbe, NvmlReader, Sample
+    from pytest_gpuiso.leaks.gpu_memory import GpuMemoryProbe
     from pytest_gpuiso.leaks.process import ProcessProbe
-    from pytest_gpuiso.leaks.shm import ShmProbe, shim_path
+    from pytest_gpuiso.leaks.shm import ShmProbe
+    from pytest_gpuiso.nvml import NvmlReader, Sample
+    from pytest_gpuiso.shm_log import shim_path
 
     mods = (RunInfo, ProcessProbe, ShmProbe, GpuMemoryProbe)
     reader = FakeReader(Sample(1 << 30, {4242: 1 << 28}))
@@ -431,6 +435,7 @@ def main() -> None:
     )
 
     load = Load(opts.lifetime)
+    load.shim = shim_path() is not None
     try:
         load.open()
         variants = [Variant("private", load.private, load)]

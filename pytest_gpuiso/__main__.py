@@ -51,12 +51,13 @@ def _merge(opts: argparse.Namespace) -> int:
             print(f"error: {path}: cannot write: {exc.strerror or exc}", file=sys.stderr)
             return 1
         print(f"wrote the merged {what} ({shards_text}) to {path}")
-    if os.environ.get("GITHUB_STEP_SUMMARY"):
+    if report.step_summary_path():
         problem = report.append_step_summary(text)
+        step = f"${report.STEP_SUMMARY_ENV}"
         if problem:  # a CI convenience: never fails the merge
-            print(f"warning: not appended to $GITHUB_STEP_SUMMARY ({problem})", file=sys.stderr)
+            print(f"warning: not appended to {step} ({problem})", file=sys.stderr)
         else:
-            print(f"appended the merged Markdown summary ({shards_text}) to $GITHUB_STEP_SUMMARY")
+            print(f"appended the merged Markdown summary ({shards_text}) to {step}")
     return 0
 
 

@@ -2,25 +2,27 @@
 
 Checked (2026-11-24) with the whole suite on pytest 8.0.0 (the lowest declared: CI's last
 stage, ``tox -e lowest``) and 9.2.0 (the newest), and with the demo suite on 8.3.5.
+``runtestprotocol``, ``known_args`` and ``basetemp`` were moved here later: their pytest
+names were checked in the sources of 8.0.0 and 9.2.0 (the suite ran on 9.2.0).
 Where pytest's insides are not as expected, the helpers here fall back to public behaviour.
 """
 
 from __future__ import annotations
 
-import math
+import argparse
 import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import _pytest.capture as _capture
-import pytest
 from _pytest import tmpdir as _tmpdir
 from _pytest.config import _prepareconfig as prepare_config  # noqa: F401 - re-exported
 from _pytest.config import apply_warning_filters, create_terminal_writer
 from _pytest.faulthandler import fault_handler_stderr_fd_key  # noqa: F401 - re-exported
 from _pytest.junitxml import _check_record_param_type as check_record_param_type  # noqa: F401
 from _pytest.junitxml import xml_key  # noqa: F401 - re-exported
+from _pytest.runner import runtestprotocol  # noqa: F401 - re-exported
 from _pytest.skipping import evaluate_xfail_marks  # noqa: F401 - re-exported
 
 # pytest.TerminalReporter is public only from pytest 8.4 on.
@@ -31,6 +33,13 @@ def set_capture_tempfile(factory: Callable[..., Any]) -> None:
     """Make pytest's fd capture open its files with ``factory`` (anonymous files if it cannot)."""
     if hasattr(_capture, "TemporaryFile"):
         _capture.TemporaryFile = factory
+
+
+def basetemp(config: Any) -> Path | None:
+    """The session's base temporary directory (made on first call), or None where pytest's
+    tmp_path plugin is off (``-p no:tmpdir``)."""
+    factory = getattr(config, "_tmp_path_factory", None)
+    return factory.getbasetemp() if factory is not None else None
 
 
 def retarget_basetemp(config: Any, basetemp: str) -> None:
@@ -72,10 +81,15 @@ def setup_state(session: Any) -> Any:
     return getattr(session, "_setupstate", None)
 
 
+def known_args(config: Any) -> argparse.Namespace:
+    """The options pytest parsed before it loaded the initial conftests (undocumented)."""
+    return config.known_args_namespace
+
+
 def apply_session_filters(config: Any) -> None:
     """Apply the ini ``filterwarnings`` and ``-W`` filters, as pytest does for its own
     warnings outside a test (``Config.issue_config_time_warning``)."""
-    cmdline = getattr(config.known_args_namespace, "pythonwarnings", None) or []
+    cmdline = getattr(known_args(config), "pythonwarnings", None) or []
     apply_warning_filters(config.getini("filterwarnings"), cmdline)
 
 
@@ -84,27 +98,3 @@ def show_setup_on(config: Any, file: Any) -> None:
     through ``config.get_terminal_writer()``, the terminal reporter's writer."""
     writer = create_terminal_writer(config, file)
     config.get_terminal_writer = lambda: writer
-
-
-def external_session_timeout(config: pytest.Config) -> tuple[float, str] | None:
-    """pytest-timeout's session-wide timeout and where it came from, when it sets one.
-
-    Its own precedence: ``--timeout``, then ``PYTEST_TIMEOUT``, then the ini key
-    ``timeout``; 0 turns it off. A bad value is pytest-timeout's to report.
-    """
-    if not config.pluginmanager.hasplugin("timeout"):
-        return None
-    sources = (
-        (config.getoption("timeout", None), "pytest-timeout --timeout"),
-        (os.environ.get("PYTEST_TIMEOUT"), "pytest-timeout PYTEST_TIMEOUT"),
-        (config.getini("timeout"), "pytest-timeout ini timeout"),
-    )
-    for value, source in sources:
-        if value is None or (isinstance(value, str) and not value.strip()):
-            continue
-        try:
-            seconds = float(value)
-        except (TypeError, ValueError):
-            return None
-        return (seconds, source) if seconds > 0 and math.isfinite(seconds) else None
-    return None

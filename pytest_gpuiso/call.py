@@ -15,13 +15,15 @@ import secrets
 from collections.abc import Callable
 from typing import Any
 
-from . import frames, workdir
+from . import workdir
 from .child import CallJob
+from .launcher import Launcher
 from .leaks.process import Mark
 from .leases import Leases, discover, held_lease, visible_env
 from .outcome import Outcome
-from .settings import DEFAULT_GRACE, parse_count, parse_seconds
+from .settings import DEFAULT_GRACE, DEFAULT_STARTUP_TIMEOUT, parse_count, parse_seconds
 from .supervisor import Supervisor
+from .watch import Bounds
 
 _CALLS = itertools.count(1)
 
@@ -89,7 +91,7 @@ def call_isolated(
     grace = parse_seconds(grace, "run_isolated argument grace", allow_zero=True)
     parse_count(gpus, "run_isolated argument gpus")
     name = _label(func)
-    lease, env = None, None
+    lease, env = None, {}
     have = held_lease(os.environ)
     if have is not None:  # inside an isolated test: use the GPUs it holds
         if gpus > len(have):
@@ -107,11 +109,13 @@ def call_isolated(
         lease = leases.acquire(gpus, f"run_isolated({name}) in pid {os.getpid()}", None)
         env = leases.child_env(lease)
     try:
-        supervisor = Supervisor(workdir.process_dir())
         # Its sweep takes only the call's own processes, not what the caller starts
         # meanwhile (a helper, from a thread) or the session's (fork server, prewarmed).
-        supervisor.mark = Mark(f"{os.getpid()}-{next(_CALLS)}-{secrets.token_hex(4)}")
-        outcome = supervisor.run(CallJob(func, args, kwargs), timeout=timeout, grace=grace, env=env)
+        mark = Mark(f"{os.getpid()}-{next(_CALLS)}-{secrets.token_hex(4)}")
+        launcher = Launcher(workdir.process_dir(), mark=mark)
+        started = launcher.start(CallJob(func, args, kwargs), env)
+        bounds = Bounds(timeout, DEFAULT_STARTUP_TIMEOUT, grace)
+        outcome = Supervisor(launcher).go(started, env, (), bounds).wait()
     except Exception as exc:
         raise IsolationError(f"run_isolated({name}): {exc}") from None
     finally:
@@ -125,7 +129,7 @@ def _label(func: Callable[..., Any]) -> str:
 
 
 def _unwrap(func: Callable[..., Any], outcome: Outcome, timeout: float | None) -> Any:
-    results = outcome.frames_of(frames.RESULT)
+    results = outcome.results
     if results:  # the value the caller asked for, pickled by the function's process
         try:
             return pickle.loads(results[0])
@@ -135,7 +139,7 @@ def _unwrap(func: Callable[..., Any], outcome: Outcome, timeout: float | None) -
                 f"process: {exc!r}",
                 outcome,
             ) from None
-    exceptions = outcome.frames_of(frames.EXCEPTION)
+    exceptions = outcome.exceptions
     if exceptions:
         info = exceptions[0]
         exc = None
@@ -153,7 +157,7 @@ def _unwrap(func: Callable[..., Any], outcome: Outcome, timeout: float | None) -
     detail = "\n\n".join(
         part
         for part in (
-            "\n".join(outcome.frames_of(frames.ERROR)),
+            "\n".join(outcome.errors),
             f"Stack at the timeout:\n{outcome.stack}" if outcome.stack else "",
             f"Last output:\n{outcome.output_tail}" if outcome.output_tail else "",
         )

@@ -23,8 +23,7 @@ import pytest
 from . import _compat, cuda_state, frames, imports, memory_cap, wire
 from .leaks import torch as torch_check
 from .leases import LEASED_ENV
-
-CHILD_PLUGIN = "gpuiso-child"
+from .plugin_names import CHILD_PLUGIN
 
 
 def freeze() -> None:

@@ -299,6 +299,18 @@ class Reader:
         self.errors.append((ERROR, UNREADABLE + why))
 
 
+class Received(list):
+    """The frames read from one process, in order, and the kinds seen among them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kinds: set[str] = set()
+
+    def append(self, frame: tuple[str, Any]) -> None:
+        super().append(frame)
+        self.kinds.add(frame[0])
+
+
 EXITED = "exited"  # pump: the sender exited (all it sent is read)
 EXPIRED = "expired"  # pump: the deadline passed
 _DRAIN = 2.0  # seconds the frames still in the pipe get to be read once the sender exited
@@ -307,7 +319,7 @@ _DRAIN = 2.0  # seconds the frames still in the pipe get to be read once the sen
 def pump(
     reader: Reader,
     sentinel: Any,
-    received: list,
+    received: Received,
     deadline: float | None,
     until: str | None = None,
 ) -> str:
@@ -335,7 +347,7 @@ def pump(
             return EXITED
 
 
-def drain(reader: Reader, received: list) -> None:
+def drain(reader: Reader, received: Received) -> None:
     """Collect the frames already in the pipe into ``received``, without waiting for more
     (a descendant that holds the pipe open and keeps writing gets ``_DRAIN`` seconds)."""
     stop = time.monotonic() + _DRAIN

@@ -8,9 +8,8 @@ import os
 import pytest
 
 from . import ports, workers
-from ._compat import external_session_timeout
-from .runner import State, default_gpus
-from .settings import DEFAULT_TIMEOUT, MARKER, Settings
+from .session import State, default_gpus
+from .settings import DEFAULT_TIMEOUT, MARKER, Settings, pytest_timeout
 
 
 def lines(config: pytest.Config, state: State, debugger: str) -> list[str]:
@@ -22,7 +21,7 @@ def lines(config: pytest.Config, state: State, debugger: str) -> list[str]:
     scope = "every test" if s.mode == "all" else f"tests marked {MARKER}"
     seconds, source = s.timeout, s.timeout_source
     if seconds is None:  # markers aside, pytest-timeout's value applies, else ours
-        seconds, source = external_session_timeout(config) or (DEFAULT_TIMEOUT, "default")
+        seconds, source = pytest_timeout(config) or (DEFAULT_TIMEOUT, "default")
     timeout = f"{seconds:g} s ({source})"
     auto = config.stash.get(workers.AUTO, None)
     lines = [

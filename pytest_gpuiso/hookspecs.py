@@ -7,7 +7,7 @@ options down (``pytest_gpuiso_child_options``), the test's process fills a dict
 once its session is over (``pytest_gpuiso_child_payload``), and pytest receives
 it before the test's reports are logged (``pytest_gpuiso_parent_payload``).
 ``pytest_gpuiso_rerun`` asks whether a finished attempt runs again, in a fresh
-process. Registered by ``plugin.pytest_addhooks`` on both sides; the README's
+process. Registered by ``plugin.pytest_addhooks`` on both sides; docs/plugins.md's
 "For plugin authors" section describes the order of events.
 """
 

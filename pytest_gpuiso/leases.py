@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import rocm
-from .leaks.gpu_memory import NvmlReader
 from .memory_cap import MEMORY_ENV  # set in an isolated child: its lease, bytes per GPU
-from .settings import CUDA_ID, WHOLE, GpuMemory, SpecError
+from .nvml import NvmlReader
+from .settings import CUDA_ID, WHOLE, GpuMemory, SpecError, size_text
 from .workdir import user_name
 
 REGION_ENV = "PYTEST_GPUISO_LEASE_REGION"  # another table path (tests, or sharing across users)
@@ -83,14 +83,6 @@ def _region_size() -> int:
     from ._lease import REGION_SIZE
 
     return int(REGION_SIZE)
-
-
-def size_text(size: int) -> str:
-    """Bytes as GiB/MiB for messages: 12 GiB, 1.5 GiB, 512 MiB."""
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if size >= scale:
-            return f"{size / scale:.4g} {unit}"
-    return f"{size} bytes"
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,8 @@ import os
 import sys
 from typing import Any
 
+from .settings import size_text
+
 MEMORY_ENV = "PYTEST_GPUISO_GPU_MEMORY"  # bytes on each leased GPU (set by the parent)
 
 
@@ -81,6 +83,6 @@ def describe_overrun(excinfo: Any) -> str | None:
     if not size or excinfo is None or type(excinfo.value).__name__ != "OutOfMemoryError":
         return None
     return (
-        f"this test's GPU memory lease is {size / (1 << 30):.4g} GiB on each GPU "
+        f"this test's GPU memory lease is {size_text(size)} on each GPU "
         f"(gpu_memory=, or 1/slots of the GPU): torch's allocator is capped at it"
     )

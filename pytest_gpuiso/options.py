@@ -1,16 +1,22 @@
 """Every command-line option and ini key of pytest-gpuiso, from one table.
 
 Each ``Option`` is one setting: its ini key (also the option's ``dest``), its ini
-type, the flag(s) that set it on the command line, the default shown in ``--help``
-and the help text. ``add_options`` turns the table into ``parser.addoption`` and
-``parser.addini`` calls, so a setting cannot have a flag without an ini key, or
-differ in name or help between the two. The values are parsed and validated in
-``settings.py``, which reads them by these names.
+type, the flag(s) that set it on the command line, the default shown in ``--help``,
+the help text, the ``Settings`` field it fills, its parser (from ``settings.py``) and
+its value where it is given nowhere. ``add_options`` turns the table into
+``parser.addoption`` and ``parser.addini`` calls, so a setting cannot have a flag
+without an ini key, or differ in name or help between the two; ``read_settings``
+turns it into ``Settings`` in one loop, so no second list of the settings exists.
 """
 
 from __future__ import annotations
 
+import functools
+import math
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -20,17 +26,50 @@ from .settings import (
     DEFAULT_SLOTS,
     DEFAULT_STARTUP_TIMEOUT,
     DEFAULT_TIMEOUT,
+    KINDS,
+    MAX_GPUS,
+    MAX_SLOTS,
+    TEMPLATE_WAIT_ENV,
+    Settings,
+    SpecError,
+    parse_devices,
+    parse_flag,
+    parse_int,
+    parse_leaks,
+    parse_memory,
+    parse_mode,
+    parse_path,
+    parse_patterns,
+    parse_preload,
+    parse_seconds,
+    parse_start,
+    parse_template_wait,
+    torch_if_installed,
 )
 from .settings import DEFAULT_TOLERANCE_MIB as DEFAULT_TOLERANCE
+
+Parser = Callable[[Any, str], Any]  # (the value as given, where it came from) -> the field's
+
+
+def _seconds(*, allow_zero: bool, **bounds: Any) -> Parser:
+    return functools.partial(parse_seconds, allow_zero=allow_zero, **bounds)
+
+
+def _integer(low: int, high: int) -> Parser:
+    return functools.partial(parse_int, low=low, high=high)
 
 
 @dataclass(frozen=True)
 class Option:
     name: str  # the ini key, and the option's dest
     help: str
+    field: str | tuple[str, ...]  # the Settings field it fills (a tuple: the parser's, in order)
+    parse: Parser = parse_flag
+    unset: Any = None  # the field's value where it is given nowhere; a callable: called then
+    source: str = ""  # a Settings field that keeps where the value came from ("": not given)
     type: str = "string"  # the ini type: string, bool or args
     metavar: str | None = None  # a value option's metavar; None: a flag (or ini only)
-    default: str = ""  # shown in --help; settings.py applies the real default
+    default: str = ""  # shown in --help (``unset`` is the default applied)
     flag: str | None = ""  # the flag that sets it true; "": --name; None: none
     negative: str | None = None  # a bool's flag that sets it false
     negative_help: str = ""
@@ -51,6 +90,8 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "gpu_isolate",
         "run every test in a fresh process",
+        field="mode",
+        parse=parse_mode,
         type="bool",
         ini_default=False,
         negative="--no-gpu-isolate",
@@ -59,6 +100,9 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "gpu_isolate_timeout",
         "timeout in seconds of an isolated test's setup, call and teardown, as pytest-timeout's",
+        field="timeout",
+        parse=_seconds(allow_zero=False),
+        source="timeout_source",
         metavar="SECONDS",
         default=f"{DEFAULT_TIMEOUT:g}, or pytest-timeout's",
     ),
@@ -66,35 +110,54 @@ OPTIONS: tuple[Option, ...] = (
         "gpu_isolate_startup_timeout",
         "bound in seconds on an isolated test's process before its test begins (interpreter, "
         "plugins, conftests, the test module's import) and after it ends (its exit)",
+        field="startup_timeout",
+        parse=_seconds(allow_zero=False),
+        unset=DEFAULT_STARTUP_TIMEOUT,
         metavar="SECONDS",
         default=f"{DEFAULT_STARTUP_TIMEOUT:g}",
     ),
     Option(
         "gpu_isolate_grace",
         "seconds between SIGTERM and SIGKILL on timeout",
+        field="grace",
+        parse=_seconds(allow_zero=True),
+        unset=DEFAULT_GRACE,
         metavar="SECONDS",
         default=f"{DEFAULT_GRACE:g}",
     ),
     Option(
         "gpu_isolate_report",
         "write a JSON report of the isolated tests to PATH",
+        field="report_path",
+        parse=parse_path,
+        source="report_source",
         metavar="PATH",
     ),
     Option(
         "gpu_isolate_summary",
         "write a Markdown summary (leaks, timeouts, crashes) for PR checks to PATH",
+        field="summary_path",
+        parse=parse_path,
+        source="summary_source",
         metavar="PATH",
     ),
     Option(
         "gpu_isolate_devices",
         "GPUs to lease: auto (CUDA_VISIBLE_DEVICES, else NVML), none, or a list of indices/UUIDs, "
         "each with an optional memory size for devices NVML cannot see (0:80GiB,1:80GiB)",
+        field=("devices", "device_sizes"),
+        parse=parse_devices,
+        unset=(None, ()),
+        source="devices_source",
         metavar="auto|none|0,1,...",
         default="auto",
     ),
     Option(
         "gpu_isolate_gpus",
         "GPUs an isolated test leases unless its marker says gpus=; 0: none (the test sees no GPU)",
+        field="gpus",
+        parse=_integer(0, MAX_GPUS),
+        source="gpus_source",
         metavar="N",
         default="1 where there are GPUs to lease, else 0",
     ),
@@ -103,6 +166,7 @@ OPTIONS: tuple[Option, ...] = (
         "each xdist worker (or this pytest process without xdist) leases --gpu-isolate-gpus "
         "GPUs for its whole life, before the tests are collected, and its in-process tests see "
         "only those in CUDA_VISIBLE_DEVICES",
+        field="pin_workers",
         type="bool",
         ini_default=False,
     ),
@@ -110,6 +174,9 @@ OPTIONS: tuple[Option, ...] = (
         "gpu_isolate_slots",
         "how many isolated tests may share one GPU at once: each takes 1/N of its memory "
         "unless it declares gpu_memory",
+        field="slots",
+        parse=_integer(1, MAX_SLOTS),
+        unset=DEFAULT_SLOTS,
         metavar="N",
         default=f"{DEFAULT_SLOTS}",
     ),
@@ -118,12 +185,16 @@ OPTIONS: tuple[Option, ...] = (
         "GPU memory an isolated test leases on each of its GPUs unless its marker says "
         "gpu_memory=: bytes, a size (12GiB, 512MiB, 8GB) or a share of the GPU (25%); tests "
         "are packed onto a GPU while their leases fit its memory",
+        field="gpu_memory",
+        parse=parse_memory,
         metavar="SIZE",
         default="1/slots of the GPU",
     ),
     Option(
         "gpu_isolate_lease_timeout",
         "fail a test that waited longer than this many seconds for its GPUs",
+        field="lease_timeout",
+        parse=_seconds(allow_zero=False),
         metavar="SECONDS",
         default="wait",
     ),
@@ -131,18 +202,25 @@ OPTIONS: tuple[Option, ...] = (
         "gpu_isolate_leaks",
         "what a leak (shm, process, gpu_memory) does: warn, fail the test, or off; "
         "per kind e.g. shm=fail,process=warn",
+        field="leaks",
+        parse=parse_leaks,
+        unset=tuple((kind, "warn") for kind in KINDS),
         metavar="warn|fail|off|KIND=LEVEL,...",
         default="warn",
     ),
     Option(
         "gpu_isolate_gpu_tolerance",
         "GPU memory growth in MiB ignored by the leak check",
+        field="gpu_tolerance_mib",
+        parse=_seconds(allow_zero=True, high=math.inf, unit="MiB"),
+        unset=DEFAULT_TOLERANCE,
         metavar="MiB",
         default=f"{DEFAULT_TOLERANCE:g}",
     ),
     Option(
         "gpu_isolate_torch_check",
         "in the test's process, compare torch.cuda.memory_allocated() before and after the test",
+        field="torch_check",
         type="bool",
         ini_default=False,
     ),
@@ -150,12 +228,16 @@ OPTIONS: tuple[Option, ...] = (
         "gpu_isolate_cleanup",
         "delete leaked /dev/shm entries after reporting them (only the current user's, "
         "created during that test)",
+        field="cleanup",
         type="bool",
         ini_default=False,
     ),
     Option(
         "gpu_isolate_shm_ignore",
         "glob patterns of /dev/shm names never reported as leaks",
+        field="shm_ignore",
+        parse=parse_patterns,
+        unset=(),
         type="args",
         flag=None,
     ),
@@ -164,18 +246,27 @@ OPTIONS: tuple[Option, ...] = (
         "how isolated processes start: spawn a new interpreter, or fork them from a server "
         "that has imported pytest, the plugins, the conftests and the preload modules and "
         "never touched CUDA",
+        field="start",
+        parse=parse_start,
+        unset="spawn",
         metavar="spawn|forkserver",
         default="spawn",
     ),
     Option(
         "gpu_isolate_preload",
         "modules the fork server and prewarmed processes import ahead of the tests (none: nothing)",
+        field="preload",
+        parse=parse_preload,
+        unset=torch_if_installed,
         metavar="MODULE,...",
         default="torch when installed",
     ),
     Option(
         "gpu_isolate_prewarm",
         "start the processes of the next N isolated tests while one runs; 0: off",
+        field="prewarm",
+        parse=_integer(0, 16),
+        unset=DEFAULT_PREWARM,
         metavar="N",
         default=f"{DEFAULT_PREWARM}",
     ),
@@ -183,6 +274,7 @@ OPTIONS: tuple[Option, ...] = (
         "gpu_isolate_precollect",
         "with the fork server, configure pytest and collect the tests' modules once in a "
         "template that each test's process is forked from",
+        field="precollect",
         type="bool",
         ini_default=True,
         flag=None,
@@ -195,6 +287,7 @@ OPTIONS: tuple[Option, ...] = (
         "gpu_isolate_learn_imports",
         "with the fork server, the template imports the modules a test imported while it "
         "ran, for the tests forked after it (as in-process pytest keeps them imported)",
+        field="learn_imports",
         type="bool",
         ini_default=True,
         flag=None,
@@ -205,7 +298,8 @@ OPTIONS: tuple[Option, ...] = (
     ),
 )
 
-BY_NAME = {option.name: option for option in OPTIONS}
+# Settings fields no row fills: the post-step of read_settings makes them from other values.
+DERIVED = ("template_wait",)
 
 
 def add_options(parser: pytest.Parser) -> None:
@@ -234,3 +328,66 @@ def add_options(parser: pytest.Parser) -> None:
                 help=option.option_help().replace("%", "%%"),  # argparse formats it
             )
             parser.addini(option.name, option.help, type="string", default="")
+
+
+def read_settings(config: pytest.Config) -> Settings:
+    """Read and validate every option; raise ``pytest.UsageError`` naming the culprit."""
+    try:
+        return _read(config)
+    except SpecError as exc:
+        raise pytest.UsageError(f"gpu-isolate: {exc}") from None
+
+
+def _read(config: pytest.Config) -> Settings:
+    fields: dict[str, Any] = {}
+    for option in OPTIONS:
+        given = _given(config, option)
+        if given is None:
+            value, where = option.unset() if callable(option.unset) else option.unset, ""
+        else:
+            value, where = option.parse(*given), given[1]
+        if isinstance(option.field, str):
+            fields[option.field] = value
+        else:
+            fields.update(zip(option.field, value, strict=True))
+        if option.source:
+            fields[option.source] = where
+    # Derived: the fork server's wait for its template, from the environment (the test
+    # suite's knob), only where there is a fork server.
+    wait = os.environ.get(TEMPLATE_WAIT_ENV, "").strip()
+    if fields["start"] == "forkserver" and wait:
+        what = f"environment variable {TEMPLATE_WAIT_ENV}"
+        fields["template_wait"] = parse_template_wait(wait, what)
+    return Settings(**fields)
+
+
+def _given(config: pytest.Config, option: Option) -> tuple[Any, str] | None:
+    """The option's value as given and where: the command line first, then the ini file
+    (a blank ini value is not given); None where it is given nowhere. A bool ini key
+    always has a value (its ``ini_default``)."""
+    if option.type == "args":
+        patterns = config.getini(option.name)
+        return (patterns, f"ini {option.name}") if patterns else None
+    cli = config.getoption(option.name)
+    if cli is not None and option.type == "bool":
+        return bool(cli), (option.cli if cli else option.negative) or option.name
+    if cli is not None:
+        return str(cli), str(option.cli)
+    if option.type == "bool":
+        return _ini_bool(config, option.name), f"ini {option.name}"
+    ini = config.getini(option.name)
+    if isinstance(ini, str) and ini.strip():
+        return ini.strip(), f"ini {option.name}"
+    return None
+
+
+def _ini_bool(config: pytest.Config, name: str) -> bool:
+    """An ini key of type bool; pytest's error on a bad value becomes one line naming it."""
+    try:
+        return bool(config.getini(name))
+    except (ValueError, TypeError, pytest.UsageError) as exc:  # "invalid truth value 'x'"
+        text = str(exc)
+        value = text.removeprefix("invalid truth value ") if "truth value" in text else ""
+        raise SpecError(
+            f"invalid value {value or text} for ini {name}: expected true or false"
+        ) from None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,9 +19,13 @@ OUTPUT_KEEP_BYTES = 1 << 20  # of what the child wrote outside pytest's capture
 
 @dataclass
 class Outcome:
-    """What one isolated run produced and how the child ended (data only)."""
+    """What one isolated run produced and how the child ended (data only).
 
-    frames: list[tuple[str, Any]]
+    The frames the process sent are decoded once, by ``decode``, into the fields
+    below; nothing else reads frames. After a timeout only what arrived before the
+    deadline counts (``cutoff``), except what says how far its start-up got.
+    """
+
     pid: int
     exitcode: int | None
     # The bound that ran out, after which the process was stopped: "startup" (its test
@@ -32,23 +37,46 @@ class Outcome:
     stack: str = ""
     output: str = ""  # what the child wrote to fds 1/2 outside pytest's capture
     leaks: list[Leak] = field(default_factory=list)  # process leaks first, then the probes'
-    cutoff: int | None = None  # on timeout: how many frames had arrived by the deadline
     captured: list[str] = field(default_factory=list)  # tails of the test's captured output
     method: str = "spawn"  # how the process was started: spawn or forkserver
     prewarmed: bool = False  # started ahead of its turn (prewarm)
     collected: bool = False  # forked from the fork server's collected session
     uncollected: str | None = None  # why the fork server had no collected session to fork
+    # Decoded from its frames (``decode``): at any time ...
+    bootstrapped: bool = False  # it finished its bootstrap (and could answer a stack-dump request)
+    phase: str = ""  # what it said it was doing last while it started
+    ahead: bool = False  # it collected its test's module before its go
+    # ... and before the deadline
+    done: bool = False  # it said its job finished
+    stale: dict[str, Any] | None = None  # it could not take its GPUs (``child.Channel``)
+    reports: list[dict[str, Any]] = field(default_factory=list)  # serialized pytest reports
+    warnings: list[dict[str, Any]] = field(default_factory=list)
+    junit: list[tuple[str, str | None, str, str]] = field(default_factory=list)
+    torch_leaks: list[dict[str, Any]] = field(default_factory=list)
+    driver: list[str] = field(default_factory=list)  # CUDA libraries loaded with no GPU
+    imported: list[dict[str, Any]] = field(default_factory=list)  # learnable imports
+    exits: list[dict[str, Any]] = field(default_factory=list)  # pytest.exit() or Ctrl-C
+    errors: list[str] = field(default_factory=list)
+    results: list[bytes] = field(default_factory=list)  # run_isolated: the value, pickled
+    exceptions: list[dict[str, Any]] = field(default_factory=list)  # run_isolated's raise
+    payloads: list[dict[str, Any]] = field(default_factory=list)  # other plugins' data
+
+    def decode(self, received: list[tuple[str, Any]], cutoff: int | None = None) -> Outcome:
+        """Take in the frames the process sent (``cutoff``: how many had arrived by the
+        deadline); every kind has its handler here, and a kind without one is an error."""
+        for at, (kind, payload) in enumerate(received):
+            handler = _HANDLERS.get(kind)
+            if handler is None:
+                raise frames.FrameError(f"unknown frame kind {kind!r}")
+            always, take = handler
+            if always or cutoff is None or at < cutoff:
+                take(self, payload)
+        return self
 
     @property
     def timed_out(self) -> bool:
         """A bound ran out (start-up, test or exit) and the process was stopped for it."""
         return self.expired is not None
-
-    @property
-    def phase(self) -> str:
-        """What the process said it was doing last while it started ("" before it said)."""
-        said = [payload for kind, payload in self.frames if kind == frames.PHASE]
-        return said[-1] if said else ""
 
     @property
     def escaped(self) -> list[dict[str, Any]]:
@@ -66,17 +94,7 @@ class Outcome:
     @property
     def finished(self) -> bool:
         """The child said it was done, in time, and exited normally."""
-        return not self.timed_out and self.exitcode == 0 and bool(self.frames_of(frames.DONE))
-
-    @property
-    def bootstrapped(self) -> bool:
-        """The child finished its bootstrap (and could answer a stack-dump request)."""
-        return any(kind == frames.READY for kind, _ in self.frames)
-
-    @property
-    def frames_in_time(self) -> list[tuple[str, Any]]:
-        """Frames that arrived before the deadline; a timed-out test's later reports don't count."""
-        return self.frames if self.cutoff is None else self.frames[: self.cutoff]
+        return not self.timed_out and self.exitcode == 0 and self.done
 
     @property
     def signal_name(self) -> str | None:
@@ -90,13 +108,49 @@ class Outcome:
     @property
     def interrupted(self) -> bool:
         """Ctrl-C (or a ``KeyboardInterrupt`` the test raised) ended the session in this test."""
-        return any(stop.get("interrupt") for stop in self.frames_of(frames.EXIT))
+        return any(stop.get("interrupt") for stop in self.exits)
 
-    def frames_of(self, kind: str) -> list[Any]:
-        """Payloads of one kind; after a timeout, only what arrived before the deadline."""
-        if kind not in frames.KINDS:
-            raise frames.FrameError(f"unknown frame kind {kind!r}")
-        return [payload for k, payload in self.frames_in_time if k == kind]
+
+def _set(name: str, value: Any = None) -> Callable[[Outcome, Any], None]:
+    """A handler that sets a field: to ``value``, or to the payload."""
+    return lambda outcome, payload: setattr(outcome, name, payload if value is None else value)
+
+
+def _first(name: str) -> Callable[[Outcome, Any], None]:
+    """A handler that keeps the first payload of its kind."""
+    return lambda outcome, payload: getattr(outcome, name) or setattr(outcome, name, payload)
+
+
+def _add(name: str) -> Callable[[Outcome, Any], None]:
+    return lambda outcome, payload: getattr(outcome, name).append(payload)
+
+
+def _ignore(outcome: Outcome, payload: Any) -> None:
+    """Heeded while the process runs (``watch``): its bounds' marks."""
+
+
+# kind -> (taken after the deadline too, handler): the one dispatcher of the parent side
+_HANDLERS: dict[str, tuple[bool, Callable[[Outcome, Any], None]]] = {
+    frames.READY: (True, _set("bootstrapped", True)),
+    frames.PHASE: (True, _set("phase")),
+    frames.AHEAD: (True, _set("ahead", True)),
+    frames.BEGIN: (True, _ignore),
+    frames.END: (True, _ignore),
+    frames.EXITING: (True, _ignore),
+    frames.DONE: (False, _set("done", True)),
+    frames.STALE: (False, _first("stale")),
+    frames.REPORT: (False, _add("reports")),
+    frames.WARNING: (False, _add("warnings")),
+    frames.JUNIT: (False, _add("junit")),
+    frames.TORCH_LEAK: (False, _add("torch_leaks")),
+    frames.DRIVER: (False, _first("driver")),
+    frames.IMPORTED: (False, _add("imported")),
+    frames.EXIT: (False, _add("exits")),
+    frames.ERROR: (False, _add("errors")),
+    frames.RESULT: (False, _add("results")),
+    frames.EXCEPTION: (False, _add("exceptions")),
+    frames.PAYLOAD: (False, _add("payloads")),
+}
 
 
 def read_output(path: Path) -> str:

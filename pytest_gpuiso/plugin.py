@@ -16,25 +16,15 @@ import pytest
 
 from . import dead_sessions, header, pinning, report, runner, workdir, workers
 from .call import call_isolated
-from .child_plugin import CHILD_PLUGIN
 from .leases import Leases, discover
-from .options import add_options
+from .options import add_options, read_settings
+from .plugin_names import CHILD_PLUGIN
 from .record import record_of
-from .runner import STATE, State
-from .settings import (
-    DEFAULT_GRACE,
-    MARKER,
-    Settings,
-    SpecError,
-)
+from .session import STATE, State, close, isolated, settle, start_server
+from .settings import DEFAULT_GRACE, MARKER_DOC, SpecError
 from .warning_types import GpuIsoLeakWarning, GpuIsoStartWarning, warn_session
 
 __all__ = ["GpuIsoLeakWarning", "GpuIsoStartWarning"]
-
-MARKER_DOC = (
-    f"{MARKER}(timeout=None, startup_timeout=None, grace=None, gpus=None, allow_leaks=()): "
-    "run this test in a fresh process with a clean CUDA context (pytest-gpuiso)"
-)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -56,16 +46,15 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", MARKER_DOC)
     if _is_child(config):
         return
-    settings = Settings.from_config(config)
+    settings = read_settings(config)
     debugger = _debugger(config)
     if debugger and settings.mode != "off":
         _warn_start(config, f"{debugger}: every test runs in-process, so the debugger reaches it")
         settings = dataclasses.replace(settings, mode="off")
-    report_from, summary_from = settings.outputs_from
     state = State(
         settings=settings,
-        report_path=_output_path(config, settings.report_path, report_from),
-        summary_path=_output_path(config, settings.summary_path, summary_from),
+        report_path=_output_path(config, settings.report_path, settings.report_source),
+        summary_path=_output_path(config, settings.summary_path, settings.summary_source),
         parallel=hasattr(config, "workerinput"),
         cache=getattr(config, "cache", None),  # learnt imports, for the next session
     )
@@ -133,7 +122,7 @@ def _output_path(config: pytest.Config, value: str | None, source: str) -> Path 
 def pytest_unconfigure(config: pytest.Config) -> None:
     state = config.stash.get(STATE, None)
     if state is not None:
-        runner.close(state)
+        close(state)
         workdir.remove_process_dir()
 
 
@@ -170,8 +159,8 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
-    if not runner.isolated(item):
-        runner.settle(item.config)
+    if not isolated(item):
+        settle(item.config)
         return None
     ihook = item.ihook
     attempt = 1
@@ -226,7 +215,7 @@ def pytest_collection(session: pytest.Session) -> None:
     """
     state = session.config.stash.get(STATE, None)
     if _wants_server(session.config, state) and state.settings.mode == "all":
-        _start_server(session.config, state)
+        start_server(session.config, state)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -234,25 +223,14 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     state = session.config.stash.get(STATE, None)
     if not _wants_server(session.config, state):
         return
-    modules = {str(item.path) for item in session.items if runner.isolated(item)}
+    modules = {str(item.path) for item in session.items if isolated(item)}
     if not modules:
         return
-    supervisor = _start_server(session.config, state)
-    if supervisor is not None and supervisor.server is not None:
+    started = start_server(session.config, state)
+    if started is not None:
         directories = {str(Path(module).parent) for module in modules}
         precollect = sorted(modules) if state.settings.precollect else []
-        supervisor.server.collect(sorted(directories), precollect)
-
-
-def _start_server(config: pytest.Config, state: State) -> runner.Supervisor | None:
-    """Start the fork server; None when the work directory or a resource it needs is
-    missing (each isolated test then says why, as the failure of its own start)."""
-    try:
-        supervisor = runner.supervisor(config, state)
-        supervisor.start_server()
-    except (workdir.WorkdirError, OSError):
-        return None
-    return supervisor
+        started.collect(sorted(directories), precollect)
 
 
 @pytest.hookimpl(trylast=True)
@@ -260,18 +238,18 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     """Discard prewarmed processes and stop the fork server."""
     state = session.config.stash.get(STATE, None)
     if state is not None:
-        runner.close(state)
+        close(state)
 
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
 def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> bool | None:
     """pytest-timeout must not also fire in the parent: the supervisor enforces the timeout."""
-    return True if runner.isolated(item) else None
+    return True if isolated(item) else None
 
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
 def pytest_timeout_cancel_timer(item: pytest.Item) -> bool | None:
-    return True if runner.isolated(item) else None
+    return True if isolated(item) else None
 
 
 class Recorder:
@@ -303,7 +281,7 @@ class Recorder:
         except OSError as exc:
             self.unwritten.append(f"--gpu-isolate-report {state.report_path}: {_why(exc)}")
         try:
-            if state.summary_path is not None or (state.records and _step_summary()):
+            if state.summary_path is not None or (state.records and report.step_summary_path()):
                 self.summaries = report.write_markdown(state.summary_path, state.records)
         except OSError as exc:
             self.unwritten.append(f"--gpu-isolate-summary {state.summary_path}: {_why(exc)}")
@@ -329,10 +307,6 @@ class Recorder:
 
 def _why(exc: OSError) -> str:
     return f"{exc.strerror or exc}" + (f" ({exc.filename})" if exc.filename else "")
-
-
-def _step_summary() -> bool:
-    return bool(os.environ.get("GITHUB_STEP_SUMMARY"))
 
 
 @pytest.fixture

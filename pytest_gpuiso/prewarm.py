@@ -15,55 +15,73 @@ conftest code initialises CUDA at import anyway (or reads ``CUDA_VISIBLE_DEVICES
 the process cannot switch to its GPUs; it says so at its go, a fresh one runs the
 test, and prewarming stops for the session (``disabled``), which the plugin reports
 once. If the test module's import did it, prewarmed processes only stop collecting
-ahead (``Supervisor.collect_ahead``).
+ahead (``Launcher.collect_ahead``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from .supervisor import Started, StartError, Supervisor
+from .launcher import Launcher, StartError
+from .started import Started
 
 HIDDEN_GPUS = {"CUDA_VISIBLE_DEVICES": ""}  # until the go, a prewarmed process sees no GPU
+LOOKAHEAD = 64  # items scanned past nextitem for the next isolated ones
+
+
+@dataclass(frozen=True)
+class WarmJob:
+    """What a test's process is started with ahead of its turn: its job and the
+    environment it starts with (built once per test, with the test's plan)."""
+
+    nodeid: str
+    job: Any
+    env: dict[str, str]
 
 
 class Prewarmer:
     """Keeps up to ``depth`` processes started for the tests that come next."""
 
-    def __init__(self, supervisor: Supervisor, depth: int) -> None:
-        self.supervisor = supervisor
+    def __init__(self, launcher: Launcher, depth: int) -> None:
+        self.launcher = launcher
         self.depth = depth
         self.warm: dict[str, Started] = {}  # by node id
         self.disabled: str | None = None
+        self._positions: dict[int, int] | None = None  # id(item) -> its index in the session
+
+    def following(self, items: Sequence[Any], nextitem: Any, parallel: bool) -> list[Any]:
+        """The items that may come next, ``nextitem`` first: the session's following
+        ``LOOKAHEAD`` items; under xdist (``parallel``) only ``nextitem`` is known."""
+        if nextitem is None:
+            return []
+        if not parallel:
+            if self._positions is None:
+                self._positions = {id(it): i for i, it in enumerate(items)}
+            at = self._positions.get(id(nextitem))
+            if at is not None:
+                return list(items[at : at + LOOKAHEAD])
+        return [nextitem]
 
     def take(self, nodeid: str) -> Started | None:
         """The process started for this test, if there is one."""
         return self.warm.pop(nodeid, None)
 
-    def refill(
-        self, upcoming: list[str], prepare: Callable[[str], tuple[Any, dict[str, str]] | None]
-    ) -> None:
-        """Have processes started for the ``upcoming`` node ids, and only for them.
-
-        ``prepare(nodeid)`` gives the job and the start environment, or None when
-        that test will not run in a process (skipped, bad marker).
-        """
+    def refill(self, upcoming: list[WarmJob]) -> None:
+        """Have processes started for the ``upcoming`` tests (those that will run in a
+        process, in order), and only for the first ``depth`` of them."""
         if self.disabled is not None:
             return
-        wanted = upcoming[: self.depth]
+        wanted = {job.nodeid: job for job in upcoming[: self.depth]}
         for nodeid in list(self.warm):
             if nodeid not in wanted:
-                self.supervisor.discard(self.warm.pop(nodeid))
-        for nodeid in wanted:
+                self.launcher.discard(self.warm.pop(nodeid))
+        for nodeid, job in wanted.items():
             if nodeid in self.warm:
                 continue
-            prepared = prepare(nodeid)
-            if prepared is None:
-                continue
-            job, env = prepared
             try:
-                self.warm[nodeid] = self.supervisor.start(job, env, warm=True)
+                self.warm[nodeid] = self.launcher.start(job.job, job.env, warm=True)
             except StartError:
                 return  # the test's own run will report it
 
@@ -73,5 +91,5 @@ class Prewarmer:
 
     def close(self) -> None:
         for started in self.warm.values():
-            self.supervisor.discard(started)
+            self.launcher.discard(started)
         self.warm.clear()

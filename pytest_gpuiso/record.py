@@ -11,13 +11,17 @@ from typing import Any
 
 import pytest
 
-from . import frames
 from .leaks import Verdict
 from .outcome import Outcome
 from .settings import IsolationSpec
 
 SCHEMA_VERSION = 1
 RECORD_ATTR = "gpu_isolate"  # attribute of the last report; survives xdist serialization
+
+
+def is_number(value: Any) -> bool:
+    """A record's number field holds one (JSON's true and false are not numbers here)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def final_outcome(reports: list[pytest.TestReport]) -> str:
@@ -95,9 +99,8 @@ def build_record(
             "uncollected": outcome.uncollected if outcome else None,
         },
     }
-    loaded = outcome.frames_of(frames.DRIVER) if outcome is not None else []
-    if loaded:  # it leased no GPU (there were GPUs) and loaded CUDA's driver or NVML
-        record["cuda_without_gpu"] = loaded[0]
+    if outcome is not None and outcome.driver:  # it leased no GPU (there were GPUs)
+        record["cuda_without_gpu"] = outcome.driver  # and loaded CUDA's driver or NVML
     if port is not None:
         record["master_port"] = port  # leased for the test (MASTER_ADDR=127.0.0.1)
     if lease is not None:

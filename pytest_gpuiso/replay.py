@@ -85,13 +85,13 @@ NO_GPU = (
 )
 
 
-def warn_cuda_without_gpu(item: pytest.Item, explicit: bool, loaded: list[list[str]]) -> None:
+def warn_cuda_without_gpu(item: pytest.Item, explicit: bool, loaded: list[str]) -> None:
     """One ``GpuIsoStartWarning`` for a test that loaded CUDA's driver library or NVML
     while it leased no GPU and GPUs exist (``loaded``: its ``DRIVER`` frame), unless its
     marker said ``gpus=0`` (``explicit``). The message is the same for every test, so
     pytest's warnings summary lists the tests under one entry."""
     if loaded and not explicit:
-        text = NO_GPU.format(libraries=" and ".join(loaded[0]))
+        text = NO_GPU.format(libraries=" and ".join(loaded))
         warn_for_test(GpuIsoStartWarning(text), str(item.path), _line(item))
 
 

@@ -18,9 +18,10 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from .record import SCHEMA_VERSION
-from .settings import KINDS, SpecError
+from .record import SCHEMA_VERSION, is_number
+from .settings import KINDS, SpecError, size_text
 
+STEP_SUMMARY_ENV = "GITHUB_STEP_SUMMARY"  # GitHub Actions' file for a step's Markdown
 MARKDOWN_ROWS = 200  # leak rows in the Markdown table; GitHub truncates huge summaries
 WORST = 5  # tests listed as worst offenders in the terminal
 
@@ -129,17 +130,13 @@ def _ended(record: dict[str, Any]) -> str | None:
     return None
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _bound(record: dict[str, Any], test: str = "timed out after") -> str:
     """Which bound a timed-out test ran past: "timed out after 2 s" (``test`` names the
     test's own timeout), "did not finish starting within 300 s", "did not exit within
     300 s after its test"."""
     expired = record["exit"].get("expired") or "test"  # records before it had only tests
     seconds = record.get("startup_timeout")
-    within = f" within {seconds:g} s" if _is_number(seconds) else ""
+    within = f" within {seconds:g} s" if is_number(seconds) else ""
     if expired == "startup":
         return f"did not finish starting{within}"
     if expired == "exit":
@@ -207,7 +204,7 @@ def startup_durations(tr: Any, records: list[dict[str, Any]], config: Any) -> No
     count, minimum = config.option.durations, config.option.durations_min
     if minimum is None:
         minimum = 0.005 if config.get_verbosity() < 2 else 0.0
-    timed = [r for r in records if _is_number(r.get("startup"))]
+    timed = [r for r in records if is_number(r.get("startup"))]
     timed.sort(key=lambda r: -r["startup"])
     if count > 0:
         timed = timed[:count]
@@ -367,7 +364,7 @@ def _right_size(records: list[dict[str, Any]]) -> list[str]:
     peaks: dict[str, tuple[int, int]] = {}
     for r in records:
         lease, peak = r.get("gpu_memory"), r.get("gpu_memory_peak")
-        if _is_number(lease) and _is_number(peak) and lease > 0:
+        if is_number(lease) and is_number(peak) and lease > 0:
             peaks[r["nodeid"]] = (lease, max(peak, peaks.get(r["nodeid"], (0, 0))[1]))
     rows = [
         (n, lease, peak) for n, (lease, peak) in peaks.items() if not LEASE_LOW <= peak / lease <= 1
@@ -380,14 +377,11 @@ def _right_size(records: list[dict[str, Any]]) -> list[str]:
     for nodeid, lease, peak in sorted(rows, key=lambda row: row[2] - row[1])[:MARKDOWN_ROWS]:
         fit = -(-int(peak * 1.25) // (1 << 28)) / 4  # 25% headroom, in quarters of a GiB
         try_ = f'`gpu_memory="{max(fit, 0.25):g}GiB"`'
-        lines.append(f"| {_code_cell(nodeid)} | {_gib(lease)} | {_gib(peak)} | {try_} |")
+        cells = f"{size_text(lease, '.2f')} | {size_text(peak, '.2f')}"
+        lines.append(f"| {_code_cell(nodeid)} | {cells} | {try_} |")
     if len(rows) > MARKDOWN_ROWS:
         lines += ["", f"{len(rows) - MARKDOWN_ROWS} more in the JSON report."]
     return lines
-
-
-def _gib(size: int) -> str:
-    return f"{size / (1 << 30):.2f} GiB"
 
 
 def write_markdown(path: Path | None, records: list[dict[str, Any]]) -> list[str]:
@@ -401,12 +395,10 @@ def write_markdown(path: Path | None, records: list[dict[str, Any]]) -> list[str
     if path is not None:
         write_text(path, text)
         written.append(str(path))
-    step = os.environ.get("GITHUB_STEP_SUMMARY")
-    if step:
+    if step_summary_path():
         problem = append_step_summary(text)
-        written.append(
-            f"not $GITHUB_STEP_SUMMARY ({problem})" if problem else "$GITHUB_STEP_SUMMARY"
-        )
+        step = f"${STEP_SUMMARY_ENV}"
+        written.append(f"not {step} ({problem})" if problem else step)
     return written
 
 
@@ -415,13 +407,18 @@ def write_text(path: Path, text: str) -> None:
     _write_atomic(path, text)
 
 
+def step_summary_path() -> str | None:
+    """The file of ``$GITHUB_STEP_SUMMARY`` (GitHub Actions), None where it is not set."""
+    return os.environ.get(STEP_SUMMARY_ENV) or None
+
+
 def append_step_summary(text: str) -> str | None:
     """Append ``text`` to ``$GITHUB_STEP_SUMMARY`` when it is set.
 
     Returns None when done (or not set), else why not, naming the file.
     """
-    step = os.environ.get("GITHUB_STEP_SUMMARY")
-    if not step:
+    step = step_summary_path()
+    if step is None:
         return None
     try:
         with open(step, "a", encoding="utf-8") as f:

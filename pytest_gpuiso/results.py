@@ -30,7 +30,7 @@ def item_reports(
     config = item.config
     reports: list[pytest.TestReport] = []
     unreadable: list[str] = []  # reports pytest could not rebuild: the test's error
-    for data in outcome.frames_of(frames.REPORT):
+    for data in outcome.reports:
         try:
             rep = config.hook.pytest_report_from_serializable(config=config, data=data)
         except Exception as exc:  # noqa: BLE001 - whatever the test's process sent
@@ -38,7 +38,7 @@ def item_reports(
             continue
         if isinstance(rep, pytest.TestReport):
             reports.append(rep)
-    stopped = bool(outcome.frames_of(frames.EXIT))  # pytest.exit(): reported as in-process, no more
+    stopped = bool(outcome.exits)  # pytest.exit(): reported as in-process, no more
     complete = outcome.finished and any(r.when == "teardown" for r in reports)
     if (not complete or unreadable) and not stopped:
         # The time the child's reports do not account for (up to the kill, or the crash)
@@ -169,7 +169,7 @@ def describe_problem(
     """What went wrong in ``phase``, for its failure report (``unreadable``: the reports
     the test's process sent that pytest could not rebuild)."""
     code = outcome.exitcode
-    errors = [*outcome.frames_of(frames.ERROR), *(unreadable or ())]
+    errors = [*outcome.errors, *(unreadable or ())]
     if outcome.timed_out:
         ended = f"; it was ended by {outcome.signal_name}" if outcome.signal_name else ""
         escalation = f"(escalation: stack dump, SIGTERM, {spec.grace:g} s grace, SIGKILL)"
@@ -201,7 +201,7 @@ def describe_problem(
             f"The isolated test process sent pytest a message it cannot take during {phase} "
             f"(exit code {code}); what it sent after it was not read, so its result is unknown"
         )
-    elif outcome.frames_of(frames.ERROR) and not outcome.frames_of(frames.REPORT):
+    elif outcome.errors and not outcome.reports:
         head = f"The isolated test process could not run the test (exit code {code})"
     else:
         head = (

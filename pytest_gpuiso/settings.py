@@ -2,9 +2,11 @@
 
 CLI, ini, marker, environment and pytest-timeout values become two frozen records:
 ``Settings`` (the session's) and ``IsolationSpec`` (one test's). Every parser here
-raises ``SpecError`` with one line naming where the bad value came from
-(``--gpu-isolate-timeout``, ``ini gpu_isolate_timeout``, ``marker argument timeout``);
-callers turn it into a usage error (CLI, ini) or the test's setup error (marker).
+takes the value as given and where it came from, and raises ``SpecError`` with one
+line naming it (``--gpu-isolate-timeout``, ``ini gpu_isolate_timeout``, ``marker
+argument timeout``); callers turn it into a usage error (CLI, ini) or the test's
+setup error (marker). ``options.OPTIONS`` names each session setting's parser, and
+``options.read_settings`` builds ``Settings`` from that table in one loop.
 Precedence: built-in default < ini < command line < marker; pytest-timeout's value is
 the isolated test's timeout only when no gpu-isolate timeout was given anywhere.
 
@@ -24,6 +26,11 @@ import pytest
 
 MARKER = "gpu_isolated"
 MARKER_KWARGS = ("timeout", "startup_timeout", "grace", "gpus", "gpu_memory", "allow_leaks")
+_SHOWN = ", ".join(f"{k}={'()' if k == 'allow_leaks' else 'None'}" for k in MARKER_KWARGS)
+MARKER_DOC = (  # for pytest --markers, from the one list of its arguments
+    f"{MARKER}({_SHOWN}): run this test in a fresh process with a clean CUDA context "
+    "(pytest-gpuiso)"
+)
 DEFAULT_TIMEOUT = 900.0
 DEFAULT_STARTUP_TIMEOUT = 300.0  # bounds start-up (until the test's protocol) and exit
 DEFAULT_GRACE = 5.0
@@ -156,6 +163,15 @@ def parse_size(value: Any, what: str) -> int:
     return size
 
 
+def size_text(size: int, form: str = ".4g") -> str:
+    """Bytes for messages, in the largest binary unit they reach: 12 GiB, 1.5 GiB, 512 MiB
+    (``form``: the number's format, ``.2f`` for a table's column)."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if size >= scale:
+            return f"{size / scale:{form}} {unit}"
+    return f"{size} bytes"
+
+
 def parse_memory(value: Any, what: str) -> GpuMemory:
     """A size (``parse_size``) or a percentage of the device, ``"25%"``."""
     if isinstance(value, str) and value.strip().endswith("%"):
@@ -169,12 +185,12 @@ def parse_memory(value: Any, what: str) -> GpuMemory:
     return GpuMemory(str(value).strip(), size=parse_size(value, what))
 
 
-def parse_devices(value: str, what: str) -> tuple[list[str] | None, dict[str, int]]:
+def parse_devices(value: str, what: str) -> tuple[list[str] | None, tuple[tuple[str, int], ...]]:
     """``auto`` -> None (discover), ``none`` -> [], ``0,1`` or GPU UUIDs -> the list; each
     entry may declare its memory, ``0:80GiB`` (second: the declared sizes by name)."""
     text = value.strip()
     if text.lower() in ("auto", "none"):
-        return (None if text.lower() == "auto" else []), {}
+        return (None if text.lower() == "auto" else []), ()
     names, sizes = [], {}
     for part in text.split(","):
         name, colon, size = part.strip().partition(":")
@@ -188,7 +204,7 @@ def parse_devices(value: str, what: str) -> tuple[list[str] | None, dict[str, in
             sizes[name] = parse_size(size, f"{what} (device {name})")
     if len(set(names)) != len(names):
         raise SpecError(f"invalid value {value!r} for {what}: a device is listed twice")
-    return names, sizes
+    return names, tuple(sizes.items())
 
 
 def parse_policy(text: str, what: str) -> dict[str, str]:
@@ -215,6 +231,11 @@ def parse_policy(text: str, what: str) -> dict[str, str]:
         else:
             default, seen_default = level, True
     return {kind: named.get(kind, default) for kind in KINDS}
+
+
+def parse_leaks(text: str, what: str) -> tuple[tuple[str, str], ...]:
+    """``parse_policy`` as ``Settings.leaks`` keeps it: (kind, level) pairs."""
+    return tuple(parse_policy(text, what).items())
 
 
 def parse_allowed(value: Any, what: str) -> frozenset[str]:
@@ -246,29 +267,40 @@ def parse_template_wait(value: str, what: str) -> float:
     return wait
 
 
-def _ini_bool(config: pytest.Config, name: str) -> bool:
-    """An ini key of type bool; pytest's error on a bad value becomes one line naming it."""
-    try:
-        return bool(config.getini(name))
-    except (ValueError, TypeError, pytest.UsageError) as exc:  # "invalid truth value 'x'"
-        text = str(exc)
-        value = text.removeprefix("invalid truth value ") if "truth value" in text else ""
-        raise SpecError(
-            f"invalid value {value or text} for ini {name}: expected true or false"
-        ) from None
+def parse_mode(on: bool, what: str) -> str:
+    """``gpu_isolate``: "all" isolates every test; false on the command line
+    (``--no-gpu-isolate``) is "off", even for marked tests; false in the ini file (the
+    default) is "marked", only marked tests."""
+    return "all" if on else "marked" if what.startswith("ini ") else "off"
 
 
-def _flag(config: pytest.Config, dest: str) -> bool:
-    """A boolean option (None when not given) that falls back to its ini key."""
-    value = config.getoption(dest)
-    if value is not None:
-        return bool(value)
-    return _ini_bool(config, dest)
+def parse_path(value: str, what: str) -> str | None:
+    """A report's path as written (checked where it is written); blank: none."""
+    return value.strip() or None
+
+
+def parse_patterns(value: Any, what: str) -> tuple[str, ...]:
+    """An ini ``args`` list (glob patterns)."""
+    return tuple(value)
+
+
+def parse_flag(value: bool, what: str) -> bool:
+    """A boolean, already checked where it was read (pytest's flags and bool ini keys)."""
+    return bool(value)
+
+
+def torch_if_installed() -> tuple[str, ...]:
+    """The default preload: torch, where it can be found (looked up, not imported)."""
+    return ("torch",) if importlib.util.find_spec("torch") is not None else ()
 
 
 @dataclass(frozen=True)
 class Settings:
-    """Session-wide settings, validated once at configure time."""
+    """Session-wide settings, validated once at configure time (``options.read_settings``).
+
+    Each field is filled by a row of ``options.OPTIONS`` (its value, or where it came
+    from: the ``*_source`` fields, "" where it was not given), but ``template_wait``.
+    """
 
     mode: str  # "all" (every test), "marked" (marked tests only) or "off"
     timeout: float | None  # None: not given on the command line or in the ini file
@@ -277,7 +309,7 @@ class Settings:
     report_path: str | None
     startup_timeout: float = DEFAULT_STARTUP_TIMEOUT
     devices: list[str] | None = None  # None: discover (auto)
-    devices_source: str = "auto"
+    devices_source: str = ""
     device_sizes: tuple[tuple[str, int], ...] = ()  # declared memory: --gpu-isolate-devices=0:8GiB
     slots: int = DEFAULT_SLOTS
     gpus: int | None = None  # what a test leases unless marked gpus= (None: 1 where GPUs exist)
@@ -291,7 +323,8 @@ class Settings:
     gpu_tolerance_mib: float = DEFAULT_TOLERANCE_MIB
     torch_check: bool = False
     summary_path: str | None = None
-    outputs_from: tuple[str, str] = ("", "")  # where report_path and summary_path were set
+    report_source: str = ""  # where report_path was set (a relative path's base)
+    summary_source: str = ""
     start: str = "spawn"  # how isolated processes start: spawn or forkserver
     precollect: bool = True  # forkserver: fork tests from a configured, collected template
     learn_imports: bool = True  # forkserver: the template imports what tests imported
@@ -301,110 +334,6 @@ class Settings:
 
     def leak_level(self, kind: str) -> str:
         return dict(self.leaks)[kind]
-
-    @classmethod
-    def from_config(cls, config: pytest.Config) -> Settings:
-        """Read and validate options; raise ``pytest.UsageError`` naming the culprit."""
-        try:
-            return cls._from_config(config)
-        except SpecError as exc:
-            raise pytest.UsageError(f"gpu-isolate: {exc}") from None
-
-    @classmethod
-    def _from_config(cls, config: pytest.Config) -> Settings:
-        flag = config.getoption("gpu_isolate")
-        if flag is None:
-            mode = "all" if _ini_bool(config, "gpu_isolate") else "marked"
-        else:
-            mode = "all" if flag else "off"
-        timeout, timeout_source = _option_or_ini(config, "gpu_isolate_timeout", allow_zero=False)
-        grace, _ = _option_or_ini(config, "gpu_isolate_grace", allow_zero=True)
-        if grace is None:
-            grace = DEFAULT_GRACE
-        startup, _ = _option_or_ini(config, "gpu_isolate_startup_timeout", allow_zero=False)
-        report, report_source = _text_option(config, "gpu_isolate_report")
-        devices_text, devices_source = _text_option(config, "gpu_isolate_devices")
-        devices, sizes = parse_devices(
-            devices_text or "auto", devices_source or "--gpu-isolate-devices"
-        )
-        slots_text, slots_source = _text_option(config, "gpu_isolate_slots")
-        slots = parse_int(slots_text, slots_source, 1, MAX_SLOTS) if slots_text else DEFAULT_SLOTS
-        gpus_text, gpus_source = _text_option(config, "gpu_isolate_gpus")
-        gpus = parse_int(gpus_text, gpus_source, 0, MAX_GPUS) if gpus_text else None
-        memory_text, memory_source = _text_option(config, "gpu_isolate_gpu_memory")
-        memory = parse_memory(memory_text, memory_source) if memory_text else None
-        lease_timeout, _ = _option_or_ini(config, "gpu_isolate_lease_timeout", allow_zero=False)
-        leaks_text, leaks_source = _text_option(config, "gpu_isolate_leaks")
-        policy = parse_policy(leaks_text or "warn", leaks_source or "--gpu-isolate-leaks")
-        tolerance, _ = _option_or_ini(
-            config, "gpu_isolate_gpu_tolerance", allow_zero=True, high=math.inf, unit="MiB"
-        )
-        summary, summary_source = _text_option(config, "gpu_isolate_summary")
-        start_text, start_source = _text_option(config, "gpu_isolate_start")
-        start = parse_start(start_text, start_source) if start_text else "spawn"
-        template_wait = TEMPLATE_WAIT_DEFAULT
-        wait_text = os.environ.get(TEMPLATE_WAIT_ENV, "").strip()
-        if start == "forkserver" and wait_text:
-            what = f"environment variable {TEMPLATE_WAIT_ENV}"
-            template_wait = parse_template_wait(wait_text, what)
-        preload = ("torch",) if importlib.util.find_spec("torch") is not None else ()  # found
-        preload_text, preload_source = _text_option(config, "gpu_isolate_preload")
-        if preload_source:
-            preload = parse_preload(preload_text, preload_source)
-        prewarm_text, prewarm_source = _text_option(config, "gpu_isolate_prewarm")
-        prewarm = (
-            parse_int(prewarm_text, prewarm_source, 0, 16) if prewarm_text else DEFAULT_PREWARM
-        )
-        return cls(
-            start=start,
-            precollect=_flag(config, "gpu_isolate_precollect"),
-            learn_imports=_flag(config, "gpu_isolate_learn_imports"),
-            template_wait=template_wait,
-            preload=preload,
-            prewarm=prewarm,
-            leaks=tuple(policy.items()),
-            shm_ignore=tuple(config.getini("gpu_isolate_shm_ignore")),
-            cleanup=_flag(config, "gpu_isolate_cleanup"),
-            gpu_tolerance_mib=DEFAULT_TOLERANCE_MIB if tolerance is None else tolerance,
-            torch_check=_flag(config, "gpu_isolate_torch_check"),
-            summary_path=summary.strip() or None,
-            devices=devices,
-            devices_source=devices_source or "auto",
-            device_sizes=tuple(sizes.items()),
-            slots=slots,
-            gpus=gpus,
-            gpus_source=gpus_source,
-            pin_workers=_flag(config, "gpu_isolate_pin_workers"),
-            gpu_memory=memory,
-            lease_timeout=lease_timeout,
-            mode=mode,
-            timeout=timeout,
-            timeout_source=timeout_source,
-            grace=grace,
-            startup_timeout=DEFAULT_STARTUP_TIMEOUT if startup is None else startup,
-            report_path=report.strip() or None,
-            outputs_from=(report_source, summary_source),
-        )
-
-
-def _text_option(config: pytest.Config, dest: str) -> tuple[str, str]:
-    """The raw text of an option (command line first, then ini) and where it came from."""
-    cli = config.getoption(dest)
-    if cli is not None:
-        return str(cli), "--" + dest.replace("_", "-")
-    ini = config.getini(dest)
-    if isinstance(ini, str) and ini.strip():
-        return ini.strip(), f"ini {dest}"
-    return "", ""
-
-
-def _option_or_ini(
-    config: pytest.Config, dest: str, *, allow_zero: bool, **bounds: Any
-) -> tuple[float | None, str]:
-    text, what = _text_option(config, dest)
-    if not what:
-        return None, ""
-    return parse_seconds(text, what, allow_zero=allow_zero, **bounds), what
 
 
 @dataclass(frozen=True)
@@ -450,9 +379,9 @@ def spec_for_item(item: pytest.Item, settings: Settings) -> IsolationSpec:
     elif settings.timeout is not None:
         timeout, timeout_source = settings.timeout, settings.timeout_source
     else:
-        external = pytest_timeout_value(item)
+        external = pytest_timeout(item.config, item)
         if external is not None:
-            timeout, timeout_source = external, "pytest-timeout"
+            timeout, timeout_source = external[0], "pytest-timeout"
         else:
             timeout, timeout_source = DEFAULT_TIMEOUT, "default"
 
@@ -485,16 +414,30 @@ def spec_for_item(item: pytest.Item, settings: Settings) -> IsolationSpec:
     )
 
 
-def pytest_timeout_value(item: pytest.Item) -> float | None:
-    """The timeout pytest-timeout would apply to ``item`` (marker, --timeout, ini, env), if any."""
-    if not item.config.pluginmanager.hasplugin("timeout"):
+def pytest_timeout(
+    config: pytest.Config, item: pytest.Item | None = None
+) -> tuple[float, str] | None:
+    """pytest-timeout's timeout for ``item`` (the session's without one) and where it came
+    from, by its own precedence: its marker, ``--timeout``, ``PYTEST_TIMEOUT``, the ini key
+    ``timeout``. None where it sets none: not loaded, 0, or a bad value (pytest-timeout
+    reports that). Beyond ``MAX_SECONDS`` is as good as none: capped there."""
+    if not config.pluginmanager.hasplugin("timeout"):
         return None
-    try:
-        import pytest_timeout
-
-        settings = pytest_timeout._get_item_settings(item)
-    except Exception:  # a bad pytest-timeout marker is pytest-timeout's to report
-        return None
-    if settings.timeout is None or not settings.timeout > 0:
-        return None
-    return min(float(settings.timeout), MAX_SECONDS)  # beyond it, as good as none
+    sources = [
+        (config.getoption("timeout", None), "pytest-timeout --timeout"),
+        (os.environ.get("PYTEST_TIMEOUT"), "pytest-timeout PYTEST_TIMEOUT"),
+        (config.getini("timeout"), "pytest-timeout ini timeout"),
+    ]
+    marker = item.get_closest_marker("timeout") if item is not None else None
+    if marker is not None:  # timeout(seconds, method=None, func_only=False)
+        given = marker.kwargs.get("timeout", marker.args[0] if marker.args else None)
+        sources.insert(0, (given, "pytest-timeout marker"))
+    for value, source in sources:
+        if value is None or (isinstance(value, str) and not value.strip()):
+            continue
+        try:
+            seconds = float(value)
+        except (TypeError, ValueError):
+            return None
+        return (min(seconds, MAX_SECONDS), source) if seconds > 0 else None
+    return None

@@ -13,7 +13,7 @@ import os
 import stat
 from typing import Any
 
-from .record import SCHEMA_VERSION
+from .record import SCHEMA_VERSION, is_number
 from .settings import KINDS
 
 # The largest report ``merge`` reads: a record is about 1 KiB, so a million tests.
@@ -22,10 +22,6 @@ MAX_REPORT_BYTES = 1 << 30
 
 class ReportError(ValueError):
     """A report file that cannot be read or merged; the message names the file."""
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 MAX_INT = (1 << 63) - 1  # no field of ours holds more (bytes, ports, counts)
@@ -69,7 +65,7 @@ def _record_problem(record: Any) -> str | None:
     if not (exit_.get("signal") is None or isinstance(exit_["signal"], str)):
         return "'exit.signal' is not a string or null"
     timeout = record.get("timeout")
-    if not (_is_number(timeout) or (timeout is None and not exit_["timed_out"])):
+    if not (is_number(timeout) or (timeout is None and not exit_["timed_out"])):
         return "'timeout' is not a number"
     for key in ("leaks", "escaped"):
         if not isinstance(record.get(key, []), list):
@@ -123,7 +119,7 @@ def load(path: str) -> list[dict[str, Any]]:
     if not isinstance(document, dict) or not isinstance(document.get("tests"), list):
         raise ReportError(f"{path}: not a pytest-gpuiso report (no 'tests' list)")
     version = document.get("version")
-    if not _is_number(version) or version != SCHEMA_VERSION:
+    if not is_number(version) or version != SCHEMA_VERSION:
         raise ReportError(f"{path}: report version {version!r}, expected {SCHEMA_VERSION}")
     for n, record in enumerate(document["tests"]):
         problem = _record_problem(record)

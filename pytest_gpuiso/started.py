@@ -26,6 +26,7 @@ class Started:
     capture_prefix: Path
     created: float = 0.0  # time.time() when it was started
     shm_log: str | None = None  # the /dev/shm shim's log, given to the child at its start
+    warm: bool = False  # started ahead of its turn (prewarmed, or while its GPUs were awaited)
     # multiprocessing's Process (spawn) or a ``Forked``; None until the fork server answers
     proc: Any = None
     sentinel: Any = None  # readable once the child has exited

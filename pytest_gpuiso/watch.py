@@ -6,8 +6,8 @@ A test's process has three bounds, one after the other (``Watch.run``):
    the interpreter, plugins, conftests and the test module's import;
 2. the test's ``timeout``, until it says its test's protocol ended (``frames.END``):
    setup, call and teardown, as pytest-timeout counts them;
-3. ``startup`` again, until the process has exited (or, with ``leave``, until it
-   says it is exiting and ``leave()`` agrees to go on: ``leaving``).
+3. ``startup`` again, until the process has exited (or, with ``may_leave``, until
+   it says it is exiting, and its supervisor decides to go on: ``leaving``).
 
 Past a bound, in order:
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
@@ -35,61 +35,84 @@ from .proctree import REAP_WAIT, alive, dump_stack, signal_group
 STACK_SIGNAL = int(signal.SIGRTMIN) + 2  # unlikely to collide with a test's own handlers
 
 
+@dataclass(frozen=True)
+class Bounds:
+    """One run's bounds, in seconds: the test's ``timeout`` (None: none), the
+    ``startup`` bound (before the test begins, and on its exit after it), and the
+    ``grace`` between SIGTERM and SIGKILL past one."""
+
+    timeout: float | None
+    startup: float
+    grace: float
+
+
 class Watch:
     """What was seen of one process: its frames, which bound ran out, when its test began."""
 
-    def __init__(self, proc: Any, reader: frames.Reader, sentinel: Any, stack_file: Path) -> None:
+    def __init__(
+        self,
+        proc: Any,
+        reader: frames.Reader,
+        sentinel: Any,
+        stack_file: Path,
+        go_at: float,
+        bounds: Bounds,
+        *,
+        may_leave: bool = False,
+    ) -> None:
+        """``go_at``: ``time.monotonic()`` of its go; ``may_leave``: ``run`` returns when
+        the process says ``EXITING`` (its caller decides whether to ``leave``)."""
         self.proc = proc
         self.reader = reader
         self.sentinel = sentinel
         self.stack_file = stack_file
-        self.received: list[tuple[str, Any]] = []
+        self.bounds = bounds
+        self.may_leave = may_leave
+        self.received = frames.Received()
         self.expired: str | None = None  # "startup", "test" or "exit": the bound that ran out
         self.began: float | None = None  # time.monotonic() when its test began
         self.cutoff: int | None = None  # frames that had arrived when the bound ran out
         self.stack = ""
         self.left = False  # gone on once it said it was exiting (``leave``)
+        self._stage, self._since = "startup", go_at
 
-    def run(
-        self,
-        go_at: float,
-        timeout: float | None,
-        startup: float,
-        grace: float,
-        leave: Callable[[], bool] | None = None,
-    ) -> None:
-        """Read the frames until the process exits, or stop it past a bound.
-
-        ``leave``: asked once the process says ``EXITING``; True returns at once."""
-        bounds = {"startup": (startup, frames.BEGIN), "test": (timeout, frames.END)}
-        stage, since = "startup", go_at
+    def run(self) -> bool:
+        """Read the frames until the process exits, or stop it past a bound (False); True
+        when it says it is exiting (``may_leave``): then ``leave``, or ``run`` again to
+        wait for its exit within the same bound."""
+        b = self.bounds
+        bounds = {"startup": (b.startup, frames.BEGIN), "test": (b.timeout, frames.END)}
         while True:
-            seconds, until = bounds.get(stage, (startup, frames.EXITING if leave else None))
-            deadline = None if seconds is None else since + seconds
+            seconds, until = bounds.get(
+                self._stage, (b.startup, frames.EXITING if self.may_leave else None)
+            )
+            deadline = None if seconds is None else self._since + seconds
             status = frames.pump(self.reader, self.sentinel, self.received, deadline, until)
             if status == frames.EXITED:
-                if self.began is None and any(k == frames.BEGIN for k, _ in self.received):
+                if self.began is None and frames.BEGIN in self.received.kinds:
                     self.began = time.monotonic()  # read with the rest once it had exited
-                return
+                return False
             if status == frames.EXPIRED:
                 break
             if status == frames.EXITING:
-                if leave is not None and leave():
-                    self.left = True
-                    frames.drain(self.reader, self.received)  # what a test sent after it
-                    return
-                leave = None  # wait for the exit, within the same bound
-                continue
-            since = time.monotonic()
+                self.may_leave = False  # asked once
+                return True
+            self._since = time.monotonic()
             if status == frames.BEGIN:
-                stage, self.began = "test", since
+                self._stage, self.began = "test", self._since
             else:
-                stage = "exit"
-        self.expired, self.cutoff = stage, len(self.received)
+                self._stage = "exit"
+        self.expired, self.cutoff = self._stage, len(self.received)
         # Before its bootstrap the child has no handler and the signal would kill it.
-        if any(kind == frames.READY for kind, _ in self.received):
+        if frames.READY in self.received.kinds:
             self.stack = dump_stack(self.proc.pid, STACK_SIGNAL, self.stack_file)
-        self.escalate(grace)
+        self.escalate(b.grace)
+        return False
+
+    def leave(self) -> None:
+        """Go on without waiting for the exit of a process past it (``leaving``)."""
+        self.left = True
+        frames.drain(self.reader, self.received)  # what a test sent after it
 
     def escalate(self, grace: float) -> None:
         """SIGTERM the tree, wait ``grace`` (draining the pipe), then SIGKILL what is left."""

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import pytest
 
 from .leases import Devices, discover
+from .options import read_settings
 from .settings import WHOLE, Settings, SpecError
 
 XDIST_ENV = "PYTEST_XDIST_AUTO_NUM_WORKERS"
@@ -52,7 +53,7 @@ def auto_workers(config: pytest.Config, environ: dict[str, str]) -> int | None:
     """The worker count for ``-n auto``, or None to leave it to xdist (CPUs)."""
     if environ.get(XDIST_ENV):
         return None
-    settings = Settings.from_config(config)  # a bad value: pytest's usage error
+    settings = read_settings(config)  # a bad value: pytest's usage error
     if (settings.mode != "all" and not settings.pin_workers) or settings.gpus == 0:
         return None
     try:

@@ -2,8 +2,10 @@
 no import cycle inside pytest_gpuiso, counting imports inside functions and under
 TYPE_CHECKING; settings.py on the bottom floor, options.py just above it; plugin.py thin
 (hooks only, <= 400 lines); no module over 500 lines; the test's process (child.py) knows
-nothing of the fork server; and every import of ours written outside the package (tests,
-fixtures, benches, docs, code in strings) still resolves."""
+nothing of the fork server; every import of ours written outside the package (tests,
+fixtures, benches, docs, code in strings) still resolves; and one fact, one place: the
+settings built by one loop over the option table, names of the outside world spelled in
+one module each, private pytest APIs in _compat.py only."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ import importlib.machinery
 import importlib.util
 import re
 from pathlib import Path
+
+import pytest
 
 import pytest_gpuiso
 from tests.helpers import ROOT
@@ -141,7 +145,8 @@ def test_the_tests_process_knows_nothing_of_the_fork_server() -> None:
 
 
 def test_options_come_from_settings_only() -> None:
-    """The option table shows settings' defaults; it knows nothing else of ours."""
+    """The option table names settings' parsers and builds Settings; it knows nothing else
+    of ours (so settings.py, below it, stays the bottom floor)."""
     assert _ours(_graph(), "pytest_gpuiso.options") == {"pytest_gpuiso.settings"}
 
 
@@ -151,6 +156,7 @@ def test_the_hooks_module_holds_hooks_only() -> None:
     assert "pytest_gpuiso.runner" in graph["pytest_gpuiso.plugin"]
     assert (
         not {
+            "pytest_gpuiso.launcher",
             "pytest_gpuiso.supervisor",
             "pytest_gpuiso.results",
             "pytest_gpuiso.leaks",
@@ -220,3 +226,333 @@ def test_every_import_of_ours_outside_the_package_resolves() -> None:
         if name and not hasattr(imported, name) and not _submodule(imported, name):
             broken.append(f"{where}: from {module} import {name}")
     assert not broken, "\n".join(broken)
+
+
+# --------------------------------------------------------------------------- one fact, one place
+
+
+def _trees() -> dict[str, ast.Module]:
+    return {
+        name: ast.parse(path.read_text(), str(path))
+        for name, path in _modules().items()
+        if path.suffix == ".py"
+    }
+
+
+def _literal_homes(trees: dict[str, ast.Module], text: str) -> set[str]:
+    """The modules where ``text`` is written as a whole string literal."""
+    return {
+        name
+        for name, tree in trees.items()
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and node.value == text
+    }
+
+
+def test_each_name_of_the_outside_world_is_written_once() -> None:
+    """Our plugins' registered names, GitHub's summary variable and pytest-timeout's: one
+    module each spells them (a second spelling drifts: the rerunfailures adapter once had
+    its own copy of the child plugin's name)."""
+    trees = _trees()
+    assert _literal_homes({"m": ast.parse("x = 'a'\ny = f'{x}a'\nz = 'a'")}, "a") == {"m"}
+    homes = {
+        text: _literal_homes(trees, text)
+        for text in ("gpuiso-child", "gpuiso-forkserver", "GITHUB_STEP_SUMMARY", "PYTEST_TIMEOUT")
+    }
+    assert homes == {
+        "gpuiso-child": {"pytest_gpuiso.plugin_names"},
+        "gpuiso-forkserver": {"pytest_gpuiso.plugin_names"},
+        "GITHUB_STEP_SUMMARY": {"pytest_gpuiso.report"},
+        "PYTEST_TIMEOUT": {"pytest_gpuiso.settings"},  # pytest-timeout's value: one rule
+    }
+
+
+def _reads_of_our_options(tree: ast.Module) -> list[str]:
+    """``getoption``/``getini``/``getvalue`` calls naming one of our options by a literal."""
+    return [
+        node.args[0].value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in ("getoption", "getini", "getvalue")
+        and node.args
+        and isinstance(node.args[0], ast.Constant)
+        and str(node.args[0].value).startswith("gpu_isolate")
+    ]
+
+
+def test_settings_are_built_by_one_loop_over_the_option_table() -> None:
+    """Every Settings field is filled by exactly one row of OPTIONS (its value, or where
+    it came from), or is one of the few derived in the loop's post-step; Settings is made
+    in one place; no module reads one of our options by name (a second parse of it)."""
+    import dataclasses
+
+    from pytest_gpuiso import options
+    from pytest_gpuiso.settings import Settings
+
+    filled: list[str] = list(options.DERIVED)
+    for option in options.OPTIONS:
+        filled += [option.field] if isinstance(option.field, str) else list(option.field)
+        filled += [option.source] if option.source else []
+    assert sorted(filled) == sorted(field.name for field in dataclasses.fields(Settings))
+
+    trees = _trees()
+    makers = {
+        name
+        for name, tree in trees.items()
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Settings"
+    }
+    assert makers == {"pytest_gpuiso.options"}
+    sample = ast.parse("config.getoption('gpu_isolate_cleanup')\nconfig.getini(option.name)")
+    assert _reads_of_our_options(sample) == ["gpu_isolate_cleanup"]
+    reads = {name: _reads_of_our_options(tree) for name, tree in trees.items()}
+    assert {name: found for name, found in reads.items() if found} == {}
+
+
+# Objects of pytest's that code names (a variable or an attribute of that name).
+_PYTEST_OBJECTS = {
+    "config",
+    "early_config",
+    "item",
+    "session",
+    "request",
+    "node",
+    "parser",
+    "pluginmanager",
+    "report",
+    "rep",
+    "terminalreporter",
+    "excinfo",
+}
+# Private names on pytest's objects that belong to other plugins (what their adapters are
+# for), and the plugin each belongs to. Not pytest's upgrade surface, so not in _compat.
+_OTHER_PLUGINS = {
+    "_benchmarksession": "pytest-benchmark",
+    "_syrupy": "syrupy",
+    "_assertions": "syrupy (its SnapshotSession, named session)",
+    "_written_snapshot_locations": "syrupy (its SnapshotSession)",
+    "_terminal_errors": "pytest-rerunfailures",
+    "_test_xfailed": "pytest-rerunfailures",
+    "_rerun_condition_excinfos": "pytest-rerunfailures",
+}
+_UNDOCUMENTED = {"known_args_namespace"}  # pytest's, without an underscore
+
+
+def _private_pytest_uses(tree: ast.Module) -> list[str]:
+    """Imports of ``_pytest`` and private attributes of pytest's objects in ``tree``."""
+
+    def named(node: ast.AST) -> str | None:
+        return getattr(node, "id", None) or getattr(node, "attr", None)
+
+    def private(attr: str) -> bool:
+        if attr in _UNDOCUMENTED:
+            return True
+        return attr.startswith("_") and not attr.startswith("__") and attr not in _OTHER_PLUGINS
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.split(".")[0] == "_pytest"]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "_pytest":
+            found.append(node.module)
+        elif isinstance(node, ast.Attribute) and private(node.attr):
+            if named(node.value) in _PYTEST_OBJECTS or node.attr in _UNDOCUMENTED:
+                found.append(f"{named(node.value)}.{node.attr}")
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "id", None) in ("getattr", "hasattr", "setattr", "delattr")
+            and len(node.args) >= 2
+            and named(node.args[0]) in _PYTEST_OBJECTS
+            and isinstance(node.args[1], ast.Constant)
+            and private(str(node.args[1].value))
+        ):
+            found.append(f"{named(node.args[0])}.{node.args[1].value}")
+    return found
+
+
+def test_private_pytest_apis_are_used_in_compat_only() -> None:
+    """GUIDE: private pytest APIs in one place (``_compat.py``, with the versions they were
+    checked on), so that the upgrade surface is visible."""
+    sample = ast.parse(
+        "import _pytest.capture\nfrom _pytest.runner import runtestprotocol\n"
+        "getattr(config, '_tmp_path_factory', None)\nitem.config._inicache\n"
+        "early_config.known_args_namespace\nconfig._syrupy\nconfig.__class__\nself._x\n"
+    )
+    assert _private_pytest_uses(sample) == [
+        "_pytest.capture",
+        "_pytest.runner",
+        "config._tmp_path_factory",
+        "config._inicache",
+        "early_config.known_args_namespace",
+    ]
+    found = {
+        name: uses
+        for name, tree in _trees().items()
+        if name != "pytest_gpuiso._compat" and (uses := _private_pytest_uses(tree))
+    }
+    assert found == {}
+
+
+# ----------------------------------------------------------------- one test's run, parent side
+# runner.run_item -> launcher (start / take prewarmed) -> supervisor.go -> prewarm -> wait:
+# each entered downward, none calls back up (GUIDE.md, "The next shape").
+
+LIFECYCLE = ("launcher", "supervisor", "prewarm", "watch")
+
+
+def _tree(module: str) -> ast.Module:
+    path = _modules()[f"pytest_gpuiso.{module}"]
+    return ast.parse(path.read_text(), str(path))
+
+
+def test_the_floors_of_one_run_call_only_downward() -> None:
+    """The launcher knows nothing of the supervisor, prewarming or the runner; the
+    supervisor and the prewarmer know nothing of each other or the runner."""
+    graph = _graph()
+    above = {
+        "launcher": {"supervisor", "prewarm", "runner", "session", "jobs"},
+        "supervisor": {"prewarm", "runner", "session", "jobs"},
+        "prewarm": {"supervisor", "runner", "session", "jobs"},
+        "watch": {"launcher", "supervisor", "prewarm", "runner", "session", "jobs"},
+    }
+    climbs = {
+        module: sorted(graph[f"pytest_gpuiso.{module}"] & {f"pytest_gpuiso.{m}" for m in up})
+        for module, up in above.items()
+    }
+    assert climbs == {module: [] for module in above}
+
+
+def _callable_parameters(tree: ast.Module) -> list[str]:
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            args = node.args
+            for arg in [*args.posonlyargs, *args.args, *args.kwonlyargs]:
+                if arg.annotation is not None and "Callable" in ast.unparse(arg.annotation):
+                    found.append(f"{node.name}({arg.arg})")
+    return found
+
+
+def test_no_callback_is_handed_down_the_floors_of_one_run() -> None:
+    """No function of the launcher, supervisor, prewarmer or watch takes a callable: control
+    never goes down and back up (the old ``after_go``, ``prepare`` and ``leave``)."""
+    found = {m: _callable_parameters(_tree(m)) for m in LIFECYCLE}
+    assert found == {m: [] for m in LIFECYCLE}
+    planted = ast.parse("def go(after: Callable[[], None] | None = None) -> None: ...")
+    assert _callable_parameters(planted) == ["go(after)"]  # the check sees one
+
+
+_MUTATORS = {"append", "extend", "pop", "popleft", "clear", "update", "add", "remove", "discard"}
+
+
+def _launcher_writes(tree: ast.Module) -> list[str]:
+    """Writes to a launcher's attributes: ``<...>launcher.x = ...``, ``+=``, ``del``, and
+    mutating calls on one of them (``launcher.notices.append(...)``)."""
+
+    def is_launcher(node: ast.AST) -> bool:
+        name = node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", "")
+        return name.lower().endswith("launcher")
+
+    found = []
+    for node in ast.walk(tree):
+        targets: list[ast.AST] = []
+        if isinstance(node, ast.Assign):
+            targets = list(node.targets)
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif isinstance(node, ast.Delete):
+            targets = list(node.targets)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            owner = node.func.value
+            mutates = node.func.attr in _MUTATORS and isinstance(owner, ast.Attribute)
+            if mutates and is_launcher(owner.value):
+                found.append(ast.unparse(node.func))
+        for target in targets:
+            for part in target.elts if isinstance(target, ast.Tuple) else [target]:
+                while isinstance(part, ast.Subscript):  # launcher.live[key] = ...
+                    part = part.value
+                if isinstance(part, ast.Attribute) and is_launcher(part.value):
+                    found.append(ast.unparse(part))
+    return found
+
+
+def test_the_launchers_state_is_written_only_by_the_launcher() -> None:
+    writes = {}
+    for name, path in _modules().items():
+        if path.suffix != ".py" or name == "pytest_gpuiso.launcher":
+            continue
+        found = _launcher_writes(ast.parse(path.read_text(), str(path)))
+        if found:
+            writes[name] = found
+    assert writes == {}
+    planted = ast.parse(
+        "state.launcher.method = 'spawn'\nlauncher.notices.append('x')\n"
+        "self.launcher.live[1] = s\nlauncher.notice('fine')"
+    )
+    assert sorted(_launcher_writes(planted)) == [
+        "launcher.notices.append",
+        "self.launcher.live",
+        "state.launcher.method",
+    ]
+
+
+# Where a frame kind may be named: the wire itself, the one dispatcher, the watch (the
+# marks that end its bounds) and the senders, as what they send.
+_WATCHED_KINDS = {"BEGIN", "END", "EXITING", "READY"}
+
+
+def _kind_uses(tree: ast.Module, kinds: frozenset[str]) -> list[tuple[str, bool]]:
+    """(kind, sent) for each ``frames.KIND`` named: ``sent`` when it is an argument of a
+    call to a ``send``/``send_frame`` function."""
+    sent_nodes = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if name in ("send", "send_frame"):
+                sent_nodes.update(id(arg) for arg in node.args)
+    return [
+        (node.attr, id(node) in sent_nodes)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "frames"
+        and node.attr in kinds
+    ]
+
+
+def test_frames_are_decoded_by_one_dispatcher() -> None:
+    """Every kind of the vocabulary has its handler in ``Outcome.decode``, an unknown kind
+    is an error, and no other module of pytest's side reads frame kinds (senders name
+    them only as what they send; the watch only the marks of its bounds)."""
+    from pytest_gpuiso import frames, outcome
+
+    constants = {n: getattr(frames, n) for n in dir(frames) if n.isupper()}
+    names = frozenset(n for n, v in constants.items() if isinstance(v, str) and v in frames.KINDS)
+    assert len(names) == len(frames.KINDS)
+    assert set(outcome._HANDLERS) == frames.KINDS
+    with pytest.raises(frames.FrameError, match="unknown frame kind 'gossip'"):
+        outcome.Outcome(pid=1, exitcode=0, expired=None, duration=0.0).decode([("gossip", 1)])
+    readers = {}
+    for name, path in _modules().items():
+        if path.suffix != ".py" or name in ("pytest_gpuiso.frames", "pytest_gpuiso.outcome"):
+            continue
+        uses = _kind_uses(ast.parse(path.read_text(), str(path)), names)
+        allowed = _WATCHED_KINDS if name == "pytest_gpuiso.watch" else set()
+        read = sorted({kind for kind, sent in uses if not sent and kind not in allowed})
+        if read:
+            readers[name] = read
+    assert readers == {}
+    planted = ast.parse("if kind == frames.REPORT: pass\nchannel.send(frames.DONE, 0)")
+    assert _kind_uses(planted, names) == [("REPORT", False), ("DONE", True)]
+
+
+# The sizes the roles of one run come to (the issue's targets, with room to grow): a
+# module kept under its limit by moving code out is the smell this guards against.
+ROLE_LIMITS = {"runner": 380, "supervisor": 260, "launcher": 400, "prewarm": 160}
+
+
+def test_the_roles_of_one_run_stay_their_size() -> None:
+    sizes = {m: len(_modules()[f"pytest_gpuiso.{m}"].read_text().splitlines()) for m in ROLE_LIMITS}
+    assert {m: n for m, n in sizes.items() if n > ROLE_LIMITS[m]} == {}

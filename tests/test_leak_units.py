@@ -651,7 +651,7 @@ def test_the_peak_is_the_most_the_tests_processes_held_on_one_gpu():
     try:
         probe = GpuMemoryProbe(nvml, ["0", "1"], sleep=[].append)
         before = probe.snapshot()
-        probe.watch(tree.pid, every=0.01)
+        probe.during(tree.pid, every=0.01)
         other = {f"p{os.getpid()}": 7 * 1024}
         nvml.state["0"] = used(12000, **{f"p{tree.pid}": 3 * 1024, f"p{grandchild}": 2048}, **other)
         _wait_for(lambda: probe.peak == 5 * GIB, "the 5 GiB peak")
@@ -677,7 +677,7 @@ def test_without_our_pids_the_growth_stands_in_unless_the_gpu_was_shared():
         nvml = LiveNvml()
         probe = GpuMemoryProbe(nvml, ["0"], shared=shared, sleep=[].append)
         before = probe.snapshot()
-        probe.watch(os.getpid(), every=0.01)
+        probe.during(os.getpid(), every=0.01)
         nvml.state["0"] = used(500 + 3 * 1024, p4000000=3 * 1024)
         _wait_for(lambda nvml=nvml: nvml.calls > 10, "samples")
         nvml.state["0"] = used(500)

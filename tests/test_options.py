@@ -32,6 +32,16 @@ def test_bad_command_line_value_is_a_usage_error(gpuiso_spawn, args, culprit):
     assert "Traceback" not in result.stderr.str() + result.stdout.str()
 
 
+def test_a_blank_command_line_value_is_parsed_like_any_other(gpuiso_spawn):
+    """Every option reads its value by one rule: given on the command line, blank
+    included, it is parsed (a blank count is an error, not the default)."""
+    result = gpuiso_spawn.run("--gpu-isolate-slots=")
+    assert result.ret == USAGE_ERROR
+    result.stderr.fnmatch_lines(
+        ["ERROR: gpu-isolate: invalid value '' for --gpu-isolate-slots: expected an integer *"]
+    )
+
+
 @pytest.mark.parametrize(
     ("ini", "culprit"),
     [

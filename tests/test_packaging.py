@@ -32,6 +32,7 @@ BUILD_FILES = (
     "pyproject.toml",
     "MANIFEST.in",
     "README.md",
+    "CHANGELOG.md",
     "LICENSE",
     "conftest.py",
     "tox.ini",
@@ -104,9 +105,11 @@ def test_the_sdist_carries_what_its_tests_need(dists):
     with tarfile.open(sdist) as tar:
         top, *_ = tar.getnames()
         names = {n.partition("/")[2] for n in tar.getnames()}
-    expected = {"conftest.py", "tox.ini", "README.md", "LICENSE", "setup.py", "pyproject.toml"}
+    expected = {"conftest.py", "tox.ini", "setup.py", "pyproject.toml", "LICENSE"}
+    expected |= {"README.md", "CHANGELOG.md"}
     expected |= {f"{p}/__init__.py" for p in _subpackages(src / "pytest_gpuiso")}
-    for tree in ("tests", "fixtures", "native", "bench"):
+    # docs/: the README's links and tests/test_docs.py
+    for tree in ("tests", "fixtures", "native", "bench", "docs"):
         expected |= {
             str(p.relative_to(src))
             for p in (src / tree).rglob("*")

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_gpuiso.leaks.shm import LOG_ENV, dispose_created, preload_env, read_log, shim_path
+from pytest_gpuiso.shm_log import LOG_ENV, dispose_created, preload_env, read_log, shim_path
 from tests.helpers import REPORT, kill_quietly, make_gpuiso, pid_alive, wait_for_file
 
 SHM = Path("/dev/shm")

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from pytest_gpuiso.settings import MARKER_KWARGS
 from tests.helpers import GpuIso
 
 # pytest's report formats, hooks and internals: CI's lowest-versions stage runs them all
@@ -478,15 +479,20 @@ def test_no_gpu_isolate_runs_marked_tests_in_process(gpuiso_spawn: GpuIso) -> No
 
 
 def test_markers_lists_gpu_isolated(gpuiso_spawn: GpuIso) -> None:
-    """``pytest --markers`` lists the registered gpu_isolated marker with its arguments."""
+    """``pytest --markers`` lists the registered gpu_isolated marker with every argument
+    the marker accepts (the description once lacked gpu_memory)."""
     result = gpuiso_spawn.run("--markers")
     assert result.ret == pytest.ExitCode.OK
     result.stdout.fnmatch_lines(
         [
             "@pytest.mark.gpu_isolated(timeout=None, startup_timeout=None, grace=None, gpus=None, "
-            "allow_leaks=()): run this test in a fresh process with a clean CUDA context*"
+            "gpu_memory=None, allow_leaks=()): run this test in a fresh process with a clean "
+            "CUDA context*"
         ]
     )
+    [line] = [x for x in result.stdout.lines if x.startswith("@pytest.mark.gpu_isolated(")]
+    shown = re.findall(r"(\w+)=", line.split(")", 1)[0])
+    assert tuple(shown) == MARKER_KWARGS
 
 
 # --------------------------------------------------------------------------- known divergences

@@ -31,15 +31,16 @@ from typing import Any
 
 import pytest
 
+from .. import _compat
+from ..plugin_names import CHILD_PLUGIN, SERVER_PLUGIN
 from ..warning_types import GpuIsoStartWarning, warn_session
 from . import plugin_version
 
 COV_PLUGIN = "_cov"  # the name pytest-cov registers its CovPlugin under
 PAYLOAD_KEY = "pytest-cov"
 # Plugins present only in processes that run no session of the user's own: a test's
-# process (child_plugin.CHILD_PLUGIN, the template's forks included) and the fork
-# server (registered before it parses, forkserver.server).
-HOSTS = ("gpuiso-child", "gpuiso-forkserver")
+# process (the template's forks included) and the fork server (registered before it parses).
+HOSTS = (CHILD_PLUGIN, SERVER_PLUGIN)
 
 
 def missing_internals() -> list[str]:
@@ -123,7 +124,7 @@ class CovAdapter:
     @pytest.hookimpl(wrapper=True)
     def pytest_load_initial_conftests(self, early_config: Any) -> Any:
         manager = early_config.pluginmanager
-        ns = early_config.known_args_namespace
+        ns = _compat.known_args(early_config)
         if any(manager.has_plugin(name) for name in HOSTS) and getattr(ns, "cov_source", None):
             self.measure = not ns.no_cov
             ns.no_cov = True  # pytest-cov's tryfirst implementation, inside us, reads it
@@ -133,7 +134,7 @@ class CovAdapter:
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_protocol(self, item: Any) -> Any:
         manager = item.config.pluginmanager
-        if not self.measure or not manager.has_plugin(HOSTS[0]):
+        if not self.measure or not manager.has_plugin(CHILD_PLUGIN):
             return (yield)
         plugin = manager.get_plugin(COV_PLUGIN)
         if plugin is not None:

@@ -28,12 +28,13 @@ from typing import Any
 
 import pytest
 
+from .. import _compat
+from ..plugin_names import CHILD_PLUGIN  # not child_plugin's module: kept cheap
 from ..warning_types import GpuIsoStartWarning, warn_session
 from . import plugin_version
 
 PLUGIN = "rerunfailures"  # pytest-rerunfailures' entry point name
 KEY = "pytest-rerunfailures"  # our key in the payload
-CHILD_PLUGIN = "gpuiso-child"  # child_plugin.CHILD_PLUGIN (not imported: kept cheap)
 # What the parent's decision needs; the rest is optional (older releases lack it).
 NEEDED = ("get_reruns_count", "get_reruns_delay", "get_reruns_condition")
 # From 14.0 its makereport keeps what rules a rerun out (item._terminal_errors).
@@ -74,11 +75,9 @@ class RerunAdapter:
         """One attempt only: pytest decides whether another process runs it again."""
         if not _in_test_process(item.config) or _module(item.config) is None:
             return None
-        from _pytest.runner import runtestprotocol
-
         ihook = item.ihook
         ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
-        runtestprotocol(item, nextitem=nextitem)
+        _compat.runtestprotocol(item, nextitem=nextitem)
         ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
         return True
 

@@ -14,8 +14,8 @@ import sys
 
 from .. import child_plugin, imports
 from .._linux import set_child_subreaper
-from ..leaks.shm import created_entries
 from ..proctree import live_descendants
+from ..shm_log import created_entries
 from . import pools
 from .fork import unsafe_to_fork
 

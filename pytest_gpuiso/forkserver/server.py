@@ -26,6 +26,7 @@ from .. import child, wire
 from .._compat import load_conftests, prepare_config
 from .._linux import die_with_parent
 from ..child_plugin import freeze
+from ..plugin_names import SERVER_PLUGIN
 from ..settings import TEMPLATE_WAIT_DEFAULT
 from . import pools
 from .fork import close_fds, fork_test_process, one_line, receive_request
@@ -55,6 +56,7 @@ class ServerBoot:
     learn: bool = True  # the template imports what tests imported (--gpu-isolate-learn-imports)
     learnt: tuple[tuple[str, str], ...] = ()  # earlier sessions' (imports.remembered)
     template_wait: float = TEMPLATE_WAIT_DEFAULT  # seconds a fork request waits for it
+    cleanup: bool = False  # --gpu-isolate-cleanup: what an unfit template created is deleted
     log: str = ""  # the server's log file (the supervisor makes it)
     options: tuple[tuple[str, Any], ...] = ()  # pytest_gpuiso_child_options, for the template
 
@@ -64,7 +66,7 @@ class ServerMark:
     look (the pytest-cov adapter parks pytest-cov) that this process runs no session of
     its own, as a test's process runs just its test."""
 
-    __name__ = "gpuiso-forkserver"  # pluggy registers the plugin under this name
+    __name__ = SERVER_PLUGIN  # pluggy registers the plugin under this name
 
 
 def main(boot: ServerBoot, conn: Connection) -> None:

@@ -34,7 +34,7 @@ import pytest
 
 from .. import _compat, child, child_plugin, cuda_state, frames
 from .._linux import die_with_parent, huge_page_steps, outlive_parent, set_child_subreaper
-from ..leaks.shm import LOG_ENV, created_entries, remove_created
+from ..shm_log import LOG_ENV, created_entries, remove_created
 from . import audit, pools
 from .fork import (
     close_fds,
@@ -196,7 +196,7 @@ def _template_main(server: Server, sock: socket.socket, modules: list[str] | Non
         set_child_subreaper(False)  # tests' orphans (with two forks: tests) go to pytest
         if problem is not None:  # what it made goes with it, not to a test's account
             if shm_log is not None:  # only what the shim saw it create, still that inode
-                if _cleanup_wanted(config):
+                if boot.cleanup:
                     remove_created(shm_log)
                 elif left := created_entries(shm_log):
                     entry, how = f"/dev/shm/{left[0]}", "--gpu-isolate-cleanup deletes it"
@@ -219,14 +219,6 @@ def _template_main(server: Server, sock: socket.socket, modules: list[str] | Non
         traceback.print_exc()
         with contextlib.suppress(OSError):
             conn.send(("unusable", f"the template failed: {one_line(exc)}"))
-
-
-def _cleanup_wanted(config: Any) -> bool:
-    """--gpu-isolate-cleanup (or its ini key): what the template created may be deleted."""
-    with contextlib.suppress(Exception):  # a bad ini value: the session reports it
-        value = config.getoption("gpu_isolate_cleanup")
-        return bool(config.getini("gpu_isolate_cleanup") if value is None else value)
-    return False
 
 
 def _serve_forks(

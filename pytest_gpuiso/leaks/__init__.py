@@ -1,12 +1,8 @@
 """Leak checks around one isolated test: one probe per kind, one interface.
 
-Every probe is used the same way by the supervisor::
-
-    before = probe.snapshot()          # before the child starts (GPUs: after the lease)
-    ...                                # the child runs and is reaped
-    leaks = probe.check(before, run)   # after the child and its descendants are gone
-
-``check`` returns ``Leak`` records. The policy (warn / fail / off per kind, the
+Every probe takes the same steps (``Probe``): before its test's start, its snapshot,
+the child's environment, during the run, and its check once the child and its
+descendants are gone, which returns ``Leak`` records. The policy (warn / fail / off per kind, the
 marker's ``allow_leaks``; parsed in ``settings``) is applied by ``judge``: probes
 only observe, except the process probe, which always kills what it finds (a
 leftover process is never left running, whatever the policy says about reporting it).
@@ -15,7 +11,7 @@ leftover process is never left running, whatever the policy says about reporting
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -41,12 +37,42 @@ class Leak:
         return {"kind": self.kind, "detail": self.detail, **self.fields}
 
 
-class Probe(Protocol):
-    kind: str
+class Probe:
+    """One leak check's part in a test's run, step by step (each a no-op unless overridden).
 
-    def snapshot(self) -> Any: ...
+    The supervisor takes every probe through the same steps, in this order:
 
-    def check(self, before: Any, run: RunInfo) -> list[Leak]: ...
+    1. ``before_start(started)``: the test's process as started (it may have been started
+       ahead of its turn), before anything is measured: what it was started with (the
+       /dev/shm shim's log);
+    2. ``snapshot()``: the state before the test's go (GPUs: after the lease);
+    3. ``child_env()``: what the test's process gets in its environment with its go;
+    4. ``during(pid)``: the process ``pid`` has its go and runs (a sampler may start);
+    5. ``check(before, run)``: the process and its descendants are gone (``before``:
+       what ``snapshot`` returned); the leaks found.
+
+    ``settles``: its check needs the process's end, not only its exit (the driver frees
+    a process's GPU memory as it is torn down), so a test's process that says it is
+    exiting is waited for, and an interrupted run skips the check.
+    """
+
+    kind = ""
+    settles = False
+
+    def before_start(self, started: Any) -> None:
+        return None
+
+    def snapshot(self) -> Any:
+        return None
+
+    def child_env(self) -> dict[str, str]:
+        return {}
+
+    def during(self, pid: int) -> None:
+        return None
+
+    def check(self, before: Any, run: RunInfo) -> list[Leak]:
+        return []
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ from typing import Any
 import psutil
 
 from ..proctree import REAP_WAIT, STOP_ROUNDS, alive, cmdline, descendant_keys, environ
-from . import Leak, RunInfo
+from . import Leak, Probe, RunInfo
 
 SETTLE = 0.1  # seconds a new descendant gets to exit by itself before it counts
 KILL_ROUNDS = 10  # stop-and-kill rounds, for what a kill woke (SIGCONT to an orphaned group)
@@ -177,7 +177,7 @@ def _mark_survivors(
     return entries
 
 
-class ProcessProbe:
+class ProcessProbe(Probe):
     """Reports (and kills) the test's descendants that outlived it."""
 
     kind = "process"
