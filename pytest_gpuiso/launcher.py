@@ -368,14 +368,3 @@ class Launcher:
             writer.close()
             go_reader.close()
         return started
-
-    def leavable(self, started: Started) -> bool:
-        """Whether ``started`` may be left to the kernel's teardown once it says it is
-        exiting (``leaving``): a test's process (not a call's) with a pidfd to reap it by."""
-        return (
-            isinstance(started.proc, Child)
-            and isinstance(started.sentinel, int)
-            and hasattr(os, "P_PIDFD")
-            and isinstance(started.job, child.ItemJob)
-            and self.mark is None
-        )

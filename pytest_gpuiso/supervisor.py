@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import time
 from typing import Any
 
@@ -29,7 +30,7 @@ from .launcher import Launcher
 from .leaks import Leak, Probe, RunInfo
 from .leaks.process import ProcessProbe
 from .outcome import Outcome, captured_tail, read_output
-from .proctree import children, descendant_keys
+from .proctree import Child, children, descendant_keys
 from .started import Started
 from .watch import Bounds, Watch
 from .workdir import remove
@@ -98,7 +99,7 @@ class Running:
         started, launcher = self.started, self.launcher
         proc, sentinel = started.proc, started.sentinel
         settles = any(probe.settles for probe in self.probes)
-        may_leave = launcher.leavable(started) and not settles
+        may_leave = self._leavable() and not settles
         watched = Watch(
             proc,
             started.reader,
@@ -151,6 +152,19 @@ class Running:
         if outcome.method == "forkserver":
             launcher.learn(outcome.imported)  # the template imports them for the next ones
         return outcome
+
+    def _leavable(self) -> bool:
+        """Whether the process may be left to the kernel's teardown once it says it is
+        exiting (``leaving``): a forked test's process (not a call's), with a pidfd to reap
+        it by later."""
+        started = self.started
+        return (
+            isinstance(started.proc, Child)
+            and isinstance(started.sentinel, int)
+            and hasattr(os, "P_PIDFD")
+            and isinstance(started.job, child.ItemJob)
+            and self.launcher.mark is None
+        )
 
     def _past_exit(self) -> bool:
         """A test's process that said ``EXITING``: whether it is past its exit and left no
