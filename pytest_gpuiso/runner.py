@@ -85,17 +85,28 @@ class Ran:
 
 @dataclass
 class Turn:
-    """What one test's run holds until it ends: its process (until its go), its lease
-    (unless its pinned worker's) and its port. ``release`` gives back what is left."""
+    """What one test's run holds until it ends: its process (started, then running), its
+    lease (unless its pinned worker's) and its port. ``release`` gives back what is left,
+    its process first: killed and reaped if its run never got to ``wait``."""
 
     started: Started | None = None
+    running: Running | None = None
     lease: Lease | None = None
     owned: bool = True  # the lease is the test's own (not its pinned worker's)
     port: PortLease | None = None
     probes: tuple[Probe, ...] = ()
     env: dict[str, str] = field(default_factory=dict)  # its process's, with its go
 
+    def go(self, state: State, bounds: Bounds) -> Running:
+        """Give its process its go: from now on the process is its run's."""
+        self.running = state.supervisor.go(self.started, self.env, self.probes, bounds)
+        self.started = None
+        return self.running
+
     def release(self, state: State) -> None:
+        if self.running is not None and not self.running.waited:
+            state.launcher.discard(self.running.started)  # before its lease goes
+        self.running = None
         if self.started is not None:
             state.launcher.discard(self.started)
             self.started = None
@@ -114,11 +125,13 @@ def run_item(item: pytest.Item, nextitem: pytest.Item | None) -> Ran:
     In one line: its plan, its lease, its process (prewarmed, or started now), the go,
     the next tests' processes started while it runs, the wait, the verdict."""
     state = item.config.stash[STATE]
-    plan = plan_for(item, state)
-    del item.stash[PLAN]  # another attempt plans afresh (a new basetemp)
     turn = Turn(state.prewarmer.take(item.nodeid) if state.prewarmer is not None else None)
     warmed = False
+    spec = None
     try:
+        plan = plan_for(item, state)  # its temporary directory may fail to be made
+        del item.stash[PLAN]  # another attempt plans afresh (a new basetemp)
+        spec = plan.spec
         if plan.error is not None:
             ran = Ran(setup_error_reports(item, plan.error))
         elif plan.missing is not None:
@@ -131,12 +144,12 @@ def run_item(item: pytest.Item, nextitem: pytest.Item | None) -> Ran:
                 warmed = _prewarm_safely(item, nextitem, state)
                 ran = _finish(item, plan, state, turn, running)
     except (StartError, workdir.WorkdirError) as exc:  # out of processes, files: this
-        ran = Ran(setup_error_reports(item, str(exc)), plan.spec)  # test fails, the session
+        ran = Ran(setup_error_reports(item, str(exc)), spec)  # test fails, the session
     except OSError as exc:  # goes on
         if exc.errno not in workdir.EXHAUSTED:
             raise
         why = f"could not watch the isolated process: {workdir.describe(exc)}"
-        ran = Ran(setup_error_reports(item, why), plan.spec)
+        ran = Ran(setup_error_reports(item, why), spec)
     finally:
         turn.release(state)
     if ran.stop is None and not warmed:
@@ -202,11 +215,9 @@ def _go(item: pytest.Item, plan: Plan, state: State, turn: Turn) -> Running | Ra
         if turn.port is not None:
             env.update(turn.port.env())
     turn.env = env
-    started = state.launcher.ready(turn.started, plan.job, env)
-    turn.started = None  # its run's now: reaped by it
+    turn.started = state.launcher.ready(turn.started, plan.job, env)
     turn.probes = _probes(spec, state, turn.lease)
-    bounds = Bounds(spec.timeout, spec.startup_timeout, spec.grace)
-    return state.supervisor.go(started, env, turn.probes, bounds)
+    return turn.go(state, Bounds(spec.timeout, spec.startup_timeout, spec.grace))
 
 
 def _finish(item: pytest.Item, plan: Plan, state: State, turn: Turn, running: Running) -> Ran:
@@ -215,10 +226,9 @@ def _finish(item: pytest.Item, plan: Plan, state: State, turn: Turn, running: Ru
     outcome = running.wait()
     if outcome.stale is not None:  # it initialised CUDA before it knew its GPUs: run a fresh one
         state.launcher.replaced(outcome.stale)
-        env = dict(turn.env)
-        started = state.launcher.start(plan.job, env)
+        turn.started = state.launcher.start(plan.job, dict(turn.env))
         turn.probes = _probes(spec, state, turn.lease)
-        outcome = state.supervisor.go(started, env, turn.probes, running.bounds).wait()
+        outcome = turn.go(state, running.bounds).wait()
         outcome.prewarmed = False
     lease = turn.lease
     number = turn.port.port if turn.port is not None else None
@@ -288,8 +298,15 @@ def _prewarm(item: pytest.Item, nextitem: pytest.Item | None, state: State) -> N
         return
     candidates = prewarmer.following(item.session.items, nextitem, state.parallel)
     upcoming = list({c.nodeid: c for c in candidates if isolated(c)}.values())
-    plans = [(c.nodeid, plan_for(c, state)) for c in upcoming[: prewarmer.depth]]
-    prewarmer.refill([WarmJob(n, p.job, p.warm_env) for n, p in plans if p.runs])
+    jobs = []
+    for candidate in upcoming[: prewarmer.depth]:
+        try:
+            plan = plan_for(candidate, state)
+        except OSError:  # its temporary directory: its own run says why
+            continue
+        if plan.runs:
+            jobs.append(WarmJob(candidate.nodeid, plan.job, plan.warm_env))
+    prewarmer.refill(jobs)
 
 
 def _tell_start_problems(item: pytest.Item, state: State) -> list[dict]:

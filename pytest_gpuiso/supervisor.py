@@ -93,9 +93,11 @@ class Running:
         self.snapshots = snapshots
         self.bounds = bounds
         self.go_at = go_at
+        self.waited = False  # ``wait`` was entered: the process is its to end and reap
 
     def wait(self) -> Outcome:
         """Watch the process to its end under its bounds, reap it, sweep, check, decode."""
+        self.waited = True
         started, launcher = self.started, self.launcher
         proc, sentinel = started.proc, started.sentinel
         settles = any(probe.settles for probe in self.probes)
@@ -146,7 +148,8 @@ class Running:
             uncollected=started.uncollected,
         ).decode(watched.received, watched.cutoff)
         outcome.collected = outcome.collected or outcome.ahead
-        if interrupted:  # a test's Ctrl-C: its leaks are reported, then the session ends
+        if interrupted and watched.cutoff is None:  # a test's Ctrl-C (not past a bound):
+            # its leaks are reported, then the session ends
             stop = {"interrupt": True, "message": "KeyboardInterrupt", "returncode": None}
             outcome.exits.append(stop)
         if outcome.method == "forkserver":

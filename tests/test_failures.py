@@ -611,3 +611,36 @@ def test_pytest_timeout_values_drive_the_isolated_timeout(gpuiso) -> None:
     assert both["timeout"] == 10.0
     assert both["exit"]["timed_out"] is False
     assert both["duration"] >= 2
+
+
+# ------------------------------------------------- faults of pytest's own side of one test
+
+
+@pytest.mark.parametrize(
+    ("fault", "failed", "error"),
+    [
+        ("mkdtemp", "test_one", "No space left on device"),
+        ("snapshot", "test_two", "Too many open files"),
+    ],
+)
+def test_a_fault_of_pytests_side_costs_one_test(
+    gpuiso_spawn, monkeypatch, fault: str, failed: str, error: str
+) -> None:
+    """A test's temporary directory that cannot be made, a snapshot that fails after its
+    prewarmed process was started: that test errors at setup, the others run, and no
+    process is left waiting for a go (the in-process test looks)."""
+    gpuiso_spawn.copy("parent_faults")
+    monkeypatch.setenv("GPUISO_PARENT_FAULT", fault)
+    result = gpuiso_spawn.run("parent_faults/test_parent_faults.py", "-p", "no:randomly")
+    result.assert_outcomes(passed=2, errors=1)
+    result.stdout.fnmatch_lines([f"*ERROR at setup of {failed}*", f"gpu-isolate: *{error}*"])
+    assert "INTERNALERROR" not in result.stdout.str()
+
+
+def test_ctrl_c_past_a_tests_timeout_reports_the_timeout(gpuiso_spawn) -> None:
+    """Ctrl-C while a timed-out test's process ignores SIGTERM (its grace): the test is
+    reported as timed out and the session goes on, as the test's own timeout decided."""
+    gpuiso_spawn.copy("parent_faults")
+    result = gpuiso_spawn.run("parent_faults/test_interrupted_in_grace.py", "-p", "no:randomly")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*Timeout: the isolated test timed out after 1 s*"])

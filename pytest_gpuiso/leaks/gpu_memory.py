@@ -112,6 +112,8 @@ class GpuMemoryProbe(Probe):
         while True:
             try:
                 tree = {pid, *(p.pid for p in psutil.Process(pid).children(recursive=True))}
+            except psutil.NoSuchProcess:  # ended (a zombie too): nothing more to sample, and
+                return  # a run that never got to its check leaves no sampler behind
             except psutil.Error:
                 tree = {pid}
             now = self._sample_all()
