@@ -192,7 +192,7 @@ def _imports_outside_the_package(root: Path) -> list[tuple[str, str, str | None]
     and docs, code in strings included (conftests that pytester writes, scripts run with -c),
     which neither the linter nor a run without a GPU would catch when a module moves."""
     found = []
-    files = [root / "README.md", *root.glob("*.py")]
+    files = [root / "README.md", root / ".ci" / "run", root / "tox.ini", *root.glob("*.py")]
     for folder in ("tests", "fixtures", "bench", "docs"):
         files += [p for p in (root / folder).rglob("*") if p.suffix in (".py", ".sh", ".md")]
     for path in files:
