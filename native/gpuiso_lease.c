@@ -81,7 +81,7 @@
 #endif
 
 #define GPUISO_MAGIC 0x67707569736f6c31ULL /* "gpuisol1" */
-#define GPUISO_ABI 3
+#define GPUISO_ABI 4 /* 4: a device may be quarantined */
 #define MAX_DEVICES 64
 #define MAX_SLOTS 64 /* holders per device at once */
 #define WHOLE 1000000ULL /* a share of the whole device, in parts per million */
@@ -113,6 +113,10 @@ typedef struct {
     char name[NAME_LEN]; /* "" : unused row */
     uint64_t capacity; /* bytes; 0: unknown (then WHOLE units, shares only) */
     slot_t slot[MAX_SLOTS];
+    /* Quarantined (a health probe failed on it): leased by no one until lifted. For
+     * every session of the user, so it outlives its holders; never recycled. */
+    int64_t quarantined_ns; /* CLOCK_REALTIME when it was quarantined; 0: healthy */
+    char why[LABEL_LEN]; /* what failed, and the test that broke it */
 } device_t;
 
 typedef struct {
@@ -809,7 +813,7 @@ static int recyclable_row(RegionObject *self, const int *rows, int done)
 {
     region_t *r = self->r;
     for (uint32_t d = 0; d < r->ndevices && d < MAX_DEVICES; d++) {
-        int used = 0;
+        int used = r->dev[d].quarantined_ns != 0; /* its quarantine outlives its holders */
         for (int i = 0; i < done && !used; i++)
             used = rows[i] == (int)d;
         for (uint32_t s = 0; s < MAX_SLOTS && !used; s++)
@@ -829,6 +833,8 @@ static void rename_row(device_t *dev, const char *name, uint64_t capacity)
 {
     dev->name[0] = '\0';
     memset(dev->slot, 0, sizeof dev->slot);
+    dev->quarantined_ns = 0;
+    memset(dev->why, 0, sizeof dev->why);
     dev->capacity = capacity;
     size_t len = strnlen(name, NAME_LEN - 1);
     memset(dev->name + 1, 0, NAME_LEN - 1);
@@ -909,7 +915,7 @@ static int resolve_rows(RegionObject *self, char **names, int count, const uint6
 /* A free holder entry of `dev` where the request fits, or -1. */
 static int room_on(const device_t *dev, uint64_t need)
 {
-    if (need == 0 || used_of(dev) + need > capacity_of(dev))
+    if (need == 0 || dev->quarantined_ns != 0 || used_of(dev) + need > capacity_of(dev))
         return -1;
     for (uint32_t s = 0; s < MAX_SLOTS; s++)
         if (dev->slot[s].owner.pid == 0)
@@ -1427,8 +1433,8 @@ static PyObject *Region_snapshot(RegionObject *self, PyObject *Py_UNUSED(ignored
     unlock_region(self->r);
     Py_END_ALLOW_THREADS
     PyObject *devices = PyList_New(0), *holders = PyList_New(0), *waiters = PyList_New(0);
-    PyObject *item = NULL;
-    if (devices == NULL || holders == NULL || waiters == NULL)
+    PyObject *quarantined = PyList_New(0), *item = NULL;
+    if (devices == NULL || holders == NULL || waiters == NULL || quarantined == NULL)
         goto fail;
     for (uint32_t d = 0; d < copy->ndevices && d < MAX_DEVICES; d++) {
         device_t *dev = &copy->dev[d];
@@ -1438,6 +1444,14 @@ static PyObject *Region_snapshot(RegionObject *self, PyObject *Py_UNUSED(ignored
         if (item == NULL || PyList_Append(devices, item) < 0)
             goto fail;
         Py_CLEAR(item);
+        if (dev->quarantined_ns != 0) {
+            item = Py_BuildValue("{s:N,s:L,s:N}", "device", text_of(dev->name, NAME_LEN),
+                                 "since_ns", (long long)dev->quarantined_ns, "why",
+                                 text_of(dev->why, LABEL_LEN));
+            if (item == NULL || PyList_Append(quarantined, item) < 0)
+                goto fail;
+            Py_CLEAR(item);
+        }
         for (uint32_t s = 0; s < MAX_SLOTS; s++) {
             slot_t *slot = &dev->slot[s];
             if (slot->owner.pid == 0)
@@ -1466,11 +1480,12 @@ static PyObject *Region_snapshot(RegionObject *self, PyObject *Py_UNUSED(ignored
         Py_CLEAR(item);
     }
     free(copy);
-    return Py_BuildValue("{s:N,s:N,s:N}", "devices", devices, "holders", holders, "waiters",
-                         waiters);
+    return Py_BuildValue("{s:N,s:N,s:N,s:N}", "devices", devices, "holders", holders, "waiters",
+                         waiters, "quarantined", quarantined);
 fail:
     free(copy);
     Py_XDECREF(item);
+    Py_XDECREF(quarantined);
     Py_XDECREF(devices);
     Py_XDECREF(holders);
     Py_XDECREF(waiters);
@@ -1503,6 +1518,56 @@ static PyObject *Region_clear(RegionObject *self, PyObject *args, PyObject *kwds
     Py_RETURN_NONE;
 }
 
+/* The row named `name`, or -1. Under the lock. */
+static int row_named(region_t *r, const char *name)
+{
+    for (uint32_t d = 0; d < r->ndevices && d < MAX_DEVICES; d++)
+        if (strncmp(r->dev[d].name, name, NAME_LEN) == 0)
+            return (int)d;
+    return -1;
+}
+
+/* quarantine(device, why) / lift(device): set or clear a device's quarantine. */
+static PyObject *set_quarantine(RegionObject *self, const char *name, const char *why)
+{
+    if (ready(self) < 0 || lock_region(self, -1) != 0)
+        return NULL;
+    region_t *r = self->r;
+    int row = row_named(r, name), was = 0;
+    if (row >= 0) {
+        device_t *dev = &r->dev[row];
+        was = dev->quarantined_ns != 0;
+        if (why != NULL) {
+            copy_text(dev->why, why, LABEL_LEN);
+            __atomic_store_n(&dev->quarantined_ns, realtime_ns(), __ATOMIC_RELEASE);
+        } else {
+            __atomic_store_n(&dev->quarantined_ns, 0, __ATOMIC_RELEASE);
+            memset(dev->why, 0, sizeof dev->why);
+            ring(self); /* its waiters may take it now */
+        }
+    }
+    unlock_region(r);
+    if (row < 0)
+        return PyErr_Format(PyExc_KeyError, "no device %s in the lease table", name);
+    return PyBool_FromLong(was);
+}
+
+static PyObject *Region_quarantine(RegionObject *self, PyObject *args)
+{
+    const char *name, *why;
+    if (!PyArg_ParseTuple(args, "ss", &name, &why))
+        return NULL;
+    return set_quarantine(self, name, why);
+}
+
+static PyObject *Region_lift(RegionObject *self, PyObject *args)
+{
+    const char *name;
+    if (!PyArg_ParseTuple(args, "s", &name))
+        return NULL;
+    return set_quarantine(self, name, NULL);
+}
+
 static PyObject *Region_get_path(RegionObject *self, void *Py_UNUSED(closure))
 {
     return PyUnicode_FromString(self->path ? self->path : "");
@@ -1518,9 +1583,15 @@ static PyMethodDef Region_methods[] = {
     {"release", (PyCFunction)Region_release, METH_VARARGS,
      "release(lease_id) -> number of slots freed"},
     {"snapshot", (PyCFunction)Region_snapshot, METH_NOARGS,
-     "snapshot() -> {'devices': [(name, capacity, used)], 'holders': [...], 'waiters': [...]}; "
+     "snapshot() -> {'devices': [(name, capacity, used)], 'holders': [...], 'waiters': [...], "
+     "'quarantined': [{device, since_ns, why}]}; "
      "each "
      "holder and waiter has pid, start, alive, stopped and here (in our pid namespace)"},
+    {"quarantine", (PyCFunction)Region_quarantine, METH_VARARGS,
+     "quarantine(device, why) -> whether it was quarantined already: no one leases it until "
+     "lift(device); KeyError for a device the table does not know"},
+    {"lift", (PyCFunction)Region_lift, METH_VARARGS,
+     "lift(device) -> whether it was quarantined; its waiters are woken"},
     {"clear", (PyCFunction)(void (*)(void))Region_clear, METH_VARARGS | METH_KEYWORDS,
      "clear(timeout=None) -> forget every holder and waiter; RegionError if the table's lock "
      "is held longer than timeout seconds"},

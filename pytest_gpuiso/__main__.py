@@ -1,5 +1,6 @@
-"""python -m pytest_gpuiso status | reset [--force] | merge REPORT... | --version: inspect or
-clear the GPU lease table, or merge the JSON reports of CI shards."""
+"""python -m pytest_gpuiso status | reset [--force] [--device GPU] | merge REPORT... |
+--version: inspect or clear the GPU lease table (or lift a GPU's quarantine), or merge the
+JSON reports of CI shards."""
 
 from __future__ import annotations
 
@@ -89,7 +90,14 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     reset.add_argument(
         "--force",
         action="store_true",
-        help="clear it even while live holders exist, or delete a corrupted table",
+        help="clear it even while live holders exist, or delete a corrupted table; with "
+        "--device, lift the quarantine without probing",
+    )
+    reset.add_argument(
+        "--device",
+        metavar="GPU",
+        help="only lift the quarantine of this GPU (as status names it), once it passes its "
+        "health probe",
     )
     merge = sub.add_parser(
         "merge",
@@ -139,10 +147,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         region = open_region(path)
     except RegionError as exc:
-        if not opts.force:
+        if not opts.force or opts.device is not None:
             print(f"error: {exc}", file=sys.stderr)
             return 1
         return _delete(path, f"it is unusable ({exc})")
+    if opts.device is not None:
+        return _lift(region, path, opts.device, opts.force)
     if opts.force:
         try:  # never waits on a lock a stopped or wedged process holds: deletes instead
             region.clear(timeout=FORCE_LOCK_WAIT)
@@ -167,6 +177,39 @@ def main(argv: list[str] | None = None) -> int:
 
 
 FORCE_LOCK_WAIT = 3.0  # seconds reset --force waits for the table's lock before deleting it
+
+
+def _lift(region: object, path: str, device: str, force: bool) -> int:
+    """Probe a quarantined GPU again (NVML, then the CUDA driver in a fresh process) and lift
+    its quarantine when it passes, or at once with ``force``."""
+    from . import health
+    from .leases import visible_env
+    from .nvml import NvmlReader
+
+    quarantined = {q["device"]: q for q in region.snapshot()["quarantined"]}
+    if device not in quarantined:
+        print(f"GPU {device} is not quarantined in {path}")
+        return 0
+    if not force:
+        nvml = NvmlReader()
+        try:
+            problems = nvml.problems(device)
+        finally:
+            nvml.close()
+        if not problems:
+            broken = health.driver_probe(visible_env((device,)))
+            problems = [broken] if broken else []
+        if problems:
+            print(
+                f"error: GPU {device} still fails its probe: {'; '.join(problems)}; left "
+                "quarantined (--force lifts it anyway)",
+                file=sys.stderr,
+            )
+            return 1
+    region.lift(device)
+    how = "lifted without a probe (--force)" if force else "it passed its probe"
+    print(f"GPU {device}: quarantine lifted ({how}; it was: {quarantined[device]['why']})")
+    return 0
 
 
 def _is_lease_table(path: str) -> bool:

@@ -317,6 +317,7 @@ class Leases:
                 f"waited {waited:.1f} s for {n} GPU{'s' if n != 1 else ''} of "
                 f"{', '.join(self.devices.names)} (--gpu-isolate-lease-timeout); held by: "
                 + (self.holders_text() or "nobody (the queue ahead was still being served)")
+                + self.quarantine_text()
             )
         lease_id, names = got
         each = [memory.on(self.devices.capacity(name)) for name in names]
@@ -339,6 +340,34 @@ class Leases:
                     return
                 raise
             self._unreleased.pop(0)
+
+    def quarantine(self, device: str, why: str) -> None:
+        """No session of the user leases ``device`` until it is lifted (``lift``)."""
+        self._attach().quarantine(device, why[:LABEL_LEN])
+
+    def lift(self, device: str) -> bool:
+        """Lease ``device`` again; whether it was quarantined."""
+        return bool(self._attach().lift(device))
+
+    def quarantined(self) -> dict[str, dict[str, Any]]:
+        """This session's quarantined devices: name -> {since_ns, why}."""
+        from ._lease import RegionError
+
+        try:
+            snapshot = self._attach().snapshot()
+        except RegionError:
+            return {}
+        names = self.devices.names
+        return {q["device"]: q for q in snapshot["quarantined"] if q["device"] in names}
+
+    def quarantine_text(self) -> str:
+        """ "; quarantined: GPU 1 (why); ..." for a lease that could not be had, or ""."""
+        found = self.quarantined()
+        if not found:
+            return ""
+        which = "; ".join(f"GPU {name} ({q['why']})" for name, q in sorted(found.items()))
+        lift = LIFT_HINT.format(device=min(found))
+        return f"; quarantined: {which}; {lift} re-probes and lifts it"
 
     def holders_text(self) -> str:
         from ._lease import RegionError
@@ -367,6 +396,10 @@ class Leases:
         return env
 
 
+LIFT_HINT = "`python -m pytest_gpuiso reset --device {device}`"
+LABEL_LEN = 191  # what the table keeps of a quarantine's reason (its LABEL_LEN, less the NUL)
+
+
 def _who(entry: dict[str, Any]) -> str:
     """The entry's pid, saying when it is of another pid namespace (another container)."""
     return f"pid {entry['pid']}" + ("" if entry.get("here", True) else " (another pid namespace)")
@@ -382,8 +415,14 @@ def status_table(snapshot: dict[str, Any], path: str) -> str:
     holders: dict[str, list[dict[str, Any]]] = {}
     for h in snapshot["holders"]:
         holders.setdefault(h["device"], []).append(h)
+    quarantined = {q["device"]: q for q in snapshot.get("quarantined", ())}
     for name, capacity, used in snapshot["devices"]:
-        rows.append((name, *_amounts(capacity, used), "", "", "", ""))
+        q = quarantined.get(name)
+        if q is None:
+            rows.append((name, *_amounts(capacity, used), "", "", "", ""))
+        else:
+            since = time.strftime("%H:%M:%S", time.localtime(q["since_ns"] / 1e9))
+            rows.append((name, *_amounts(capacity, used), "", since, "QUARANTINED", q["why"]))
         for h in holders.get(name, []):
             since = time.strftime("%H:%M:%S", time.localtime(h["since_ns"] / 1e9))
             state = "held" if h["alive"] else "dead (freed on next use)"

@@ -30,6 +30,8 @@ class NvmlReader:
     def __init__(self) -> None:
         self._nvml: Any = None
         self._handles: dict[str, Any] = {}
+        self._events: dict[str, Any] = {}  # device -> its NVML event set (Xid critical errors)
+        self._ecc: dict[str, int | None] = {}  # device -> uncorrectable ECC errors when watched
         self.error: str | None = None
 
     def available(self) -> bool:
@@ -61,8 +63,10 @@ class NvmlReader:
         """Shut NVML down (it is initialised again on the next use)."""
         if self._nvml is not None:
             with contextlib.suppress(Exception):
+                for events in self._events.values():
+                    self._nvml.nvmlEventSetFree(events)
                 self._nvml.nvmlShutdown()
-            self._nvml, self._handles = None, {}
+            self._nvml, self._handles, self._events, self._ecc = None, {}, {}, {}
 
     def count(self) -> int:
         """GPUs NVML sees; 0 without a driver."""
@@ -138,6 +142,73 @@ class NvmlReader:
                 for p in getattr(nvml, query)(handle):
                     processes[int(p.pid)] = int(p.usedGpuMemory or 0)
         return Sample(used, processes)
+
+    # ---------------------------------------------------------------- health (GPU health)
+
+    def watch(self, device: str) -> None:
+        """From now on, collect ``device``'s Xid critical errors and count its uncorrectable
+        ECC errors from here (``problems`` says what came since). Quiet where NVML cannot."""
+        if not self.available():
+            return
+        nvml = self._nvml
+        with contextlib.suppress(Exception):  # NvmlUnavailable, NOT_SUPPORTED (vGPU, MIG)
+            handle = self._handle(device)
+            if device not in self._events:
+                events = nvml.nvmlEventSetCreate()
+                try:
+                    nvml.nvmlDeviceRegisterEvents(handle, XID_CRITICAL, events)
+                except Exception:
+                    nvml.nvmlEventSetFree(events)
+                    raise
+                self._events[device] = events
+        self.xids(device)  # what came before is not this run's
+        self._ecc[device] = self._uncorrectable(device)
+
+    def xids(self, device: str) -> list[int]:
+        """The Xid critical errors of ``device`` since the last call (``watch``)."""
+        events, found = self._events.get(device), []
+        nvml = self._nvml
+        wait = getattr(nvml, "nvmlEventSetWait_v2", None) or getattr(nvml, "nvmlEventSetWait", None)
+        while events is not None and wait is not None:
+            try:
+                event = wait(events, 0)
+            except Exception:  # NVML_ERROR_TIMEOUT: none (left), or the set went bad
+                break
+            found.append(int(event.eventData))
+        return found
+
+    def _uncorrectable(self, device: str) -> int | None:
+        nvml = self._nvml
+        try:
+            return int(
+                nvml.nvmlDeviceGetTotalEccErrors(self._handle(device), UNCORRECTED, VOLATILE_ECC)
+            )
+        except Exception:  # no ECC (consumer GPUs), not supported, not in this NVML
+            return None
+
+    def problems(self, device: str) -> list[str]:
+        """What NVML says is wrong with ``device`` since ``watch``: it does not answer, an Xid
+        critical error, pages waiting to be retired, new uncorrectable ECC errors."""
+        if not self.available():
+            return []
+        nvml = self._nvml
+        try:
+            nvml.nvmlDeviceGetMemoryInfo(self._handle(device))
+        except Exception as exc:  # GPU_IS_LOST, a device that no longer answers
+            return [f"it does not answer NVML ({_nvml_reason(exc)})"]
+        found = [f"Xid {xid}" for xid in self.xids(device)]
+        with contextlib.suppress(Exception):  # not supported: no page retirement
+            if nvml.nvmlDeviceGetRetiredPagesPendingStatus(self._handle(device)):
+                found.append("memory pages are waiting to be retired (a reset retires them)")
+        before, now = self._ecc.get(device), self._uncorrectable(device)
+        if before is not None and now is not None and now > before:
+            found.append(f"{now - before} uncorrectable ECC errors")
+        return found
+
+
+XID_CRITICAL = 0x8  # nvmlEventTypeXidCriticalError
+UNCORRECTED = 1  # NVML_MEMORY_ERROR_TYPE_UNCORRECTED
+VOLATILE_ECC = 0  # NVML_VOLATILE_ECC: since the driver loaded
 
 
 def _text(value: Any) -> str:

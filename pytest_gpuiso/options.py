@@ -34,6 +34,7 @@ from .settings import (
     SpecError,
     parse_devices,
     parse_flag,
+    parse_health,
     parse_int,
     parse_leaks,
     parse_memory,
@@ -197,6 +198,27 @@ OPTIONS: tuple[Option, ...] = (
         parse=_seconds(allow_zero=False),
         metavar="SECONDS",
         default="wait",
+    ),
+    Option(
+        "gpu_isolate_health",
+        "when a test's GPUs are probed before anyone leases them again: after a test that "
+        "held them crashed, timed out or hit a sticky CUDA error (after-failure), also the "
+        "NVML part before every lease (always), or never (off); a GPU that fails is "
+        "quarantined for every session of the user",
+        field="health",
+        parse=parse_health,
+        unset="after-failure",
+        metavar="off|after-failure|always",
+        default="after-failure",
+    ),
+    Option(
+        "gpu_isolate_reprobe",
+        "probe a quarantined GPU again every SECONDS while the session leases, and lift its "
+        "quarantine when it passes",
+        field="reprobe",
+        parse=_seconds(allow_zero=False),
+        metavar="SECONDS",
+        default="never",
     ),
     Option(
         "gpu_isolate_leaks",

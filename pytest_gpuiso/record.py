@@ -59,6 +59,7 @@ def build_record(
     rerun: bool = False,
     peak: int | None = None,
     port: int | None = None,
+    health: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One test's entry in the JSON report (schema version 1): one per attempt.
 
@@ -110,6 +111,8 @@ def build_record(
         # processes held on one of them (NVML, sampled; None: unknown)
         record["gpu_memory"] = lease.memory or None
         record["gpu_memory_peak"] = peak
+    if health is not None:  # its GPUs were probed after it: {probed, devices, quarantined}
+        record["gpu_health"] = health
     return record
 
 

@@ -181,6 +181,8 @@ def terminal_summary(tr: Any, records: list[dict[str, Any]], path: Path | None) 
         tr.write_line(f"  TIMEOUT {r['nodeid']}{_attempt(r)} ({_bound(r, test='after')})")
     for r in crashed:
         tr.write_line(f"  CRASHED {r['nodeid']}{_attempt(r)} ({r['exit']['signal']})")
+    for nodeid, device, problem, _ in quarantines(records):
+        tr.write_line(f"  QUARANTINED GPU {device} after {nodeid}: {problem}")
     if path is not None:
         tr.write_line(f"gpu-isolate: JSON report written to {path}")
     leaky = [r for r in records if r.get("leaks")]
@@ -191,10 +193,22 @@ def terminal_summary(tr: Any, records: list[dict[str, Any]], path: Path | None) 
 def notable(records: list[dict[str, Any]]) -> bool:
     """Whether the records hold something to look at: a timeout, a crash, an escaped
     process or a reported leak (``-qq`` shows the gpu-isolate summary only then)."""
-    return any(
+    return bool(quarantines(records)) or any(
         r["exit"]["timed_out"] or r["exit"]["signal"] or r.get("escaped") or _reported(r)
         for r in records
     )
+
+
+def quarantines(records: list[dict[str, Any]]) -> list[tuple[str, str, str, str]]:
+    """(test, GPU, what failed, why it was probed) for each GPU a test's run left unfit
+    and that was quarantined after it (``health``)."""
+    found = []
+    for r in records:
+        checked = r.get("gpu_health")
+        if isinstance(checked, dict) and isinstance(checked.get("quarantined"), dict):
+            for device, problem in sorted(checked["quarantined"].items()):
+                found.append((r["nodeid"], str(device), str(problem), str(checked.get("probed"))))
+    return found
 
 
 def startup_durations(tr: Any, records: list[dict[str, Any]], config: Any) -> None:
@@ -351,7 +365,23 @@ def markdown(records: list[dict[str, Any]], title: str = "pytest-gpuiso") -> str
             lines += ["", f"{more} more {what} in the JSON report."]
     if not leaky and not ended:
         lines += ["", "No leaks, timeouts or crashes."]
-    return "\n".join(lines + _right_size(records)) + "\n"
+    return "\n".join(lines + _health(records) + _right_size(records)) + "\n"
+
+
+def _health(records: list[dict[str, Any]]) -> list[str]:
+    """The "GPU health" part: each GPU quarantined after a test, what failed and why."""
+    found = quarantines(records)
+    if not found:
+        return []
+    lines = ["", "### GPU health", ""]
+    lines += ["Quarantined for every session of the user until `python -m pytest_gpuiso reset"]
+    lines += ["--device N` re-probes and lifts it.", ""]
+    lines += ["| GPU | after test | probed because | what failed |", "|---|---|---|---|"]
+    for nodeid, device, problem, why in found[:MARKDOWN_ROWS]:
+        lines.append(
+            f"| {_cell(device)} | {_code_cell(nodeid)} | {_cell(why)} | {_cell(problem)} |"
+        )
+    return lines
 
 
 LEASE_LOW = 0.25  # a peak below this share of the lease: the lease could shrink

@@ -41,7 +41,7 @@ from .ports import PortLease
 from .prewarm import HIDDEN_GPUS, WarmJob
 from .record import attach_record, build_record
 from .results import apply_xfail, item_reports, setup_error_reports, skip_reports
-from .session import STATE, State, isolated, launcher, settle
+from .session import STATE, State, health, isolated, launcher, settle
 from .settings import IsolationSpec
 from .started import Started
 from .supervisor import Running
@@ -62,6 +62,7 @@ class Ran:
     payload: dict[str, Any] = field(default_factory=dict)  # pytest_gpuiso_child_payload's
     peak: int | None = None  # most GPU memory its processes held on one GPU (NVML)
     port: int | None = None  # its MASTER_PORT (None: the user's own, or none leased)
+    health: dict[str, Any] | None = None  # its GPUs' probe after it (None: not probed)
 
     @property
     def complete(self) -> bool:
@@ -80,6 +81,7 @@ class Ran:
             rerun,
             self.peak,
             self.port,
+            self.health,
         )
 
 
@@ -197,7 +199,7 @@ def _go(item: pytest.Item, plan: Plan, state: State, turn: Turn) -> Running | Ra
         if turn.started is None and turn.owned:  # start its process while it waits: the
             turn.started = _warm_while_waiting(plan, state)  # lease is used from its first ms
         try:
-            turn.lease = turn.lease or state.leases.acquire(
+            turn.lease = turn.lease or health(state).lease(
                 n, item.nodeid, state.settings.lease_timeout, spec.gpu_memory
             )
         except LeaseError as exc:  # a timeout, a slot-count conflict, a stuck table
@@ -231,6 +233,9 @@ def _finish(item: pytest.Item, plan: Plan, state: State, turn: Turn, running: Ru
         outcome = turn.go(state, running.bounds).wait()
         outcome.prewarmed = False
     lease = turn.lease
+    checked = None  # its GPUs probed, before anyone else may lease them
+    if lease is not None and health(state) is not None:
+        checked = health(state).after(item.nodeid, lease, outcome)
     number = turn.port.port if turn.port is not None else None
     turn.release(state)
     start_error = _tell_start_problems(item, state)
@@ -250,7 +255,7 @@ def _finish(item: pytest.Item, plan: Plan, state: State, turn: Turn, running: Ru
         item.config.hook.pytest_gpuiso_parent_payload(item=item, payload=sent, reports=reports)
     peak = next((p.peak for p in turn.probes if isinstance(p, GpuMemoryProbe)), None)
     stopped = stop[0] if stop else None
-    return Ran(reports, spec, outcome, lease, verdict, stopped, payload, peak, number)
+    return Ran(reports, spec, outcome, lease, verdict, stopped, payload, peak, number, checked)
 
 
 def _warm_while_waiting(plan: Plan, state: State) -> Started | None:

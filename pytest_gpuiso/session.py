@@ -17,6 +17,7 @@ import pytest
 from . import imports, ports, workdir
 from ._linux import set_child_subreaper
 from .forkserver import ServerBoot
+from .health import Health
 from .launcher import Launcher
 from .leases import Devices, Lease, Leases
 from .nvml import NvmlReader
@@ -38,6 +39,7 @@ class State:
     supervisor: Supervisor | None = None  # with the launcher
     devices: Devices = Devices((), "none")
     leases: Leases | None = None  # None: no GPUs, nothing to lease
+    health: Health | None = None  # with the leases, made on first use (``health``)
     nvml: NvmlReader = field(default_factory=NvmlReader)
     parallel: bool = False  # an xdist worker: other isolated tests run at the same time
     prewarmer: Prewarmer | None = None
@@ -146,3 +148,11 @@ def start_server(config: pytest.Config, state: State) -> Launcher | None:
     except (workdir.WorkdirError, OSError):
         return None
     return started
+
+
+def health(state: State) -> Health | None:
+    """The session's GPU health (None: no GPUs to lease), made on first use."""
+    if state.health is None and state.leases is not None:
+        s = state.settings
+        state.health = Health(state.leases, state.nvml, s.health, state.devices.via, s.reprobe)
+    return state.health

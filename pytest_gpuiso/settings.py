@@ -46,6 +46,7 @@ _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2*
 _UNITS |= {"GIB": 2**30, "TIB": 2**40}
 DEFAULT_TOLERANCE_MIB = 64.0  # GPU memory growth the leak check ignores
 START_METHODS = ("spawn", "forkserver")
+HEALTH_MODES = ("off", "after-failure", "always")  # when a test's GPUs are probed
 KINDS = ("shm", "process", "gpu_memory")  # leak kinds
 LEVELS = ("warn", "fail", "off")  # what a leak of a kind does
 # Seconds, from the template's start, that fork requests wait for it to collect (then the
@@ -113,6 +114,13 @@ def parse_start(value: str, what: str) -> str:
         raise SpecError(
             f"invalid value {value!r} for {what}: expected {' or '.join(START_METHODS)}"
         )
+    return text
+
+
+def parse_health(value: str, what: str) -> str:
+    text = value.strip().lower()
+    if text not in HEALTH_MODES:
+        raise SpecError(f"invalid value {value!r} for {what}: expected {', '.join(HEALTH_MODES)}")
     return text
 
 
@@ -331,6 +339,8 @@ class Settings:
     preload: tuple[str, ...] = ()  # imported by the fork server and by prewarmed children
     prewarm: int = DEFAULT_PREWARM  # processes of the next tests started ahead of their turn
     template_wait: float = TEMPLATE_WAIT_DEFAULT  # see TEMPLATE_WAIT_ENV
+    health: str = "after-failure"  # when a test's GPUs are probed (GPU health): HEALTH_MODES
+    reprobe: float | None = None  # seconds between probes of a quarantined GPU (None: never)
 
     def leak_level(self, kind: str) -> str:
         return dict(self.leaks)[kind]

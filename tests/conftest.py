@@ -126,6 +126,22 @@ def lease_region(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 @pytest.fixture
+def sim(
+    gpusim_libs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lease_region: Path
+) -> Path:
+    """Two simulated GPUs for the pytest sessions this test starts, with a lease table of
+    their own; the state file."""
+    state = tmp_path / "gpus"
+    path = os.environ.get("LD_LIBRARY_PATH", "")
+    monkeypatch.setenv("LD_LIBRARY_PATH", f"{gpusim_libs}:{path}" if path else str(gpusim_libs))
+    monkeypatch.setenv("GPUISO_SIM_STATE", str(state))
+    monkeypatch.setenv("GPUISO_SIM_GPUS", "Sim H100,81559;Sim A10,23028")
+    monkeypatch.setenv("GPUISO_SIM_CONTEXT_MIB", "300")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    return state
+
+
+@pytest.fixture
 def private_tmpdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A fresh $TMPDIR for the pytest runs; returns where their private directories go."""
     tmp = tmp_path / "tmpdir"

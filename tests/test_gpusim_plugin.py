@@ -30,22 +30,6 @@ MARK = "gpuiso-sim-escaped-allocator"
 MIB = 1 << 20
 
 
-@pytest.fixture
-def sim(
-    gpusim_libs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lease_region: Path
-) -> Path:
-    """Two simulated GPUs for the pytest sessions this test starts, with a lease table of
-    their own; the state file."""
-    state = tmp_path / "gpus"
-    path = os.environ.get("LD_LIBRARY_PATH", "")
-    monkeypatch.setenv("LD_LIBRARY_PATH", f"{gpusim_libs}:{path}" if path else str(gpusim_libs))
-    monkeypatch.setenv("GPUISO_SIM_STATE", str(state))
-    monkeypatch.setenv("GPUISO_SIM_GPUS", "Sim H100,81559;Sim A10,23028")
-    monkeypatch.setenv("GPUISO_SIM_CONTEXT_MIB", "300")
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    return state
-
-
 def _copy(gpuiso: GpuIso, *names: str) -> None:
     for name in names:
         shutil.copy(GPUSIM / name, gpuiso.path / name)

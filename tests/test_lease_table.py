@@ -68,7 +68,7 @@ DEV_OFFSET = 96  # ... ndevices u32, generation u32, next_key u32, pad u32
 SLOT_OFFSET = 72  # name[64], capacity u64
 SLOT_SIZE = 240  # owner {pid i32, key u32, start u64, ns u64}, lease u64, amount u64,
 # since_ns i64, label[192]
-DEVICE_SIZE = SLOT_OFFSET + MAX_SLOTS * SLOT_SIZE
+DEVICE_SIZE = SLOT_OFFSET + MAX_SLOTS * SLOT_SIZE + 8 + 192  # quarantined_ns i64, why[192]
 WAITER_SIZE = 256
 LAYOUT_KNOWN = REGION_SIZE == DEV_OFFSET + MAX_DEVICES * DEVICE_SIZE + 256 * WAITER_SIZE
 needs_layout = pytest.mark.skipif(
@@ -616,7 +616,12 @@ def test_concurrent_first_attach_publishes_one_private_complete_table(
         assert stat.S_IMODE(info.st_mode) == 0o600
         assert info.st_size == REGION_SIZE
         assert info.st_nlink == 1
-        assert Region(path).snapshot() == {"devices": [("0", 0, 0)], "holders": [], "waiters": []}
+        assert Region(path).snapshot() == {
+            "devices": [("0", 0, 0)],
+            "holders": [],
+            "waiters": [],
+            "quarantined": [],
+        }
     assert sorted(os.listdir(tmp_path)) == sorted(os.path.basename(p) for p in paths)
 
 
@@ -958,7 +963,7 @@ def test_impossible_requests_raise_value_error_and_leave_no_trace(
     """
     with pytest.raises(ValueError):
         region.acquire(devices, slots, n, "bad", 0)
-    assert region.snapshot() == {"devices": [], "holders": [], "waiters": []}
+    assert region.snapshot() == {"devices": [], "holders": [], "waiters": [], "quarantined": []}
 
 
 def test_release_only_frees_the_callers_own_lease(

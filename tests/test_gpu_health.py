@@ -1,0 +1,224 @@
+"""GPU health on the simulated GPU: a GPU a test broke is probed, quarantined for every
+session of the user, the tests move to the healthy GPUs, and ``reset --device`` lifts it
+once it passes its probe again (fixtures/gpusim/sim_health.py). What is probed and when
+is pytest's process's work: one start method is enough."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import GPUSIM, REPORT, GpuIso
+
+pytestmark = [pytest.mark.installation, pytest.mark.versions]
+
+MOD = "sim_health.py"
+
+
+def _run(gpuiso: GpuIso, *args: str) -> pytest.RunResult:
+    (gpuiso.path / MOD).write_text((GPUSIM / MOD).read_text())
+    return gpuiso.run(REPORT, "-p", "no:randomly", *args)
+
+
+def _gpus(log: Path) -> dict[str, set[str]]:
+    """Which GPUs each test of sim_health.py ran on, from its log."""
+    found: dict[str, set[str]] = {}
+    for line in log.read_text().splitlines():
+        name, gpu = line.split()
+        found.setdefault(name, set()).add(gpu)
+    return found
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pytest_gpuiso", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def _repair(gpu: str) -> None:
+    code = "import ctypes, sys; sys.exit(ctypes.CDLL('libcuda.so.1').gpusimBreakGpu(%s, 0))"
+    subprocess.run([sys.executable, "-c", code % gpu], check=True, timeout=60)
+
+
+def test_a_broken_gpu_is_quarantined_for_every_session_until_it_passes_again(
+    gpuiso_spawn: GpuIso,
+    sim: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    gpuiso = gpuiso_spawn
+    log = gpuiso.path / "gpus.log"
+    monkeypatch.setenv("GPUISO_HEALTH_LOG", str(log))
+    tests = [f"{MOD}::{name}" for name in ("test_ordinary_failure", "test_breaks_its_gpu")]
+    result = _run(gpuiso, *tests, f"{MOD}::test_after", "--gpu-isolate-summary=summary.md")
+    result.assert_outcomes(passed=3, failed=2)
+    [broken] = _gpus(log)["breaks"]
+    records = gpuiso.records()
+    assert "gpu_health" not in records[tests[0]]  # an assertion puts no GPU in doubt
+    checked = records[tests[1]]["gpu_health"]
+    assert checked["probed"].startswith("a sticky CUDA error (illegal memory access")
+    assert checked["devices"] == [broken]
+    failed = "the CUDA driver probe failed: cuCtxSynchronize: CUDA error 700"
+    assert checked["quarantined"] == {broken: failed}
+    result.stdout.fnmatch_lines([f"*QUARANTINED GPU {broken} after {tests[1]}: {failed}"])
+    assert "### GPU health" in (gpuiso.path / "summary.md").read_text()
+    healthy = {"0", "1"} - {broken}
+    assert all(_gpus(log)[f"after-{n}"] == healthy for n in range(3))
+
+    log.unlink()  # another session of the user avoids it too
+    _run(gpuiso, f"{MOD}::test_after").assert_outcomes(passed=3)
+    assert all(_gpus(log)[f"after-{n}"] == healthy for n in range(3))
+
+    status = _cli("status")
+    assert status.returncode == 0, status.stderr
+    [row] = [line for line in status.stdout.splitlines() if "QUARANTINED" in line]
+    assert row.split()[0] == broken and tests[1] in row
+    still = _cli("reset", "--device", broken)
+    assert still.returncode == 1
+    assert f"GPU {broken} still fails its probe: {failed}; left quarantined" in still.stderr
+    _repair(broken)
+    lifted = _cli("reset", "--device", broken)
+    assert lifted.returncode == 0, lifted.stderr
+    assert f"GPU {broken}: quarantine lifted (it passed its probe" in lifted.stdout
+    assert "QUARANTINED" not in _cli("status").stdout
+
+
+def test_an_xid_quarantines_and_a_test_left_without_a_healthy_gpu_says_how_to_lift_it(
+    gpuiso_spawn: GpuIso,
+    sim: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    gpuiso = gpuiso_spawn
+    monkeypatch.setenv("GPUISO_HEALTH_LOG", str(gpuiso.path / "gpus.log"))
+    monkeypatch.setenv("GPUISO_SIM_GPUS", "Sim H100,81559")
+    crash, after = f"{MOD}::test_xid_then_crash", f"{MOD}::test_after[0]"
+    result = _run(gpuiso, crash, after, "--gpu-isolate-lease-timeout=1")
+    result.assert_outcomes(failed=1, errors=1)
+    checked = gpuiso.records()[crash]["gpu_health"]
+    assert checked == {
+        "probed": "it crashed with SIGABRT",
+        "devices": ["0"],
+        "quarantined": {"0": "Xid 79"},
+    }
+    result.stdout.fnmatch_lines(
+        [
+            "*ERROR at setup of test_after[[]0[]]*",
+            "*quarantined: GPU 0 (Xid 79 (probed after *test_xid_then_crash: it crashed with "
+            "SIGABRT)); `python -m pytest_gpuiso reset --device 0` re-probes and lifts it*",
+        ]
+    )
+
+
+# ----------------------------------------------------------------------------- units
+
+
+class _Outcome:
+    """What ``why_probe`` reads of a run's outcome."""
+
+    def __init__(self, signal=None, timed_out=False, reports=(), errors=()):
+        self.signal_name, self.timed_out = signal, timed_out
+        self.reports, self.errors, self.leaks = list(reports), list(errors), []
+
+
+@pytest.mark.parametrize(
+    ("outcome", "why"),
+    [
+        (_Outcome(signal="SIGSEGV"), "it crashed with SIGSEGV"),
+        (_Outcome(timed_out=True), "it timed out"),
+        (
+            _Outcome(reports=[{"longrepr": "CUDA error: unspecified launch failure"}]),
+            "a sticky CUDA error (unspecified launch failure)",
+        ),
+        (_Outcome(errors=["cuCtxSynchronize: CUDA_ERROR_ILLEGAL_ADDRESS"]), None),
+        (_Outcome(reports=[{"longrepr": "assert 2 == 3"}]), None),
+        (_Outcome(reports=[{"longrepr": "RuntimeError: CUDA error: out of memory"}]), None),
+    ],
+)
+def test_only_a_crash_a_timeout_or_a_sticky_cuda_error_puts_a_gpu_in_doubt(outcome, why) -> None:
+    from pytest_gpuiso.health import why_probe
+
+    expected = why
+    if outcome.errors:  # the process's own error lines count as much as its reports
+        expected = "a sticky CUDA error (CUDA_ERROR_ILLEGAL_ADDRESS)"
+    assert why_probe(outcome) == expected
+
+
+class _Nvml:
+    """NVML's health answers, scripted per device; ``lost_first``: the first device asked
+    about has fallen off the bus."""
+
+    def __init__(self, problems: dict[str, list[str]] | None = None, lost_first=False) -> None:
+        self.problems_of, self.lost_first, self.watched = dict(problems or {}), lost_first, []
+
+    def watch(self, device: str) -> None:
+        self.watched.append(device)
+
+    def problems(self, device: str) -> list[str]:
+        if self.lost_first:
+            self.lost_first = False
+            self.problems_of[device] = ["it does not answer NVML (NVML: GPU is lost)"]
+        return list(self.problems_of.get(device, []))
+
+
+def _leases(lease_region: Path):
+    from pytest_gpuiso.leases import Devices, Leases
+
+    return Leases(Devices(("0", "1"), "test"), 1, path=str(lease_region))
+
+
+def test_always_quarantines_a_gpu_that_fails_nvml_and_leases_another(lease_region: Path) -> None:
+    from pytest_gpuiso.health import Health
+
+    leases = _leases(lease_region)
+    nvml = _Nvml(lost_first=True)
+    lease = Health(leases, nvml, "always", "CUDA_VISIBLE_DEVICES").lease(1, "t::a", 5.0, None)
+    [lost] = nvml.problems_of
+    assert lease.devices != (lost,) and nvml.watched == [lost, *lease.devices]
+    quarantined = leases.quarantined()
+    assert set(quarantined) == {lost}
+    assert quarantined[lost]["why"] == (
+        "it does not answer NVML (NVML: GPU is lost) (probed after t::a: before its lease)"
+    )
+    leases.release(lease)
+
+
+def test_a_quarantined_gpu_is_leased_by_no_one_until_lifted(lease_region: Path) -> None:
+    from pytest_gpuiso.leases import LeaseTimeout
+
+    leases = _leases(lease_region)
+    lease = leases.acquire(1, "t::a", 5.0)
+    leases.release(lease)
+    leases.quarantine("0", "Xid 79 (probed after t::a: it crashed with SIGABRT)")
+    leases.quarantine("1", "Xid 48 (probed after t::b: it timed out)")
+    with pytest.raises(LeaseTimeout, match=r"quarantined: GPU 0 \(Xid 79 .*GPU 1 \(Xid 48"):
+        leases.acquire(1, "t::c", 0.2)
+    assert leases.lift("1") is True and leases.lift("1") is False
+    assert leases.acquire(1, "t::c", 5.0).devices == ("1",)
+    with pytest.raises(KeyError, match="no device 7"):
+        leases.lift("7")
+
+
+def test_reprobe_lifts_a_quarantined_gpu_that_passes_again(
+    lease_region: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pytest_gpuiso import health
+
+    leases = _leases(lease_region)
+    leases.release(leases.acquire(2, "t::a", 5.0))
+    leases.quarantine("0", "Xid 79")
+    leases.quarantine("1", "the CUDA driver probe failed: cuCtxSynchronize: CUDA error 700")
+    probed = []
+
+    def driver_probe(env: dict[str, str]) -> str | None:
+        probed.append(env["CUDA_VISIBLE_DEVICES"])
+        return "still broken" if env["CUDA_VISIBLE_DEVICES"] == "1" else None
+
+    monkeypatch.setattr(health, "driver_probe", driver_probe)
+    checks = health.Health(leases, _Nvml(), "after-failure", "CUDA_VISIBLE_DEVICES", 0.001)
+    time.sleep(0.01)  # both quarantines are older than the re-probe interval
+    lease = checks.lease(1, "t::b", 5.0, None)
+    assert sorted(probed) == ["0", "1"] and lease.devices == ("0",)
+    assert set(leases.quarantined()) == {"1"}
