@@ -14,21 +14,23 @@
 #   cpu-bench   bench/overhead.py --only forkserver (the 1.3x target, on this machine's cores)
 #   mem-bench   bench/memory_leases.py --cuda: 16 tests x 4 GiB, exclusive vs memory leases
 #               (the >= 4x target on an 80 GB GPU)
+#   health      bench/health_cost.py: the GPU health probe's NVML part (<= 10 ms) and its
+#               driver part, on GPU 0
 #
 # Each step's output goes to $OUT/<step>.log (OUT defaults to ./gpu-validation-out) and a
 # line "step exit-status seconds" to $OUT/summary.txt, which is printed at the end. A step
 # that fails does not stop the next; the script exits 1 if any failed. $PYTHON (default
 # python3) runs everything. Each step has its own bound (facts 60 s, build 300, torch 120,
-# tests 420, cuda-bench 540, cpu-bench 300, mem-bench 540); $STEP_TIMEOUT, if set, replaces
-# them all. Under the device tool's 600 s a command, one call each: `facts build torch tests`,
-# `cuda-bench`, `cpu-bench`, `mem-bench`.
+# tests 420, cuda-bench 540, cpu-bench 300, mem-bench 540, health 120); $STEP_TIMEOUT, if set,
+# replaces them all. Under the device tool's 600 s a command, one call each: `facts build torch
+# tests`, `cuda-bench`, `cpu-bench`, `mem-bench health`.
 set -u
 cd "$(dirname "$0")/.."
 export PYTHON=${PYTHON:-python3}
 OUT=${OUT:-gpu-validation-out}
 declare -A BOUND=([facts]=60 [build]=300 [torch]=120 [tests]=420 [cuda-bench]=540 [cpu-bench]=300
-    [mem-bench]=540)
-ALL=(facts build torch tests cuda-bench cpu-bench mem-bench)
+    [mem-bench]=540 [health]=120)
+ALL=(facts build torch tests cuda-bench cpu-bench mem-bench health)
 mkdir -p "$OUT"
 : >"$OUT/summary.txt"
 
@@ -88,6 +90,10 @@ step_cpu-bench() {
 
 step_mem-bench() {
     "$PYTHON" bench/memory_leases.py --cuda --tests 16 --gib 4 --workers 16 --hold 2
+}
+
+step_health() {
+    "$PYTHON" bench/health_cost.py
 }
 
 steps=("$@")

@@ -141,7 +141,7 @@ def test_gpu_validation_unknown_step_is_one_line(tmp_path):
     assert done.returncode == 2
     assert done.stderr.splitlines() == [
         "gpu_validation.sh: unknown step 'tets' "
-        "(steps: facts build torch tests cuda-bench cpu-bench mem-bench)"
+        "(steps: facts build torch tests cuda-bench cpu-bench mem-bench health)"
     ]
     assert not (tmp_path / "facts.log").exists()  # nothing ran
 
@@ -241,3 +241,24 @@ def test_chatty_bench_prints_both_modes_and_their_ratio() -> None:
     lines = done.stdout.splitlines()
     assert lines[0] == "a test writing 1 MiB to captured stdout, 1 runs each"
     assert [line.split()[0] for line in lines[2:]] == ["isolated", "in-process", "ratio"]
+
+
+def test_health_bench_prints_both_parts_and_the_target_ratio() -> None:
+    """bench/health_cost.py on the simulated GPU (no driver here): the NVML part with its
+    ratio to the 10 ms target, and the driver part; the healthy GPU shows no problem."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "health_cost.py"), "--repeat", "5", "--sim"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    if done.returncode == 2 and "no gcc" in done.stdout:
+        pytest.skip(done.stdout.strip())
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert re.search(
+        r"NVML part of the probe: median \d+\.\d+ ms, p95 \d+\.\d+ ms; \d+\.\d+x the 10 ms "
+        r"target, .*; found: nothing",
+        done.stdout,
+    ), done.stdout
+    assert re.search(r"driver part \(a fresh process\): \d+ ms; .*found: nothing", done.stdout)

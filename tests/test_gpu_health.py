@@ -112,6 +112,39 @@ def test_an_xid_quarantines_and_a_test_left_without_a_healthy_gpu_says_how_to_li
     )
 
 
+def test_always_keeps_every_test_off_a_gpu_nvml_has_lost(
+    gpuiso_spawn: GpuIso, sim: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--gpu-isolate-health=always``: GPU 0 has fallen off the bus before the session; the
+    lease that gets it (both declared the same size: the first is taken first) finds so
+    through NVML, quarantines it and takes GPU 1 instead."""
+    log = gpuiso_spawn.path / "gpus.log"
+    monkeypatch.setenv("GPUISO_HEALTH_LOG", str(log))
+    monkeypatch.setenv("GPUISO_SIM_LOST", "0")
+    options = ("--gpu-isolate-health=always", "--gpu-isolate-devices=0:80GiB,1:80GiB")
+    _run(gpuiso_spawn, f"{MOD}::test_after", *options).assert_outcomes(passed=3)
+    assert all(_gpus(log)[f"after-{n}"] == {"1"} for n in range(3))
+    [row] = [line for line in _cli("status").stdout.splitlines() if "QUARANTINED" in line]
+    assert row.split()[0] == "0" and "it does not answer NVML" in row and "before its lease" in row
+
+
+@pytest.mark.plugins("rerunfailures")
+def test_a_rerun_after_the_test_broke_its_gpu_leases_a_healthy_one(
+    gpuiso_spawn: GpuIso, sim: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The recipe of docs/gpu-leases.md: ``--reruns 1 --only-rerun "CUDA error"``."""
+    pytest.importorskip("pytest_rerunfailures")
+    log = gpuiso_spawn.path / "gpus.log"
+    monkeypatch.setenv("GPUISO_HEALTH_LOG", str(log))
+    test = f"{MOD}::test_breaks_its_gpu_once"
+    result = _run(gpuiso_spawn, test, "--reruns", "1", "--only-rerun", "CUDA error")
+    outcomes = result.parseoutcomes()
+    assert (outcomes.get("passed"), outcomes.get("rerun"), outcomes.get("failed")) == (1, 1, None)
+    first, second = (line.split()[1] for line in log.read_text().splitlines())
+    assert first != second
+    assert set(_cli("status").stdout.split()) >= {"QUARANTINED", first}
+
+
 # ----------------------------------------------------------------------------- units
 
 
