@@ -912,6 +912,16 @@ static int resolve_rows(RegionObject *self, char **names, int count, const uint6
     return 0;
 }
 
+/* How many of the rows of `mask` are not quarantined: a request for more waits for a lift. */
+static uint32_t healthy_in(const region_t *r, uint64_t mask)
+{
+    uint32_t n = 0;
+    for (uint32_t d = 0; d < r->ndevices && d < MAX_DEVICES; d++)
+        if ((mask >> d & 1) && r->dev[d].quarantined_ns == 0)
+            n++;
+    return n;
+}
+
 /* A free holder entry of `dev` where the request fits, or -1. */
 static int room_on(const device_t *dev, uint64_t need)
 {
@@ -1086,13 +1096,14 @@ static int attempt(RegionObject *self, request_t *q, const char *label, double d
         w->owner = me;
     }
     /* Devices wanted by earlier waiters are theirs first, unless that waiter is stopped
-     * (Ctrl-Z): it keeps its ticket but holds nobody back until it runs again. The waits
+     * (Ctrl-Z): it keeps its ticket but holds nobody back until it runs again; nor does
+     * one that quarantines left without enough healthy devices (until a lift). The waits
      * below end at least once a second, so a waiter stopped meanwhile is seen then. */
     uint64_t blocked = 0;
     for (int w = 0; w < MAX_WAITERS; w++) {
         waiter_t *wt = &r->waiter[w];
         if (wt->owner.pid != 0 && wt->ticket < q->ticket && (wt->mask & q->mask) &&
-            !owner_stopped(&wt->owner)) {
+            !owner_stopped(&wt->owner) && wt->n <= healthy_in(r, wt->mask)) {
             blocked |= wt->mask;
             if (!in_our_namespace(&wt->owner)) {
                 blind = 1; /* its pid means nothing here: re-check every 100 ms */

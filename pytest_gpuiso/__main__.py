@@ -183,12 +183,18 @@ def _lift(region: object, path: str, device: str, force: bool) -> int:
     """Probe a quarantined GPU again (NVML, then the CUDA driver in a fresh process) and lift
     its quarantine when it passes, or at once with ``force``."""
     from . import health
+    from ._lease import RegionError
     from .leases import visible_env
     from .nvml import NvmlReader
 
-    quarantined = {q["device"]: q for q in region.snapshot()["quarantined"]}
+    try:
+        quarantined = {q["device"]: q for q in region.snapshot()["quarantined"]}
+    except RegionError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     if device not in quarantined:
-        print(f"GPU {device} is not quarantined in {path}")
+        which = ", ".join(sorted(quarantined)) or "none"
+        print(f"GPU {device} is not quarantined in {path} (quarantined: {which})")
         return 0
     if not force:
         nvml = NvmlReader()
@@ -197,7 +203,10 @@ def _lift(region: object, path: str, device: str, force: bool) -> int:
         finally:
             nvml.close()
         if not problems:
-            broken = health.driver_probe(visible_env((device,)))
+            env = visible_env((device,))
+            if device.isdigit() and "CUDA_DEVICE_ORDER" not in os.environ:
+                env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # an index as NVML numbers them
+            broken = health.driver_probe(env)
             problems = [broken] if broken else []
         if problems:
             print(
@@ -206,7 +215,11 @@ def _lift(region: object, path: str, device: str, force: bool) -> int:
                 file=sys.stderr,
             )
             return 1
-    region.lift(device)
+    try:
+        region.lift(device)
+    except RegionError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     how = "lifted without a probe (--force)" if force else "it passed its probe"
     print(f"GPU {device}: quarantine lifted ({how}; it was: {quarantined[device]['why']})")
     return 0

@@ -3,9 +3,10 @@
 Run in a fresh process (never pytest's: no CUDA context there), with
 ``CUDA_VISIBLE_DEVICES`` naming the one GPU to probe. Through the CUDA driver API
 (ctypes, no torch): initialise, create a context, allocate 1 MiB, synchronise, free,
-destroy. Exit status 0 when every step succeeded; else 1 and one line on stdout
-naming the step and the driver's error ("cuCtxSynchronize: CUDA_ERROR_ILLEGAL_ADDRESS
-(700)"). The caller bounds it with a timeout (a GPU that hangs fails the probe).
+destroy. Exit status 0 when every step succeeded; 2 when there is no CUDA driver to
+load (nothing said of the GPU: an AMD machine); else 1 and one line on stdout naming the
+step and the driver's error ("cuCtxSynchronize: CUDA_ERROR_ILLEGAL_ADDRESS (700)"). The
+caller bounds it with a timeout (a GPU that hangs fails the probe).
 """
 
 from __future__ import annotations
@@ -16,7 +17,14 @@ import sys
 ALLOC_BYTES = 1 << 20
 
 
+NO_DRIVER = 2  # exit status: no CUDA driver to probe with (not the GPU's fault)
+
+
 class ProbeFailed(Exception):
+    pass
+
+
+class NoDriver(Exception):
     pass
 
 
@@ -41,7 +49,7 @@ def probe() -> None:
     try:
         cuda = ctypes.CDLL("libcuda.so.1")
     except OSError as exc:
-        raise ProbeFailed(f"the CUDA driver cannot be loaded: {exc}") from None
+        raise NoDriver(f"the CUDA driver cannot be loaded: {exc}") from None
     device, context, pointer = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_uint64()
     _call(cuda, "cuInit", 0)
     _call(cuda, "cuDeviceGet", ctypes.byref(device), 0)
@@ -55,6 +63,9 @@ def probe() -> None:
 def main() -> int:
     try:
         probe()
+    except NoDriver as exc:
+        print(exc, flush=True)
+        return NO_DRIVER
     except ProbeFailed as exc:
         print(exc, flush=True)
         return 1

@@ -23,7 +23,7 @@ seconds. With ``--gpu-isolate-health=always`` the NVML part also runs on every l
 
 from __future__ import annotations
 
-import json
+import contextlib
 import math
 import os
 import re
@@ -32,12 +32,16 @@ import sys
 import time
 from typing import Any
 
+from . import rocm
 from .leaks import Leak
-from .leases import Lease, Leases, visible_env
+from .leases import LABEL_LEN, Lease, LeaseError, Leases, visible_env
 from .nvml import NvmlReader
 from .settings import GpuMemory
 
 PROBE_TIMEOUT = 20.0  # seconds for the driver part: a context on a healthy GPU takes < 1 s
+KILL_WAIT = 5.0  # seconds a killed probe gets to end before it is left behind
+NO_DRIVER = 2  # gpu_probe's exit status where it cannot probe (no CUDA driver to load)
+NODEID_KEPT = 100  # bytes of a test's name a quarantine's reason keeps (its end)
 # What a test's failure says when CUDA's error is sticky: the context (often the device)
 # is unusable until the process ends, and the device may stay so after it.
 STICKY = re.compile(
@@ -50,45 +54,69 @@ STICKY = re.compile(
 
 
 def why_probe(outcome: Any) -> str | None:
-    """Why a test's GPUs are probed after its run (``outcome``): it crashed, timed out, or
-    its reports or errors carry a sticky CUDA error; None for anything else (an ordinary
-    failure never puts a GPU in doubt)."""
-    if outcome.signal_name:
-        return f"it crashed with {outcome.signal_name}"
+    """Why a test's GPUs are probed after its run (``outcome``): it timed out, crashed, or
+    failed with a sticky CUDA error (in its failure's message, or the errors its process
+    said); None for anything else (an ordinary failure never puts a GPU in doubt)."""
     if outcome.timed_out:
         return "it timed out"
-    said = json.dumps([outcome.reports, outcome.errors], default=str)
-    found = STICKY.search(said)
+    if outcome.signal_name:
+        return f"it crashed with {outcome.signal_name}"
+    said = [*outcome.errors, *map(_failure, outcome.reports)]
+    found = STICKY.search("\n".join(said))
     return f"a sticky CUDA error ({found.group(0)})" if found else None
+
+
+def _failure(report: dict[str, Any]) -> str:
+    """The message a failed report's exception ends with ("" for a passed or skipped one):
+    not its traceback's source lines or captured output, where such words mean nothing."""
+    if report.get("outcome") != "failed":
+        return ""
+    longrepr = report.get("longrepr")
+    if isinstance(longrepr, dict):
+        crash = longrepr.get("reprcrash")
+        return str(crash.get("message", "")) if isinstance(crash, dict) else ""
+    return str(longrepr or "").strip().splitlines()[-1:][0] if longrepr else ""
 
 
 def driver_probe(env: dict[str, str], timeout: float = PROBE_TIMEOUT) -> str | None:
     """The driver part (``gpu_probe``) in a fresh process with ``env`` (the one GPU made
-    visible); what failed, or None."""
+    visible); what failed, or None (also where it cannot tell: no CUDA driver, no process
+    to be had). A probe stuck in the driver past ``timeout`` is killed and, if even that
+    does not end it (a process in the kernel's uninterruptible sleep), left behind."""
     try:
-        done = subprocess.run(
+        proc = subprocess.Popen(
             [sys.executable, "-m", "pytest_gpuiso.gpu_probe"],
             env={**os.environ, **env},
             stdin=subprocess.DEVNULL,
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
             text=True,
-            timeout=timeout,
         )
-    except subprocess.TimeoutExpired:
-        return f"the CUDA driver probe did not finish within {timeout:g} s"
     except OSError:  # out of processes: that says nothing of the GPU
         return None
-    if done.returncode == 0:
+    try:
+        said, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.communicate(timeout=KILL_WAIT)
+        return f"the CUDA driver probe did not finish within {timeout:g} s"
+    if proc.returncode in (0, NO_DRIVER):
         return None
-    said = (done.stdout.strip().splitlines() or done.stderr.strip().splitlines() or [""])[-1]
-    return f"the CUDA driver probe failed: {said or f'exit status {done.returncode}'}"
+    last = (said.strip().splitlines() or [""])[-1]
+    return f"the CUDA driver probe failed: {last or f'exit status {proc.returncode}'}"
 
 
 def _leaked_on(device: str, leaks: list[Leak]) -> list[str]:
     """What the GPU memory leak check found still on ``device`` after the test's end."""
     found = []
-    for leak in leaks:
-        if leak.kind == "gpu_memory" and leak.fields.get("device") == device:
+    for leak in leaks:  # on a GPU shared with other tests, what it saw may be theirs
+        fields = leak.fields
+        if (
+            leak.kind == "gpu_memory"
+            and fields.get("device") == device
+            and not fields.get("shared")
+        ):
             if leak.fields.get("holder"):
                 found.append(f"process {leak.fields['pid']} still holds it")
             else:
@@ -118,49 +146,76 @@ def checkup(
 
 
 def quarantine_reason(problem: str, nodeid: str, why: str) -> str:
-    """The reason the lease table keeps: what failed, after which test and why it was
-    probed; cut to what the table holds, the test's name last."""
-    return f"{problem} (probed after {nodeid}: {why})"
+    """The reason the lease table keeps (``LABEL_LEN`` bytes): after which test and why it
+    was probed, then what failed, cut to fit (a very long test name keeps its end)."""
+    if len(nodeid.encode()) > NODEID_KEPT:
+        nodeid = "..." + nodeid.encode()[-NODEID_KEPT:].decode("utf-8", "ignore")
+    text = f"after {nodeid} ({why}): {problem}".encode()
+    if len(text) > LABEL_LEN:
+        text = text[: LABEL_LEN - 3] + b"..."
+    return text.decode("utf-8", "ignore")
 
 
 class Health:
     """The session's side of GPU health: leases taken healthy, GPUs probed after a test
-    that put them in doubt, quarantined GPUs probed again every ``reprobe`` seconds."""
+    that put them in doubt, quarantined GPUs probed again every ``reprobe`` seconds. GPUs
+    named to ROCm are not probed (the probe speaks NVML and CUDA)."""
 
     def __init__(
-        self, leases: Leases, nvml: NvmlReader, mode: str, via: str, reprobe: float | None = None
+        self, leases: Leases, nvml: NvmlReader, mode: str, reprobe: float | None = None
     ) -> None:
         self.leases = leases
         self.nvml = nvml
-        self.mode = mode  # settings.HEALTH_MODES
-        self.via = via  # how the GPUs are named to CUDA (CUDA_VISIBLE_DEVICES or ROCm's)
+        self.mode = mode if leases.devices.via == rocm.CUDA else "off"  # settings.HEALTH_MODES
         self.reprobe = reprobe
         self._tried: dict[str, float] = {}  # device -> time.monotonic() of its last re-probe
 
     def _env(self, device: str) -> dict[str, str]:
-        return visible_env((device,), self.via)
+        """The driver probe's environment: ``device`` alone, numbered as the lease names it."""
+        devices = self.leases.devices
+        env = visible_env((device,), devices.via)
+        if devices.pci_order and "CUDA_DEVICE_ORDER" not in os.environ:
+            env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA numbers GPUs as NVML does
+        return env
+
+    def _quarantine(self, device: str, reason: str) -> str | None:
+        """Quarantine ``device``; why it could not be, or None."""
+        return self.leases.quarantine(device, reason)
 
     def lease(self, n: int, label: str, timeout: float | None, memory: GpuMemory | None) -> Lease:
         """``leases.acquire``, then watch the GPUs (Xid events, ECC counts: ``after`` says
         what came since). With mode "always", a GPU whose NVML part fails is quarantined
-        first and the lease taken again, among the others."""
-        self._reprobe()
+        first and the lease taken again, among the others. Without a lease timeout, a test
+        that needs more GPUs than quarantines leave fails at once (it would wait forever)."""
+        if self.mode != "off":
+            self._reprobe()
+            if timeout is None:
+                self._never_enough(n)
         while True:
             lease = self.leases.acquire(n, label, timeout, memory)
             if self.mode == "off":
                 return lease
             for device in lease.devices:
                 self.nvml.watch(device)
-            found = (
-                {d: self.nvml.problems(d) for d in lease.devices} if self.mode == "always" else {}
-            )
-            failed = {d: "; ".join(p) for d, p in found.items() if p}
+            checked = lease.devices if self.mode == "always" else ()
+            failed = {d: "; ".join(p) for d in checked if (p := self.nvml.problems(d))}
             if not failed:
                 return lease
             for device, problem in failed.items():
-                why = quarantine_reason(problem, label, "before its lease")
-                self.leases.quarantine(device, why)
+                self._quarantine(device, quarantine_reason(problem, label, "before its lease"))
             self.leases.release(lease)
+            if timeout is None:
+                self._never_enough(n)
+
+    def _never_enough(self, n: int) -> None:
+        names = self.leases.devices.names
+        quarantined = self.leases.quarantined()
+        if quarantined and len(names) - len(quarantined) < n:
+            healthy = len(names) - len(quarantined)
+            raise LeaseError(
+                f"{n} GPU{'s' if n != 1 else ''} wanted, {healthy} of {len(names)} healthy"
+                + self.leases.quarantine_text()
+            )
 
     def after(self, nodeid: str, lease: Lease, outcome: Any) -> dict[str, Any] | None:
         """Probe the test's GPUs when its run put them in doubt, and quarantine those that
@@ -171,13 +226,15 @@ class Health:
         env_of = {device: self._env(device) for device in lease.devices}
         failed = checkup(lease.devices, self.nvml, outcome.leaks, env_of)
         for device, problem in failed.items():
-            self.leases.quarantine(device, quarantine_reason(problem, nodeid, why))
+            refused = self._quarantine(device, quarantine_reason(problem, nodeid, why))
+            if refused:
+                failed[device] = f"{problem} (not quarantined: {refused})"
         return {"probed": why, "devices": list(lease.devices), "quarantined": failed}
 
     def _reprobe(self) -> None:
         """Probe again the quarantined GPUs whose last probe is ``reprobe`` seconds old, and
         lift those that pass."""
-        if self.reprobe is None or self.mode == "off":
+        if self.reprobe is None:
             return
         now = time.monotonic()
         for device, entry in self.leases.quarantined().items():

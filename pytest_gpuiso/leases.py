@@ -341,9 +341,17 @@ class Leases:
                 raise
             self._unreleased.pop(0)
 
-    def quarantine(self, device: str, why: str) -> None:
-        """No session of the user leases ``device`` until it is lifted (``lift``)."""
-        self._attach().quarantine(device, why[:LABEL_LEN])
+    def quarantine(self, device: str, why: str) -> str | None:
+        """No session of the user leases ``device`` until it is lifted (``lift``); why it
+        could not be quarantined (a table reset meanwhile, its lock held), or None."""
+        from ._lease import RegionError
+
+        why = why.encode("utf-8", "replace").decode()  # a nodeid may hold surrogates
+        try:
+            self._attach().quarantine(device, why)
+        except (KeyError, RegionError) as exc:
+            return str(exc).strip("'\"")
+        return None
 
     def lift(self, device: str) -> bool:
         """Lease ``device`` again; whether it was quarantined."""
@@ -366,7 +374,7 @@ class Leases:
         if not found:
             return ""
         which = "; ".join(f"GPU {name} ({q['why']})" for name, q in sorted(found.items()))
-        lift = LIFT_HINT.format(device=min(found))
+        lift = LIFT_HINT.format(device=sorted(found, key=lambda name: (len(name), name))[0])
         return f"; quarantined: {which}; {lift} re-probes and lifts it"
 
     def holders_text(self) -> str:

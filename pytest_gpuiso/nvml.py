@@ -193,10 +193,14 @@ class NvmlReader:
             return []
         nvml = self._nvml
         try:
-            nvml.nvmlDeviceGetMemoryInfo(self._handle(device))
+            handle = self._handle(device)
+        except NvmlUnavailable:  # a name NVML does not know (a UUID prefix): it cannot tell
+            return []
+        try:
+            nvml.nvmlDeviceGetMemoryInfo(handle)
         except Exception as exc:  # GPU_IS_LOST, a device that no longer answers
             return [f"it does not answer NVML ({_nvml_reason(exc)})"]
-        found = [f"Xid {xid}" for xid in self.xids(device)]
+        found = [f"Xid {xid}" for xid in self.xids(device) if xid not in APPLICATION_XIDS]
         with contextlib.suppress(Exception):  # not supported: no page retirement
             if nvml.nvmlDeviceGetRetiredPagesPendingStatus(self._handle(device)):
                 found.append("memory pages are waiting to be retired (a reset retires them)")
@@ -207,6 +211,9 @@ class NvmlReader:
 
 
 XID_CRITICAL = 0x8  # nvmlEventTypeXidCriticalError
+# Xids an application causes (a bad kernel, an aborted or killed process, a reset channel):
+# the GPU itself is fine. The set NVIDIA's Kubernetes device plugin ignores by default.
+APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 109})
 UNCORRECTED = 1  # NVML_MEMORY_ERROR_TYPE_UNCORRECTED
 VOLATILE_ECC = 0  # NVML_VOLATILE_ECC: since the driver loaded
 

@@ -154,5 +154,5 @@ def health(state: State) -> Health | None:
     """The session's GPU health (None: no GPUs to lease), made on first use."""
     if state.health is None and state.leases is not None:
         s = state.settings
-        state.health = Health(state.leases, state.nvml, s.health, state.devices.via, s.reprobe)
+        state.health = Health(state.leases, state.nvml, s.health, s.reprobe)
     return state.health

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import GPUSIM, REPORT, GpuIso
+from tests.test_lease_table import wait_until
 
 pytestmark = [pytest.mark.installation, pytest.mark.versions]
 
@@ -106,8 +107,8 @@ def test_an_xid_quarantines_and_a_test_left_without_a_healthy_gpu_says_how_to_li
     result.stdout.fnmatch_lines(
         [
             "*ERROR at setup of test_after[[]0[]]*",
-            "*quarantined: GPU 0 (Xid 79 (probed after *test_xid_then_crash: it crashed with "
-            "SIGABRT)); `python -m pytest_gpuiso reset --device 0` re-probes and lifts it*",
+            "*quarantined: GPU 0 (after *test_xid_then_crash (it crashed with SIGABRT): "
+            "Xid 79); `python -m pytest_gpuiso reset --device 0` re-probes and lifts it*",
         ]
     )
 
@@ -156,27 +157,50 @@ class _Outcome:
         self.reports, self.errors, self.leaks = list(reports), list(errors), []
 
 
+def _failed(message: str, source: str = "") -> dict:
+    """A failed report's data as pytest serializes it: the crash's message, and a traceback
+    whose source lines say ``source``."""
+    entry = {"data": {"lines": [source, f"E   {message}"]}}
+    return {
+        "outcome": "failed",
+        "longrepr": {"reprcrash": {"message": message}, "reprtraceback": {"entries": [entry]}},
+    }
+
+
 @pytest.mark.parametrize(
     ("outcome", "why"),
     [
         (_Outcome(signal="SIGSEGV"), "it crashed with SIGSEGV"),
-        (_Outcome(timed_out=True), "it timed out"),
+        (_Outcome(signal="SIGKILL", timed_out=True), "it timed out"),
         (
-            _Outcome(reports=[{"longrepr": "CUDA error: unspecified launch failure"}]),
+            _Outcome(reports=[_failed("RuntimeError: CUDA error: unspecified launch failure")]),
             "a sticky CUDA error (unspecified launch failure)",
         ),
-        (_Outcome(errors=["cuCtxSynchronize: CUDA_ERROR_ILLEGAL_ADDRESS"]), None),
-        (_Outcome(reports=[{"longrepr": "assert 2 == 3"}]), None),
-        (_Outcome(reports=[{"longrepr": "RuntimeError: CUDA error: out of memory"}]), None),
+        (
+            _Outcome(errors=["cuCtxSynchronize: CUDA_ERROR_ILLEGAL_ADDRESS"]),
+            "a sticky CUDA error (CUDA_ERROR_ILLEGAL_ADDRESS)",
+        ),
+        (_Outcome(reports=[_failed("assert 2 == 3", "check(xid=79)  # after an Xid")]), None),
+        (_Outcome(reports=[{"outcome": "passed", "sections": [["out", "ECC errors: 0"]]}]), None),
+        (_Outcome(reports=[_failed("RuntimeError: CUDA error: out of memory")]), None),
     ],
 )
-def test_only_a_crash_a_timeout_or_a_sticky_cuda_error_puts_a_gpu_in_doubt(outcome, why) -> None:
+def test_only_a_timeout_a_crash_or_a_sticky_cuda_error_puts_a_gpu_in_doubt(outcome, why) -> None:
     from pytest_gpuiso.health import why_probe
 
-    expected = why
-    if outcome.errors:  # the process's own error lines count as much as its reports
-        expected = "a sticky CUDA error (CUDA_ERROR_ILLEGAL_ADDRESS)"
-    assert why_probe(outcome) == expected
+    assert why_probe(outcome) == why
+
+
+def test_a_quarantines_reason_names_the_test_first_and_fits_the_table() -> None:
+    from pytest_gpuiso.health import quarantine_reason
+    from pytest_gpuiso.leases import LABEL_LEN
+
+    short = quarantine_reason("Xid 79", "t.py::test_a", "it crashed with SIGABRT")
+    assert short == "after t.py::test_a (it crashed with SIGABRT): Xid 79"
+    nodeid = "tests/test_kernels.py::test_matmul[" + "é" * 150 + "]"
+    long = quarantine_reason("the CUDA driver probe failed: " + "x" * 300, nodeid, "it timed out")
+    assert len(long.encode()) <= LABEL_LEN and long.startswith("after ...")
+    assert "é]" in long and " (it timed out): the CUDA driver probe failed: x" in long
 
 
 class _Nvml:
@@ -207,13 +231,13 @@ def test_always_quarantines_a_gpu_that_fails_nvml_and_leases_another(lease_regio
 
     leases = _leases(lease_region)
     nvml = _Nvml(lost_first=True)
-    lease = Health(leases, nvml, "always", "CUDA_VISIBLE_DEVICES").lease(1, "t::a", 5.0, None)
+    lease = Health(leases, nvml, "always").lease(1, "t::a", 5.0, None)
     [lost] = nvml.problems_of
     assert lease.devices != (lost,) and nvml.watched == [lost, *lease.devices]
     quarantined = leases.quarantined()
     assert set(quarantined) == {lost}
     assert quarantined[lost]["why"] == (
-        "it does not answer NVML (NVML: GPU is lost) (probed after t::a: before its lease)"
+        "after t::a (before its lease): it does not answer NVML (NVML: GPU is lost)"
     )
     leases.release(lease)
 
@@ -224,9 +248,9 @@ def test_a_quarantined_gpu_is_leased_by_no_one_until_lifted(lease_region: Path) 
     leases = _leases(lease_region)
     lease = leases.acquire(1, "t::a", 5.0)
     leases.release(lease)
-    leases.quarantine("0", "Xid 79 (probed after t::a: it crashed with SIGABRT)")
-    leases.quarantine("1", "Xid 48 (probed after t::b: it timed out)")
-    with pytest.raises(LeaseTimeout, match=r"quarantined: GPU 0 \(Xid 79 .*GPU 1 \(Xid 48"):
+    leases.quarantine("0", "after t::a (it crashed with SIGABRT): Xid 79")
+    leases.quarantine("1", "after t::b (it timed out): Xid 48")
+    with pytest.raises(LeaseTimeout, match=r"quarantined: GPU 0 \(after t::a .*GPU 1 \(after t::b"):
         leases.acquire(1, "t::c", 0.2)
     assert leases.lift("1") is True and leases.lift("1") is False
     assert leases.acquire(1, "t::c", 5.0).devices == ("1",)
@@ -250,8 +274,42 @@ def test_reprobe_lifts_a_quarantined_gpu_that_passes_again(
         return "still broken" if env["CUDA_VISIBLE_DEVICES"] == "1" else None
 
     monkeypatch.setattr(health, "driver_probe", driver_probe)
-    checks = health.Health(leases, _Nvml(), "after-failure", "CUDA_VISIBLE_DEVICES", 0.001)
+    checks = health.Health(leases, _Nvml(), "after-failure", 0.001)
     time.sleep(0.01)  # both quarantines are older than the re-probe interval
     lease = checks.lease(1, "t::b", 5.0, None)
     assert sorted(probed) == ["0", "1"] and lease.devices == ("0",)
     assert set(leases.quarantined()) == {"1"}
+
+
+def test_a_request_quarantine_left_unservable_holds_no_one_back(lease_region: Path) -> None:
+    """GPU 0 quarantined, a 2-GPU request waiting (it can only be served after a lift): a
+    1-GPU request behind it gets the healthy GPU 1 at once."""
+    leases = _leases(lease_region)
+    leases.release(leases.acquire(2, "t::init", 5.0))
+    leases.quarantine("0", "after t::init (it timed out): Xid 79")
+    code = (
+        "import sys; from pytest_gpuiso.leases import Devices, Leases; "
+        f"leases = Leases(Devices(('0', '1'), 'test'), 1, path={str(lease_region)!r}); "
+        "print('waiting', flush=True); leases.acquire(2, 't::two', 30.0)"
+    )
+    waiter = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert waiter.stdout.readline().strip() == "waiting"
+        wait_until(lambda: leases.region.snapshot()["waiters"], 30)
+        assert leases.acquire(1, "t::one", 10.0).devices == ("1",)
+    finally:
+        waiter.kill()
+        waiter.wait()
+
+
+def test_without_a_lease_timeout_a_test_quarantines_leave_short_fails_at_once(
+    lease_region: Path,
+) -> None:
+    from pytest_gpuiso.health import Health
+    from pytest_gpuiso.leases import LeaseError
+
+    leases = _leases(lease_region)
+    leases.release(leases.acquire(2, "t::init", 5.0))
+    leases.quarantine("1", "after t::init (it timed out): Xid 79")
+    with pytest.raises(LeaseError, match=r"^2 GPUs wanted, 1 of 2 healthy; quarantined: GPU 1"):
+        Health(leases, _Nvml(), "after-failure").lease(2, "t::two", None, None)
