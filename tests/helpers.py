@@ -15,6 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from pytest_gpuiso.leases import REGION_ENV
 from pytest_gpuiso.settings import TEMPLATE_WAIT_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -135,6 +136,8 @@ def make_gpuiso(
     monkeypatch.delenv("CI", raising=False)
     monkeypatch.delenv("BUILD_NUMBER", raising=False)
     monkeypatch.setenv("COLUMNS", "80")
+    if REGION_ENV not in os.environ:  # never the user's own lease table
+        monkeypatch.setenv(REGION_ENV, str(pytester.path.parent / f"{pytester.path.name}-leases"))
     if start == "forkserver":  # every test's process from the collected template, if it can
         monkeypatch.setenv(TEMPLATE_WAIT_ENV, "120")
     return GpuIso(pytester, start=start, plugins=plugins)

@@ -111,6 +111,10 @@ def test_an_xid_quarantines_and_a_test_left_without_a_healthy_gpu_says_how_to_li
             "Xid 79); `python -m pytest_gpuiso reset --device 0` re-probes and lifts it*",
         ]
     )
+    # The Xid is past: the next session's re-probe finds the GPU healthy and lifts it.
+    result = _run(gpuiso, after, "--gpu-isolate-lease-timeout=5", "--gpu-isolate-reprobe=0.01")
+    result.assert_outcomes(passed=1)
+    assert "QUARANTINED" not in _cli("status").stdout
 
 
 def test_always_keeps_every_test_off_a_gpu_nvml_has_lost(
