@@ -188,7 +188,8 @@ class NvmlReader:
 
     def problems(self, device: str) -> list[str]:
         """What NVML says is wrong with ``device`` since ``watch``: it does not answer, an Xid
-        critical error, pages waiting to be retired, new uncorrectable ECC errors."""
+        critical error, pages waiting to be retired or rows to be remapped (or a row that
+        could not be), new uncorrectable ECC errors."""
         if not self.available():
             return []
         nvml = self._nvml
@@ -201,9 +202,15 @@ class NvmlReader:
         except Exception as exc:  # GPU_IS_LOST, a device that no longer answers
             return [f"it does not answer NVML ({_nvml_reason(exc)})"]
         found = [f"Xid {xid}" for xid in self.xids(device) if xid not in APPLICATION_XIDS]
-        with contextlib.suppress(Exception):  # not supported: no page retirement
-            if nvml.nvmlDeviceGetRetiredPagesPendingStatus(self._handle(device)):
+        with contextlib.suppress(Exception):  # not supported: no page retirement (Ampere on)
+            if nvml.nvmlDeviceGetRetiredPagesPendingStatus(handle):
                 found.append("memory pages are waiting to be retired (a reset retires them)")
+        with contextlib.suppress(Exception):  # not supported: no row remapping (before Ampere)
+            _corrected, _uncorrected, pending, failed = nvml.nvmlDeviceGetRemappedRows(handle)
+            if failed:
+                found.append("a memory row could not be remapped (the GPU needs service)")
+            elif pending:
+                found.append("memory rows are waiting to be remapped (a reset remaps them)")
         before, now = self._ecc.get(device), self._uncorrectable(device)
         if before is not None and now is not None and now > before:
             found.append(f"{now - before} uncorrectable ECC errors")

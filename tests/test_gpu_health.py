@@ -317,3 +317,61 @@ def test_without_a_lease_timeout_a_test_quarantines_leave_short_fails_at_once(
     leases.quarantine("1", "after t::init (it timed out): Xid 79")
     with pytest.raises(LeaseError, match=r"^2 GPUs wanted, 1 of 2 healthy; quarantined: GPU 1"):
         Health(leases, _Nvml(), "after-failure").lease(2, "t::two", None, None)
+
+
+class _FakePynvml:
+    """The nvidia-ml-py calls of the NVML part, over one scripted GPU."""
+
+    class Timeout(Exception):
+        pass
+
+    def __init__(self) -> None:
+        self.events: list[int] = []  # Xids waiting in the event set
+        self.ecc, self.remapped, self.lost = 0, (0, 0, 0, 0), False
+
+    def nvmlDeviceGetHandleByIndex(self, index):
+        return f"gpu{index}"
+
+    def nvmlDeviceGetMemoryInfo(self, handle):
+        if self.lost:
+            raise RuntimeError("GPU is lost")
+
+    def nvmlEventSetCreate(self):
+        return "set"
+
+    def nvmlDeviceRegisterEvents(self, handle, types, events):
+        assert types == 0x8  # Xid critical errors
+
+    def nvmlEventSetWait_v2(self, events, timeout_ms):
+        if not self.events:
+            raise self.Timeout
+        return type("Event", (), {"eventData": self.events.pop(0)})()
+
+    def nvmlDeviceGetTotalEccErrors(self, handle, kind, counter):
+        return self.ecc
+
+    def nvmlDeviceGetRetiredPagesPendingStatus(self, handle):
+        raise RuntimeError("NVML_ERROR_NOT_SUPPORTED")  # Ampere and later: remapped rows
+
+    def nvmlDeviceGetRemappedRows(self, handle):
+        return self.remapped
+
+
+def test_the_nvml_part_counts_what_came_since_the_lease_and_only_the_gpus_fault() -> None:
+    from pytest_gpuiso.nvml import NvmlReader
+
+    fake = _FakePynvml()
+    reader = NvmlReader()
+    reader._nvml = fake  # as if nvmlInit had found a driver
+    fake.events, fake.ecc = [48], 3  # before the lease: not this run's
+    reader.watch("0")
+    assert reader.problems("0") == []
+    fake.events = [45, 79, 13]  # a killed process's and a bad kernel's Xids do not count
+    fake.ecc, fake.remapped = 5, (0, 1, 1, 0)
+    assert reader.problems("0") == [
+        "Xid 79",
+        "memory rows are waiting to be remapped (a reset remaps them)",
+        "2 uncorrectable ECC errors",
+    ]
+    fake.lost = True
+    assert reader.problems("0") == ["it does not answer NVML (NVML: GPU is lost)"]
