@@ -1563,6 +1563,40 @@ static PyObject *set_quarantine(RegionObject *self, const char *name, const char
     return PyBool_FromLong(was);
 }
 
+/* quarantined() -> [{device, since_ns, why}]: the quarantines alone (no copy of the table,
+ * so that a lease may look at them every time). */
+static PyObject *Region_quarantined(RegionObject *self, PyObject *Py_UNUSED(ignored))
+{
+    if (ready(self) < 0)
+        return NULL;
+    char names[MAX_DEVICES][NAME_LEN], why[MAX_DEVICES][LABEL_LEN];
+    int64_t since[MAX_DEVICES];
+    int n = 0;
+    if (lock_region(self, -1) != 0)
+        return NULL;
+    region_t *r = self->r;
+    for (uint32_t d = 0; d < r->ndevices && d < MAX_DEVICES; d++)
+        if (r->dev[d].quarantined_ns != 0) {
+            memcpy(names[n], r->dev[d].name, NAME_LEN);
+            memcpy(why[n], r->dev[d].why, LABEL_LEN);
+            since[n++] = r->dev[d].quarantined_ns;
+        }
+    unlock_region(r);
+    PyObject *list = PyList_New(0);
+    for (int i = 0; list != NULL && i < n; i++) {
+        PyObject *item = Py_BuildValue("{s:N,s:L,s:N}", "device", text_of(names[i], NAME_LEN),
+                                       "since_ns", (long long)since[i], "why",
+                                       text_of(why[i], LABEL_LEN));
+        if (item == NULL || PyList_Append(list, item) < 0) {
+            Py_XDECREF(item);
+            Py_CLEAR(list);
+            break;
+        }
+        Py_DECREF(item);
+    }
+    return list;
+}
+
 static PyObject *Region_quarantine(RegionObject *self, PyObject *args)
 {
     const char *name, *why;
@@ -1601,6 +1635,8 @@ static PyMethodDef Region_methods[] = {
     {"quarantine", (PyCFunction)Region_quarantine, METH_VARARGS,
      "quarantine(device, why) -> whether it was quarantined already: no one leases it until "
      "lift(device); KeyError for a device the table does not know"},
+    {"quarantined", (PyCFunction)Region_quarantined, METH_NOARGS,
+     "quarantined() -> [{device, since_ns, why}], as snapshot()['quarantined'], without the rest"},
     {"lift", (PyCFunction)Region_lift, METH_VARARGS,
      "lift(device) -> whether it was quarantined; its waiters are woken"},
     {"clear", (PyCFunction)(void (*)(void))Region_clear, METH_VARARGS | METH_KEYWORDS,

@@ -362,11 +362,11 @@ class Leases:
         from ._lease import RegionError
 
         try:
-            snapshot = self._attach().snapshot()
+            found = self._attach().quarantined()
         except RegionError:
             return {}
         names = self.devices.names
-        return {q["device"]: q for q in snapshot["quarantined"] if q["device"] in names}
+        return {q["device"]: q for q in found if q["device"] in names}
 
     def quarantine_text(self) -> str:
         """ "; quarantined: GPU 1 (why); ..." for a lease that could not be had, or ""."""
