@@ -296,7 +296,9 @@ def test_a_request_quarantine_left_unservable_holds_no_one_back(lease_region: Pa
         f"leases = Leases(Devices(('0', '1'), 'test'), 1, path={str(lease_region)!r}); "
         "print('waiting', flush=True); leases.acquire(2, 't::two', 30.0)"
     )
-    waiter = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    waiter = subprocess.Popen(  # not from the checkout's folder: the installed plugin
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd="/"
+    )
     try:
         assert waiter.stdout.readline().strip() == "waiting"
         wait_until(lambda: leases.region.snapshot()["waiters"], 30)
