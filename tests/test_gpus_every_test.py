@@ -162,31 +162,35 @@ def test_a_port_is_leased_once_until_released():
 
 def test_a_port_held_in_another_process_or_bound_is_skipped():
     """A name held by another process (another session's test) and a port some program
-    listens on are both passed over; the kernel frees the name when its holder dies."""
-    span = range(40200, 40203)
-    holder = subprocess.Popen([sys.executable, "-c", HOLD_40200], stdout=subprocess.PIPE, text=True)
+    listens on are both passed over; the kernel frees the name when its holder dies. The
+    ports are below Linux's ephemeral range (32768-60999), where no socket of another test
+    is given one by chance."""
+    base = HELD_PORT
+    span = range(base, base + 3)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "holding"
         with socket.socket() as other:
-            other.bind(("", 40201))
+            other.bind(("", base + 1))
             other.listen()
             got = ports.lease(span)
-            assert got.port == 40202
+            assert got.port == base + 2
             with pytest.raises(ports.PortError, match="set MASTER_PORT to choose one yourself"):
-                ports.lease(range(40200, 40202))
+                ports.lease(range(base, base + 2))
             got.release()
     finally:
         holder.kill()
         holder.wait()
-    freed = ports.lease(range(40200, 40201))  # its holder died: the name is free again
-    assert freed.port == 40200
+    freed = ports.lease(range(base, base + 1))  # its holder died: the name is free again
+    assert freed.port == base
     freed.release()
 
 
-HOLD_40200 = (
+HELD_PORT = 28200  # not in the plugin's range (29500-31499) nor the ephemeral one
+HOLD = (
     "import socket, os, sys, time\n"
     "s = socket.socket(socket.AF_UNIX)\n"
-    "s.bind(f'\\0pytest-gpuiso-master-port-{os.getuid()}-40200')\n"
+    f"s.bind(f'\\0pytest-gpuiso-master-port-{{os.getuid()}}-{HELD_PORT}')\n"
     "print('holding', flush=True)\n"
     "time.sleep(120)\n"
 )
