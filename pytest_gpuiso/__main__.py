@@ -1,6 +1,7 @@
 """python -m pytest_gpuiso status | reset [--force] [--device GPU] | merge REPORT... |
---version: inspect or clear the GPU lease table (or lift a GPU's quarantine), or merge the
-JSON reports of CI shards."""
+compare BASE HEAD | --version: inspect or clear the GPU lease table (or lift a GPU's
+quarantine), merge the JSON reports of CI shards, or compare a pull request's report with
+its base's."""
 
 from __future__ import annotations
 
@@ -62,6 +63,38 @@ def _merge(opts: argparse.Namespace) -> int:
     return 0
 
 
+COMPARE_HELP = """\
+compare two JSON reports (--gpu-isolate-report, or shards merged with `merge --json`),
+test by test on each test's last attempt: a leak kind, crash or timeout a test has in
+HEAD and did not have in BASE, a start-up or GPU memory peak that grew past its
+threshold (new); what BASE had and HEAD no longer has (fixed); tests on one side only
+(listed, never new).
+
+exit status: 0 when nothing is new; 1 when something is; 2 for unusable input (one line
+on stderr: "error: PATH: problem") or a usage error."""
+
+
+def _compare(opts: argparse.Namespace) -> int:
+    from . import compare, report, shards
+
+    try:
+        base, head = shards.load(opts.base), shards.load(opts.head)
+    except shards.ReportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    result = compare.compare(
+        base, head, max(opts.startup_growth, 0.0), int(max(opts.peak_growth, 0.0) * (1 << 20))
+    )
+    print(compare.text(result), end="")
+    if opts.markdown is not None:
+        try:
+            report.write_text(opts.markdown, compare.markdown(result))
+        except OSError as exc:
+            print(f"error: {opts.markdown}: cannot write: {exc.strerror or exc}", file=sys.stderr)
+            return 2
+    return 1 if result.new else 0
+
+
 DESCRIPTION = """\
 Inspect or clear the GPU lease table that pytest-gpuiso's workers share, or merge the
 JSON reports of CI shards. Options may come before or after the command."""
@@ -106,6 +139,29 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     merge.add_argument("reports", nargs="+", metavar="REPORT", help="JSON report of one shard")
+    compare = sub.add_parser(
+        "compare",
+        help="what HEAD's JSON report has new against BASE's: leaks, crashes, timeouts",
+        description=COMPARE_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    compare.add_argument("base", metavar="BASE", help="the base branch's JSON report")
+    compare.add_argument("head", metavar="HEAD", help="the pull request's JSON report")
+    compare.add_argument("--markdown", type=Path, metavar="PATH", help="also write Markdown")
+    compare.add_argument(
+        "--startup-growth",
+        type=float,
+        default=2.0,
+        metavar="SECONDS",
+        help="a test's start-up longer by more than this is new (default 2)",
+    )
+    compare.add_argument(
+        "--peak-growth",
+        type=float,
+        default=512.0,
+        metavar="MIB",
+        help="a test's GPU memory peak higher by more than this is new (default 512)",
+    )
     merge.add_argument("--markdown", type=Path, metavar="PATH", help="write the Markdown summary")
     merge.add_argument("--json", type=Path, metavar="PATH", help="write the merged JSON report")
     return parser, merge
@@ -114,6 +170,8 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
 def main(argv: list[str] | None = None) -> int:
     parser, merge = _parser()
     opts = parser.parse_args(argv)
+    if opts.command == "compare":
+        return _compare(opts)
     if opts.command == "merge":
         if opts.markdown is None and opts.json is None:
             merge.error("nothing to write: give --markdown PATH and/or --json PATH")

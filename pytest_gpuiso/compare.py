@@ -1,0 +1,149 @@
+"""What a pull request changed against its base: ``python -m pytest_gpuiso compare``.
+
+Two JSON reports (or merged shards) are read as ``merge`` reads them (``shards.load``)
+and compared test by test, on each test's last attempt:
+
+* new: a leak kind a test reports now and did not (not counting leaks its marker
+  allows), a crash or a timeout it did not have, a start-up that grew by more than
+  ``startup_growth`` seconds, a GPU memory peak that grew by more than ``peak_growth``;
+* fixed: a leak kind, a crash or a timeout it had and no longer has;
+* tests on one side only: listed, never counted as new.
+
+The result is text for a terminal and Markdown for a pull request; new findings make the
+command's exit status 1 (a required check can fail on them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .record import is_number
+
+STARTUP_GROWTH = 2.0  # seconds more of start-up that count as a regression
+PEAK_GROWTH = 512 << 20  # bytes more of GPU memory peak that count as a regression
+
+
+@dataclass(frozen=True)
+class Change:
+    nodeid: str
+    what: str  # "leak shm", "crash", "timeout", "start-up", "GPU memory peak"
+    detail: str
+
+
+@dataclass
+class Comparison:
+    new: list[Change] = field(default_factory=list)
+    fixed: list[Change] = field(default_factory=list)
+    only_base: list[str] = field(default_factory=list)
+    only_head: list[str] = field(default_factory=list)
+    compared: int = 0
+
+
+def _last(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each test's last attempt (pytest-rerunfailures: a record per attempt)."""
+    found: dict[str, dict[str, Any]] = {}
+    for record in records:
+        attempt = record.get("attempt") if is_number(record.get("attempt")) else 1
+        kept = found.get(record["nodeid"])
+        if kept is None or attempt >= (kept.get("attempt") or 1):
+            found[record["nodeid"]] = record
+    return found
+
+
+def _leaks(record: dict[str, Any]) -> dict[str, str]:
+    """Leak kind -> the first such leak's detail, of the leaks not allowed by its marker."""
+    kinds: dict[str, str] = {}
+    for leak in record.get("leaks", []):
+        if not leak.get("allowed"):
+            kinds.setdefault(leak["kind"], leak["detail"])
+    return kinds
+
+
+def _ended(record: dict[str, Any]) -> str | None:
+    """ "timeout", "crash" or None: how its process ended, when not as it should."""
+    exit_ = record["exit"]
+    if exit_["timed_out"]:
+        return "timeout"
+    if exit_["signal"] and record["outcome"] != "interrupted":
+        return "crash"
+    return None
+
+
+def _grew(base: Any, head: Any, by: float) -> bool:
+    return is_number(base) and is_number(head) and head - base > by
+
+
+def compare(
+    base: list[dict[str, Any]],
+    head: list[dict[str, Any]],
+    startup_growth: float = STARTUP_GROWTH,
+    peak_growth: int = PEAK_GROWTH,
+) -> Comparison:
+    before, after = _last(base), _last(head)
+    result = Comparison(
+        only_base=sorted(set(before) - set(after)),
+        only_head=sorted(set(after) - set(before)),
+    )
+    for nodeid in sorted(set(before) & set(after)):
+        old, now = before[nodeid], after[nodeid]
+        result.compared += 1
+        old_leaks, new_leaks = _leaks(old), _leaks(now)
+        for kind in sorted(set(new_leaks) - set(old_leaks)):
+            result.new.append(Change(nodeid, f"leak {kind}", new_leaks[kind]))
+        for kind in sorted(set(old_leaks) - set(new_leaks)):
+            result.fixed.append(Change(nodeid, f"leak {kind}", old_leaks[kind]))
+        was, is_ = _ended(old), _ended(now)
+        if is_ and is_ != was:
+            signal = now["exit"]["signal"] or "the timeout"
+            result.new.append(Change(nodeid, is_, f"ended by {signal}"))
+        if was and was != is_:
+            result.fixed.append(Change(nodeid, was, f"was ended by {old['exit']['signal']}"))
+        if _grew(old.get("startup"), now.get("startup"), startup_growth):
+            detail = f"{old['startup']:.2f} s -> {now['startup']:.2f} s"
+            result.new.append(Change(nodeid, "start-up", detail))
+        if _grew(old.get("gpu_memory_peak"), now.get("gpu_memory_peak"), peak_growth):
+            detail = f"{old['gpu_memory_peak'] >> 20} MiB -> {now['gpu_memory_peak'] >> 20} MiB"
+            result.new.append(Change(nodeid, "GPU memory peak", detail))
+    return result
+
+
+def text(result: Comparison) -> str:
+    """For a terminal: a line per change, then the totals."""
+    lines = [f"NEW    {c.nodeid}: {c.what}: {c.detail}" for c in result.new]
+    lines += [f"FIXED  {c.nodeid}: {c.what}" for c in result.fixed]
+    lines += [f"ONLY IN BASE {nodeid}" for nodeid in result.only_base]
+    lines += [f"ONLY IN HEAD {nodeid}" for nodeid in result.only_head]
+    lines.append(_totals(result))
+    return "\n".join(lines) + "\n"
+
+
+def _totals(result: Comparison) -> str:
+    sides = ""
+    if result.only_base or result.only_head:
+        sides = f"; {len(result.only_base)} only in base, {len(result.only_head)} only in head"
+    return (
+        f"compared {result.compared} tests: {len(result.new)} new, {len(result.fixed)} fixed"
+        + sides
+    )
+
+
+def _cell(value: str) -> str:
+    return value.replace("|", "\\|").replace("\n", " ")
+
+
+def markdown(result: Comparison, title: str = "pytest-gpuiso: against the base") -> str:
+    """For a pull request comment or the step summary."""
+    lines = [f"## {title}", "", f"**{_totals(result)}**"]
+    for heading, changes in (("New", result.new), ("Fixed", result.fixed)):
+        if changes:
+            lines += ["", f"### {heading}", "", "| test | what | detail |", "|---|---|---|"]
+            for c in changes:
+                lines.append(f"| `{_cell(c.nodeid)}` | {_cell(c.what)} | {_cell(c.detail)} |")
+    sides = (("Only in base", result.only_base), ("Only in head", result.only_head))
+    for heading, nodeids in sides:
+        if nodeids:
+            lines += ["", f"### {heading}", ""] + [f"- `{_cell(n)}`" for n in nodeids]
+    if not result.new and not result.fixed:
+        lines += ["", "Nothing new, nothing fixed."]
+    return "\n".join(lines) + "\n"

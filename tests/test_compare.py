@@ -1,0 +1,108 @@
+"""``python -m pytest_gpuiso compare BASE HEAD``: what a pull request changed against its
+base, from two JSON reports (issue 35's compare)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pytest_gpuiso.__main__ import main
+from pytest_gpuiso.record import SCHEMA_VERSION
+
+
+def _record(nodeid: str, leaks=(), signal=None, timed_out=False, startup=0.5, peak=None, **more):
+    return {
+        "nodeid": nodeid,
+        "outcome": "failed" if signal or timed_out else "passed",
+        "attempt": 1,
+        "exit": {"code": 0, "signal": signal, "timed_out": timed_out, "expired": None},
+        "timeout": 900.0,
+        "leaks": [{"kind": kind, "detail": detail} for kind, detail in leaks],
+        "escaped": [],
+        "startup": startup,
+        "gpu_memory_peak": peak,
+        **more,
+    }
+
+
+def _report(path: Path, *records: dict) -> str:
+    path.write_text(json.dumps({"version": SCHEMA_VERSION, "tests": list(records)}))
+    return str(path)
+
+
+SHM = ("shm", "segment /dev/shm/psm_1 (1048576 bytes) left in /dev/shm")
+PROC = ("process", "process 12 still running after the test ended (killed): sleep 60")
+
+
+@pytest.fixture
+def pair(tmp_path: Path) -> tuple[str, str]:
+    """A pull request-shaped pair: one leak new, one fixed, one known; a new crash, a start-up
+    and a GPU memory peak that grew; a test removed and one added; an allowed leak."""
+    base = _report(
+        tmp_path / "base.json",
+        _record("t.py::test_known", leaks=[SHM]),
+        _record("t.py::test_fixed", leaks=[PROC]),
+        _record("t.py::test_clean"),
+        _record("t.py::test_crash"),
+        _record("t.py::test_slow", startup=1.0, peak=1 << 30),
+        _record("t.py::test_removed"),
+        _record("t.py::test_allowed"),
+    )
+    allowed = {"kind": "shm", "detail": SHM[1], "allowed": True}
+    head = _report(
+        tmp_path / "head.json",
+        _record("t.py::test_known", leaks=[SHM]),
+        _record("t.py::test_fixed"),
+        _record("t.py::test_clean", leaks=[SHM]),
+        _record("t.py::test_crash", signal="SIGSEGV"),
+        _record("t.py::test_slow", startup=4.5, peak=2 << 30),
+        _record("t.py::test_added", leaks=[PROC]),
+        _record("t.py::test_allowed") | {"leaks": [allowed]},  # its marker allows it
+    )
+    return base, head
+
+
+def test_a_pull_request_shaped_pair(pair, tmp_path: Path, capsys) -> None:
+    base, head = pair
+    markdown = tmp_path / "compare.md"
+    assert main(["compare", base, head, "--markdown", str(markdown)]) == 1
+    assert capsys.readouterr().out.splitlines() == [
+        f"NEW    t.py::test_clean: leak shm: {SHM[1]}",
+        "NEW    t.py::test_crash: crash: ended by SIGSEGV",
+        "NEW    t.py::test_slow: start-up: 1.00 s -> 4.50 s",
+        "NEW    t.py::test_slow: GPU memory peak: 1024 MiB -> 2048 MiB",
+        "FIXED  t.py::test_fixed: leak process",
+        "ONLY IN BASE t.py::test_removed",
+        "ONLY IN HEAD t.py::test_added",
+        "compared 6 tests: 4 new, 1 fixed; 1 only in base, 1 only in head",
+    ]
+    text = markdown.read_text()
+    assert "### New" in text and "| `t.py::test_clean` | leak shm |" in text
+    assert "### Fixed" in text and "### Only in head" in text and "t.py::test_known" not in text
+
+
+def test_nothing_new_exits_0_and_thresholds_are_options(pair, capsys) -> None:
+    base, head = pair
+    assert main(["compare", base, base]) == 0
+    assert capsys.readouterr().out.endswith("compared 7 tests: 0 new, 0 fixed\n")
+    assert main(["compare", head, head, "--startup-growth", "5", "--peak-growth", "2048"]) == 0
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        ("{not json", "not JSON"),
+        (json.dumps({"version": 99, "tests": []}), "report version 99, expected"),
+        (json.dumps({"version": SCHEMA_VERSION, "tests": [{"nodeid": 1}]}), "malformed"),
+        ("", "not JSON"),
+    ],
+)
+def test_unusable_input_is_one_line_and_exit_2(pair, tmp_path, capsys, content, problem) -> None:
+    base, _ = pair
+    bad = tmp_path / "bad.json"
+    bad.write_text(content)
+    assert main(["compare", base, str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: {bad}: ") and problem in err
