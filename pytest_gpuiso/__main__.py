@@ -255,20 +255,17 @@ def _lift(region: object, path: str, device: str, force: bool) -> int:
         print(f"GPU {device} is not quarantined in {path} (quarantined: {which})")
         return 0
     if not force:
+        env = visible_env((device,))
+        if device.isdigit() and "CUDA_DEVICE_ORDER" not in os.environ:
+            env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # an index as NVML numbers them
         nvml = NvmlReader()
         try:
-            problems = nvml.problems(device)
+            problem = health.probe(device, nvml, env)
         finally:
             nvml.close()
-        if not problems:
-            env = visible_env((device,))
-            if device.isdigit() and "CUDA_DEVICE_ORDER" not in os.environ:
-                env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # an index as NVML numbers them
-            broken = health.driver_probe(env)
-            problems = [broken] if broken else []
-        if problems:
+        if problem:
             print(
-                f"error: GPU {device} still fails its probe: {'; '.join(problems)}; left "
+                f"error: GPU {device} still fails its probe: {problem}; left "
                 "quarantined (--force lifts it anyway)",
                 file=sys.stderr,
             )

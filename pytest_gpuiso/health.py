@@ -34,7 +34,7 @@ from typing import Any
 
 from . import rocm
 from .leaks import Leak
-from .leases import LABEL_LEN, Lease, LeaseError, Leases, visible_env
+from .leases import LABEL_LEN, Lease, LeaseError, Leases
 from .nvml import NvmlReader
 from .settings import GpuMemory
 
@@ -75,7 +75,8 @@ def _failure(report: dict[str, Any]) -> str:
     if isinstance(longrepr, dict):
         crash = longrepr.get("reprcrash")
         return str(crash.get("message", "")) if isinstance(crash, dict) else ""
-    return str(longrepr or "").strip().splitlines()[-1:][0] if longrepr else ""
+    lines = str(longrepr or "").strip().splitlines()
+    return lines[-1] if lines else ""
 
 
 def driver_probe(env: dict[str, str], timeout: float = PROBE_TIMEOUT) -> str | None:
@@ -124,24 +125,30 @@ def _leaked_on(device: str, leaks: list[Leak]) -> list[str]:
     return found
 
 
+def probe(device: str, nvml: NvmlReader, env: dict[str, str], found: list[str] = ()) -> str:
+    """What is wrong with ``device``: NVML's part (and ``found``, what else is known of
+    it), then, only when that finds nothing, the driver part with ``env``; "" when it is
+    healthy."""
+    problems = nvml.problems(device) + list(found)
+    if not problems:
+        broken = driver_probe(env)
+        problems = [broken] if broken else []
+    return "; ".join(problems)
+
+
 def checkup(
     devices: tuple[str, ...],
     nvml: NvmlReader,
     leaks: list[Leak],
     env_of: dict[str, dict[str, str]],
-    *,
-    driver: bool = True,
 ) -> dict[str, str]:
     """Probe each of ``devices`` (``env_of``: the driver probe's environment for each);
     what failed on each that is not healthy ({} when all are)."""
     failed = {}
     for device in devices:
-        problems = nvml.problems(device) + _leaked_on(device, leaks)
-        if not problems and driver:
-            broken = driver_probe(env_of[device])
-            problems = [broken] if broken else []
-        if problems:
-            failed[device] = "; ".join(problems)
+        problem = probe(device, nvml, env_of[device], _leaked_on(device, leaks))
+        if problem:
+            failed[device] = problem
     return failed
 
 
@@ -170,18 +177,6 @@ class Health:
         self.reprobe = reprobe
         self._tried: dict[str, float] = {}  # device -> time.monotonic() of its last re-probe
 
-    def _env(self, device: str) -> dict[str, str]:
-        """The driver probe's environment: ``device`` alone, numbered as the lease names it."""
-        devices = self.leases.devices
-        env = visible_env((device,), devices.via)
-        if devices.pci_order and "CUDA_DEVICE_ORDER" not in os.environ:
-            env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA numbers GPUs as NVML does
-        return env
-
-    def _quarantine(self, device: str, reason: str) -> str | None:
-        """Quarantine ``device``; why it could not be, or None."""
-        return self.leases.quarantine(device, reason)
-
     def lease(self, n: int, label: str, timeout: float | None, memory: GpuMemory | None) -> Lease:
         """``leases.acquire``, then watch the GPUs (Xid events, ECC counts: ``after`` says
         what came since). With mode "always", a GPU whose NVML part fails is quarantined
@@ -202,7 +197,8 @@ class Health:
             if not failed:
                 return lease
             for device, problem in failed.items():
-                self._quarantine(device, quarantine_reason(problem, label, "before its lease"))
+                reason = quarantine_reason(problem, label, "before its lease")
+                self.leases.quarantine(device, reason)
             self.leases.release(lease)
             if timeout is None:
                 self._never_enough(n)
@@ -223,10 +219,10 @@ class Health:
         why = None if self.mode == "off" else why_probe(outcome)
         if why is None:
             return None
-        env_of = {device: self._env(device) for device in lease.devices}
+        env_of = {device: self.leases.visible((device,)) for device in lease.devices}
         failed = checkup(lease.devices, self.nvml, outcome.leaks, env_of)
         for device, problem in failed.items():
-            refused = self._quarantine(device, quarantine_reason(problem, nodeid, why))
+            refused = self.leases.quarantine(device, quarantine_reason(problem, nodeid, why))
             if refused:
                 failed[device] = f"{problem} (not quarantined: {refused})"
         return {"probed": why, "devices": list(lease.devices), "quarantined": failed}
@@ -242,6 +238,5 @@ class Health:
             if min(age, now - self._tried.get(device, -math.inf)) < self.reprobe:
                 continue
             self._tried[device] = now
-            problems = self.nvml.problems(device)
-            if not problems and driver_probe(self._env(device)) is None:
+            if not probe(device, self.nvml, self.leases.visible((device,))):
                 self.leases.lift(device)

@@ -394,11 +394,17 @@ class Leases:
         their test already holds, so they use those instead of queueing behind them;
         ``LEASE_ID_ENV`` lets them check that the lease is real (``held_lease``).
         """
-        env = visible_env(lease.devices if lease else (), self.devices.via)
+        env = self.visible(lease.devices if lease else ())
         if lease is not None:
             env[LEASE_ID_ENV] = str(lease.lease_id)
         if lease is not None and lease.memory:
             env[MEMORY_ENV] = str(lease.memory)
+        return env
+
+    def visible(self, devices: tuple[str, ...]) -> dict[str, str]:
+        """The environment that shows a process exactly ``devices``, numbered as this
+        session names them (a test's process, a GPU's health probe)."""
+        env = visible_env(devices, self.devices.via)
         if self.devices.pci_order and "CUDA_DEVICE_ORDER" not in os.environ:
             env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # CUDA numbers GPUs as NVML does
         return env

@@ -143,7 +143,8 @@ def run_item(item: pytest.Item, nextitem: pytest.Item | None) -> Ran:
             if isinstance(running, Ran):
                 ran = running
             else:
-                warmed = _prewarm_safely(item, nextitem, state)
+                _prewarm_safely(item, nextitem, state)
+                warmed = True
                 ran = _finish(item, plan, state, turn, running)
     except (StartError, workdir.WorkdirError) as exc:  # out of processes, files: this
         ran = Ran(setup_error_reports(item, str(exc)), spec)  # test fails, the session
@@ -234,8 +235,9 @@ def _finish(item: pytest.Item, plan: Plan, state: State, turn: Turn, running: Ru
         outcome.prewarmed = False
     lease = turn.lease
     checked = None  # its GPUs probed, before anyone else may lease them
-    if lease is not None and health(state) is not None:
-        checked = health(state).after(item.nodeid, lease, outcome)
+    checks = health(state)
+    if lease is not None and checks is not None:
+        checked = checks.after(item.nodeid, lease, outcome)
     number = turn.port.port if turn.port is not None else None
     turn.release(state)
     start_error = _tell_start_problems(item, state)
@@ -282,13 +284,12 @@ def _probes(spec: IsolationSpec, state: State, lease: Lease | None) -> tuple[Pro
     return tuple(probes)
 
 
-def _prewarm_safely(item: pytest.Item, nextitem: pytest.Item | None, state: State) -> bool:
+def _prewarm_safely(item: pytest.Item, nextitem: pytest.Item | None, state: State) -> None:
     """``_prewarm`` while the test runs: a failure there must not cost the test."""
     try:
         _prewarm(item, nextitem, state)
     except Exception as exc:
         state.launcher.notice(f"prewarming failed: {exc}")
-    return True
 
 
 def _prewarm(item: pytest.Item, nextitem: pytest.Item | None, state: State) -> None:

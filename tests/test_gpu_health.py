@@ -187,6 +187,7 @@ def _failed(message: str, source: str = "") -> dict:
         (_Outcome(reports=[_failed("assert 2 == 3", "check(xid=79)  # after an Xid")]), None),
         (_Outcome(reports=[{"outcome": "passed", "sections": [["out", "ECC errors: 0"]]}]), None),
         (_Outcome(reports=[_failed("RuntimeError: CUDA error: out of memory")]), None),
+        (_Outcome(reports=[{"outcome": "failed", "longrepr": "  \n "}]), None),
     ],
 )
 def test_only_a_timeout_a_crash_or_a_sticky_cuda_error_puts_a_gpu_in_doubt(outcome, why) -> None:
