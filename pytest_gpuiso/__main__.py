@@ -53,14 +53,22 @@ def _merge(opts: argparse.Namespace) -> int:
             print(f"error: {path}: cannot write: {exc.strerror or exc}", file=sys.stderr)
             return 1
         print(f"wrote the merged {what} ({shards_text}) to {path}")
+    _step_summary(text, f"the merged Markdown summary ({shards_text})")
+    return 0
+
+
+def _step_summary(text: str, what: str) -> None:
+    """Append ``text`` to ``$GITHUB_STEP_SUMMARY`` where it is set; a CI convenience that
+    cannot be written is a warning, never a failure of the command."""
+    from . import report
+
     if report.step_summary_path():
         problem = report.append_step_summary(text)
         step = f"${report.STEP_SUMMARY_ENV}"
-        if problem:  # a CI convenience: never fails the merge
+        if problem:
             print(f"warning: not appended to {step} ({problem})", file=sys.stderr)
         else:
-            print(f"appended the merged Markdown summary ({shards_text}) to {step}")
-    return 0
+            print(f"appended {what} to {step}")
 
 
 COMPARE_HELP = """\
@@ -68,31 +76,54 @@ compare two JSON reports (--gpu-isolate-report, or shards merged with `merge --j
 test by test on each test's last attempt: a leak kind, crash or timeout a test has in
 HEAD and did not have in BASE, a start-up or GPU memory peak that grew past its
 threshold (new); what BASE had and HEAD no longer has (fixed); tests on one side only
-(listed, never new).
+(listed, never new). What is new can also become GitHub annotations at the tests' lines
+and a GitLab Code Quality report. The Markdown is also appended to $GITHUB_STEP_SUMMARY
+when that is set.
+
+With --write-baseline FILE, also write HEAD's leaks as a leak baseline
+(--gpu-isolate-leak-baseline); given one report, only that.
 
 exit status: 0 when nothing is new; 1 when something is; 2 for unusable input (one line
 on stderr: "error: PATH: problem") or a usage error."""
 
 
 def _compare(opts: argparse.Namespace) -> int:
-    from . import compare, report, shards
+    from . import baseline, compare, findings, report, shards
 
     try:
-        base, head = shards.load(opts.base), shards.load(opts.head)
+        sides = [shards.load(path) for path in opts.reports]
     except shards.ReportError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    result = compare.compare(
-        base, head, max(opts.startup_growth, 0.0), int(max(opts.peak_growth, 0.0) * (1 << 20))
-    )
-    print(compare.text(result), end="")
-    if opts.markdown is not None:
+    head = sides[-1]
+    outputs = []  # (path, text, what)
+    if opts.write_baseline is not None:
+        outputs.append((opts.write_baseline, baseline.text(head), "leak baseline"))
+    result = None
+    if len(sides) == 2:
+        growth = int(max(opts.peak_growth, 0.0) * (1 << 20))
+        result = compare.compare(sides[0], head, max(opts.startup_growth, 0.0), growth)
+        print(compare.text(result), end="")
+        found = findings.of_changes(result.new, head)
+        if findings.wanted(opts.annotations):
+            for line in findings.github(found):
+                print(line)
+        if opts.markdown is not None:
+            outputs.append((opts.markdown, compare.markdown(result), "Markdown"))
+        if opts.code_quality is not None:
+            outputs.append((opts.code_quality, findings.code_quality(found), "report"))
+    for path, text, what in outputs:
         try:
-            report.write_text(opts.markdown, compare.markdown(result))
+            report.write_text(path, text)
         except OSError as exc:
-            print(f"error: {opts.markdown}: cannot write: {exc.strerror or exc}", file=sys.stderr)
+            print(f"error: {path}: cannot write: {exc.strerror or exc}", file=sys.stderr)
             return 2
-    return 1 if result.new else 0
+        if what == "leak baseline":
+            count = len(baseline.entries(head))
+            print(f"wrote the leak baseline ({count} leaks of {opts.reports[-1]}) to {path}")
+    if result is not None:
+        _step_summary(compare.markdown(result), "the comparison's Markdown")
+    return 1 if result is not None and result.new else 0
 
 
 DESCRIPTION = """\
@@ -104,8 +135,9 @@ REGION_HELP = (
 )
 
 
-def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
-    """The command line parser, and its ``merge`` sub-parser (for its usage errors)."""
+def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The command line parser, and its ``merge`` and ``compare`` sub-parsers (for their
+    usage errors)."""
     # --region is accepted before the command and after it: the sub-parsers' copy
     # defaults to SUPPRESS so that it does not overwrite a value given before.
     region = argparse.ArgumentParser(add_help=False)
@@ -145,9 +177,33 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         description=COMPARE_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    compare.add_argument("base", metavar="BASE", help="the base branch's JSON report")
-    compare.add_argument("head", metavar="HEAD", help="the pull request's JSON report")
+    compare.add_argument(
+        "reports",
+        nargs="+",
+        metavar="BASE HEAD",
+        help="the base branch's JSON report, then the pull request's (HEAD alone with "
+        "--write-baseline)",
+    )
     compare.add_argument("--markdown", type=Path, metavar="PATH", help="also write Markdown")
+    compare.add_argument(
+        "--write-baseline",
+        type=Path,
+        metavar="FILE",
+        help="write HEAD's leaks as a leak baseline (--gpu-isolate-leak-baseline)",
+    )
+    compare.add_argument(
+        "--annotations",
+        choices=("auto", "github", "off"),
+        default="auto",
+        help="what is new as GitHub annotations at the tests' lines: where GITHUB_ACTIONS=true "
+        "(auto, the default), always (github) or never (off)",
+    )
+    compare.add_argument(
+        "--code-quality",
+        type=Path,
+        metavar="PATH",
+        help="also write what is new as a GitLab Code Quality report (JSON)",
+    )
     compare.add_argument(
         "--startup-growth",
         type=float,
@@ -164,13 +220,17 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     )
     merge.add_argument("--markdown", type=Path, metavar="PATH", help="write the Markdown summary")
     merge.add_argument("--json", type=Path, metavar="PATH", help="write the merged JSON report")
-    return parser, merge
+    return parser, merge, compare
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser, merge = _parser()
+    parser, merge, compare = _parser()
     opts = parser.parse_args(argv)
     if opts.command == "compare":
+        if len(opts.reports) > 2:
+            compare.error("give two reports, BASE and HEAD (or one, with --write-baseline)")
+        if len(opts.reports) == 1 and opts.write_baseline is None:
+            compare.error("give two reports, BASE and HEAD (one only with --write-baseline)")
         return _compare(opts)
     if opts.command == "merge":
         if opts.markdown is None and opts.json is None:

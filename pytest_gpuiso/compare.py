@@ -18,7 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .record import is_number
+from .mdtext import cell, code_cell
+from .record import is_number, last_attempts
 
 STARTUP_GROWTH = 2.0  # seconds more of start-up that count as a regression
 PEAK_GROWTH = 512 << 20  # bytes more of GPU memory peak that count as a regression
@@ -38,17 +39,6 @@ class Comparison:
     only_base: list[str] = field(default_factory=list)
     only_head: list[str] = field(default_factory=list)
     compared: int = 0
-
-
-def _last(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Each test's last attempt (pytest-rerunfailures: a record per attempt)."""
-    found: dict[str, dict[str, Any]] = {}
-    for record in records:
-        attempt = record.get("attempt") if is_number(record.get("attempt")) else 1
-        kept = found.get(record["nodeid"])
-        if kept is None or attempt >= (kept.get("attempt") or 1):
-            found[record["nodeid"]] = record
-    return found
 
 
 def _leaks(record: dict[str, Any]) -> dict[str, str]:
@@ -80,7 +70,7 @@ def compare(
     startup_growth: float = STARTUP_GROWTH,
     peak_growth: int = PEAK_GROWTH,
 ) -> Comparison:
-    before, after = _last(base), _last(head)
+    before, after = last_attempts(base), last_attempts(head)
     result = Comparison(
         only_base=sorted(set(before) - set(after)),
         only_head=sorted(set(after) - set(before)),
@@ -128,10 +118,6 @@ def _totals(result: Comparison) -> str:
     )
 
 
-def _cell(value: str) -> str:
-    return value.replace("|", "\\|").replace("\n", " ")
-
-
 def markdown(result: Comparison, title: str = "pytest-gpuiso: against the base") -> str:
     """For a pull request comment or the step summary."""
     lines = [f"## {title}", "", f"**{_totals(result)}**"]
@@ -139,11 +125,11 @@ def markdown(result: Comparison, title: str = "pytest-gpuiso: against the base")
         if changes:
             lines += ["", f"### {heading}", "", "| test | what | detail |", "|---|---|---|"]
             for c in changes:
-                lines.append(f"| `{_cell(c.nodeid)}` | {_cell(c.what)} | {_cell(c.detail)} |")
+                lines.append(f"| {code_cell(c.nodeid)} | {cell(c.what)} | {cell(c.detail)} |")
     sides = (("Only in base", result.only_base), ("Only in head", result.only_head))
     for heading, nodeids in sides:
         if nodeids:
-            lines += ["", f"### {heading}", ""] + [f"- `{_cell(n)}`" for n in nodeids]
+            lines += ["", f"### {heading}", ""] + [f"- {code_cell(n)}" for n in nodeids]
     if not result.new and not result.fixed:
         lines += ["", "Nothing new, nothing fixed."]
     return "\n".join(lines) + "\n"

@@ -32,6 +32,7 @@ from .settings import (
     TEMPLATE_WAIT_ENV,
     Settings,
     SpecError,
+    parse_annotations,
     parse_devices,
     parse_flag,
     parse_health,
@@ -141,6 +142,35 @@ OPTIONS: tuple[Option, ...] = (
         parse=parse_path,
         source="summary_source",
         metavar="PATH",
+    ),
+    Option(
+        "gpu_isolate_annotations",
+        "each leak, crash and timeout of an isolated test as an annotation at the test's "
+        "line: GitHub Actions' workflow commands where GITHUB_ACTIONS=true (auto), always "
+        "(github), or never (off)",
+        field="annotations",
+        parse=parse_annotations,
+        unset="auto",
+        metavar="auto|github|off",
+        default="auto",
+    ),
+    Option(
+        "gpu_isolate_code_quality",
+        "write the same findings as a GitLab Code Quality report (JSON) to PATH",
+        field="code_quality_path",
+        parse=parse_path,
+        source="code_quality_source",
+        metavar="PATH",
+    ),
+    Option(
+        "gpu_isolate_leak_baseline",
+        "known leaks (python -m pytest_gpuiso compare --write-baseline, or a JSON report): "
+        "reported as known, they never fail a test; an entry that no longer leaks is "
+        "reported as fixed",
+        field="leak_baseline",
+        parse=parse_path,
+        source="leak_baseline_source",
+        metavar="FILE",
     ),
     Option(
         "gpu_isolate_devices",

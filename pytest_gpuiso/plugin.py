@@ -2,7 +2,8 @@
 
 Each hook hands its work to the module that does it: ``options`` declares the
 options, ``settings`` parses them, ``runner`` runs one isolated test (parent
-side), ``record`` and ``report`` make the JSON record and the summaries.
+side), ``record`` makes the JSON record, ``recorder`` collects the records and has
+``report`` and ``findings`` write them out.
 """
 
 from __future__ import annotations
@@ -14,14 +15,16 @@ from typing import Any
 
 import pytest
 
-from . import dead_sessions, header, pinning, report, runner, workdir, workers
+from . import baseline, dead_sessions, header, pinning, report, runner, workdir, workers
+from .baseline import Baseline
 from .call import call_isolated
 from .leases import Leases, discover
 from .options import add_options, read_settings
 from .plugin_names import CHILD_PLUGIN
-from .record import record_of
+from .recorder import Recorder
 from .session import STATE, State, close, isolated, settle, start_server
 from .settings import DEFAULT_GRACE, MARKER_DOC, SpecError
+from .shards import ReportError
 from .warning_types import GpuIsoLeakWarning, GpuIsoStartWarning, warn_session
 
 __all__ = ["GpuIsoLeakWarning", "GpuIsoStartWarning"]
@@ -55,6 +58,10 @@ def pytest_configure(config: pytest.Config) -> None:
         settings=settings,
         report_path=_output_path(config, settings.report_path, settings.report_source),
         summary_path=_output_path(config, settings.summary_path, settings.summary_source),
+        code_quality_path=_output_path(
+            config, settings.code_quality_path, settings.code_quality_source
+        ),
+        baseline=_baseline(config, settings),
         parallel=hasattr(config, "workerinput"),
         cache=getattr(config, "cache", None),  # learnt imports, for the next session
     )
@@ -107,16 +114,37 @@ def _output_path(config: pytest.Config, value: str | None, source: str) -> Path 
     """
     if value is None:
         return None
-    base = config.invocation_params.dir
-    if source.startswith("ini "):
-        base = config.inipath.parent if config.inipath else config.rootpath
     if not hasattr(config, "workerinput"):  # under xdist, the controller writes them
         try:
-            report.check_output(value, source, str(base))
+            report.check_output(value, source, str(_base(config, source)))
         except SpecError as exc:
             raise pytest.UsageError(f"gpu-isolate: {exc}") from None
-    # Absolute, but links kept: /dev/stdout must not become /proc/<pid>/fd/pipe:[...]
-    return Path(os.path.abspath(os.path.join(base, value)))
+    return _path_of(config, value, source)
+
+
+def _base(config: pytest.Config, source: str) -> Path:
+    """What a relative path is relative to: the invocation directory for the command
+    line, the ini file's folder for the ini file (the rootdir without one)."""
+    if source.startswith("ini "):
+        return config.inipath.parent if config.inipath else config.rootpath
+    return config.invocation_params.dir
+
+
+def _path_of(config: pytest.Config, value: str, source: str) -> Path:
+    """The path made absolute, links kept: /dev/stdout must not become
+    /proc/<pid>/fd/pipe:[...]."""
+    return Path(os.path.abspath(os.path.join(_base(config, source), value)))
+
+
+def _baseline(config: pytest.Config, settings: Any) -> Baseline | None:
+    """The leak baseline, read now: a file that cannot serve is the session's usage error."""
+    if settings.leak_baseline is None:
+        return None
+    path = _path_of(config, settings.leak_baseline, settings.leak_baseline_source)
+    try:
+        return baseline.load(str(path))
+    except ReportError as exc:
+        raise pytest.UsageError(f"gpu-isolate: {settings.leak_baseline_source}: {exc}") from None
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -250,63 +278,6 @@ def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> bool | None:
 @pytest.hookimpl(optionalhook=True, tryfirst=True)
 def pytest_timeout_cancel_timer(item: pytest.Item) -> bool | None:
     return True if isolated(item) else None
-
-
-class Recorder:
-    """Collects the JSON records of isolated tests and writes the reports.
-
-    Records ride on teardown reports, so under xdist the controller receives
-    every worker's records test by test, even from a worker that later crashes.
-    """
-
-    def __init__(self, config: pytest.Config, state: State) -> None:
-        self.config = config
-        self.state = state
-        self.summaries: list[str] = []  # where the Markdown summary went
-        self.unwritten: list[str] = []  # reports that could not be written, and why
-
-    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        record = record_of(report)
-        if record is not None:
-            self.state.records.append(record)
-
-    def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        state = self.state
-        if state.parallel:
-            return  # the xdist controller writes the reports, from every worker's records
-        # Checked at configure; what fails now (a full disk) is one line, not a traceback.
-        try:
-            if state.report_path is not None:
-                report.write_json(state.report_path, state.records)
-        except OSError as exc:
-            self.unwritten.append(f"--gpu-isolate-report {state.report_path}: {_why(exc)}")
-        try:
-            if state.summary_path is not None or (state.records and report.step_summary_path()):
-                self.summaries = report.write_markdown(state.summary_path, state.records)
-        except OSError as exc:
-            self.unwritten.append(f"--gpu-isolate-summary {state.summary_path}: {_why(exc)}")
-        if self.unwritten and session.exitstatus == pytest.ExitCode.OK:
-            session.exitstatus = pytest.ExitCode.TESTS_FAILED
-
-    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
-        state = self.state
-        quiet = self.config.get_verbosity() <= -2  # -qq: only what needs attention
-        if state.records and not (quiet and not report.notable(state.records)):
-            failed = any(p.startswith("--gpu-isolate-report") for p in self.unwritten)
-            written = None if failed else state.report_path
-            report.terminal_summary(terminalreporter, state.records, written)
-        if state.records and self.config.option.durations is not None:
-            report.startup_durations(terminalreporter, state.records, self.config)
-        for problem in self.unwritten:
-            terminalreporter.write_line(f"gpu-isolate: ERROR: could not write {problem}", red=True)
-        if self.summaries:
-            terminalreporter.write_line(
-                f"gpu-isolate: Markdown summary written to {', '.join(self.summaries)}"
-            )
-
-
-def _why(exc: OSError) -> str:
-    return f"{exc.strerror or exc}" + (f" ({exc.filename})" if exc.filename else "")
 
 
 @pytest.fixture

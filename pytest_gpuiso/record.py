@@ -24,6 +24,26 @@ def is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def last_attempts(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each test's last attempt (pytest-rerunfailures: a record per attempt), by node id."""
+    found: dict[str, dict[str, Any]] = {}
+    for record in records:
+        attempt = record.get("attempt") if is_number(record.get("attempt")) else 1
+        kept = found.get(record["nodeid"])
+        if kept is None or attempt >= (kept.get("attempt") or 1):
+            found[record["nodeid"]] = record
+    return found
+
+
+def counted_leaks(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """The record's leaks that count: not allowed by its marker, not known (the baseline)."""
+    return [
+        leak
+        for leak in record.get("leaks", [])
+        if not leak.get("allowed") and leak.get("level") != "known"
+    ]
+
+
 def final_outcome(reports: list[pytest.TestReport]) -> str:
     """The test's one-word outcome, by one rule for every path.
 
@@ -60,6 +80,7 @@ def build_record(
     peak: int | None = None,
     port: int | None = None,
     health: dict[str, Any] | None = None,
+    location: tuple[str, int | None, str] | None = None,
 ) -> dict[str, Any]:
     """One test's entry in the JSON report (schema version 1): one per attempt.
 
@@ -100,6 +121,8 @@ def build_record(
             "uncollected": outcome.uncollected if outcome else None,
         },
     }
+    if location is not None and location[1] is not None:  # a file and line: where it is
+        record["location"] = {"file": location[0], "line": location[1] + 1}
     if outcome is not None and outcome.driver:  # it leased no GPU (there were GPUs)
         record["cuda_without_gpu"] = outcome.driver  # and loaded CUDA's driver or NVML
     if port is not None:

@@ -11,14 +11,15 @@ import contextlib
 import errno
 import json
 import os
-import re
 import stat
 import tempfile
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from .record import SCHEMA_VERSION, is_number
+from .mdtext import cell as _cell
+from .mdtext import code_cell as _code_cell
+from .record import SCHEMA_VERSION, counted_leaks, is_number
 from .settings import KINDS, SpecError, size_text
 
 STEP_SUMMARY_ENV = "GITHUB_STEP_SUMMARY"  # GitHub Actions' file for a step's Markdown
@@ -26,9 +27,14 @@ MARKDOWN_ROWS = 200  # leak rows in the Markdown table; GitHub truncates huge su
 WORST = 5  # tests listed as worst offenders in the terminal
 
 
-def write_json(path: Path, records: list[dict[str, Any]]) -> None:
-    """Write the report atomically (a reader never sees half a file)."""
-    document = {"version": SCHEMA_VERSION, "tests": records}
+def write_json(
+    path: Path, records: list[dict[str, Any]], baseline: dict[str, Any] | None = None
+) -> None:
+    """Write the report atomically (a reader never sees half a file); ``baseline``: what
+    the session made of its leak baseline (``Baseline.summary``)."""
+    document: dict[str, Any] = {"version": SCHEMA_VERSION, "tests": records}
+    if baseline is not None:
+        document["baseline"] = baseline
     _write_atomic(path, json.dumps(document, indent=2, ensure_ascii=False) + "\n")
 
 
@@ -112,11 +118,6 @@ def _write_atomic(path: Path, text: str) -> None:
         raise
 
 
-def _reported(record: dict[str, Any]) -> list[dict[str, Any]]:
-    """The record's leaks that count (those a marker allowed do not)."""
-    return [leak for leak in record.get("leaks", []) if not leak.get("allowed")]
-
-
 def _ended(record: dict[str, Any]) -> str | None:
     """'timed out' / 'crashed' text of a record, None for a process that ended normally."""
     exit_ = record["exit"]
@@ -144,8 +145,13 @@ def _bound(record: dict[str, Any], test: str = "timed out after") -> str:
     return f"{test} {record['timeout']:g} s"
 
 
+def known_count(records: list[dict[str, Any]]) -> int:
+    """How many reported leaks the leak baseline knew (not counted)."""
+    return sum(1 for r in records for leak in r.get("leaks", []) if leak.get("level") == "known")
+
+
 def leak_counts(records: list[dict[str, Any]]) -> Counter[str]:
-    return Counter(leak["kind"] for r in records for leak in _reported(r))
+    return Counter(leak["kind"] for r in records for leak in counted_leaks(r))
 
 
 def _tests(records: list[dict[str, Any]]) -> int:
@@ -159,7 +165,12 @@ def _attempt(record: dict[str, Any]) -> str:
     return f" (attempt {attempt})" if record["outcome"] == "rerun" or attempt != 1 else ""
 
 
-def terminal_summary(tr: Any, records: list[dict[str, Any]], path: Path | None) -> None:
+def terminal_summary(
+    tr: Any,
+    records: list[dict[str, Any]],
+    path: Path | None,
+    baseline: dict[str, Any] | None = None,
+) -> None:
     timed_out = [r for r in records if r["exit"]["timed_out"]]
     crashed = [
         r
@@ -188,13 +199,38 @@ def terminal_summary(tr: Any, records: list[dict[str, Any]], path: Path | None) 
     leaky = [r for r in records if r.get("leaks")]
     if leaky:
         leak_summary(tr, records)
+    if baseline is not None:
+        baseline_summary(tr, baseline)
+
+
+def baseline_summary(tr: Any, baseline: dict[str, Any]) -> None:
+    """What became of the leak baseline's entries: known leaks, fixed ones, tests not run."""
+    fixed, not_run = baseline["fixed"], baseline["not_run"]
+    tr.write_line(
+        f"gpu-isolate: leak baseline {baseline['path']}: {baseline['known']} known leaks "
+        f"reported, {len(fixed)} of its {baseline['entries']} entries fixed, "
+        f"{len(not_run)} of its tests not run"
+    )
+    for entry in fixed:
+        tr.write_line(f"  FIXED {entry['nodeid']}: {entry['kind']} (no longer leaks)")
+    if fixed:
+        tr.write_line(
+            "gpu-isolate: fixed entries can leave the baseline: write it again with "
+            "python -m pytest_gpuiso compare --write-baseline FILE REPORT"
+        )
+    if not_run:
+        more = f" and {len(not_run) - WORST} more" if len(not_run) > WORST else ""
+        tr.write_line(
+            f"gpu-isolate: not run here (deselected, in another shard, renamed or removed): "
+            f"{', '.join(not_run[:WORST])}{more}"
+        )
 
 
 def notable(records: list[dict[str, Any]]) -> bool:
     """Whether the records hold something to look at: a timeout, a crash, an escaped
     process or a reported leak (``-qq`` shows the gpu-isolate summary only then)."""
     return bool(quarantines(records)) or any(
-        r["exit"]["timed_out"] or r["exit"]["signal"] or r.get("escaped") or _reported(r)
+        r["exit"]["timed_out"] or r["exit"]["signal"] or r.get("escaped") or counted_leaks(r)
         for r in records
     )
 
@@ -263,12 +299,15 @@ def leak_summary(tr: Any, records: list[dict[str, Any]]) -> None:
     tr.write_sep("-", "gpu-isolate leak summary")
     by_test: dict[str, list[dict[str, Any]]] = {}  # every attempt's leaks, a test once
     for r in records:
-        if _reported(r):
-            by_test.setdefault(r["nodeid"], []).extend(_reported(r))
+        if counted_leaks(r):
+            by_test.setdefault(r["nodeid"], []).extend(counted_leaks(r))
     line = ", ".join(f"{counts[kind]} {kind}" for kind in KINDS)
     tr.write_line(f"gpu-isolate: {sum(counts.values())} leaks in {len(by_test)} tests ({line})")
     if allowed:
         tr.write_line(f"gpu-isolate: {allowed} more allowed by allow_leaks markers")
+    known = known_count(records)
+    if known:
+        tr.write_line(f"gpu-isolate: {known} more known from the leak baseline")
     worst = sorted(by_test.items(), key=lambda test: -len(test[1]))
     for nodeid, leaks in worst[:WORST]:
         kinds = Counter(leak["kind"] for leak in leaks)
@@ -282,40 +321,16 @@ def leak_summary(tr: Any, records: list[dict[str, Any]]) -> None:
         tr.write_line(f"  ... {len(worst) - WORST} more tests with leaks")
 
 
-_LINE_BREAK = re.compile(r"\r\n|\r|\n")  # what ends a table row in Markdown
-_SPECIAL = re.compile(r"([\\`*_\[\]<>|~&])")  # what Markdown could read as markup
-
-
-def _cell(text: Any) -> str:
-    """Text rendered literally inside a Markdown table cell: one line, markup escaped.
-
-    Backslashes are doubled too, so a ``\\|`` of the text neither ends the cell nor
-    loses its backslash to the table's own pipe escape.
-    """
-    return _SPECIAL.sub(r"\\\1", _LINE_BREAK.sub(" ", str(text)))
-
-
 def _kind(kind: str) -> str:
     """Our kinds hold no markup (an underscore inside a word is literal): left as they are."""
     return kind if kind in KINDS else _cell(kind)
 
 
-def _code_cell(text: str) -> str:
-    """Text as a code span inside a table cell, rendered literally, backticks included."""
-    text = _LINE_BREAK.sub(" ", text)
-    if not text:
-        return ""
-    if "\\|" in text:  # the table would take this backslash as its pipe escape
-        return f"<code>{_cell(text)}</code>"
-    fence = "`" * (max((len(run) for run in re.findall("`+", text)), default=0) + 1)
-    # A span that starts or ends with a backtick needs a space; a space on both sides
-    # is stripped once by Markdown, so it gets one more.
-    pad = " " if text[:1] == "`" or text[-1:] == "`" or text[:1] == text[-1:] == " " else ""
-    escaped = text.replace("|", "\\|")  # GFM unescapes pipes in a cell, code spans included
-    return f"{fence}{pad}{escaped}{pad}{fence}"
-
-
-def markdown(records: list[dict[str, Any]], title: str = "pytest-gpuiso") -> str:
+def markdown(
+    records: list[dict[str, Any]],
+    title: str = "pytest-gpuiso",
+    baseline: dict[str, Any] | None = None,
+) -> str:
     """A summary for PR checks: totals, a test x kind x detail table, timeouts and crashes.
 
     Each table lists at most ``MARKDOWN_ROWS`` rows; the rest are counted.
@@ -323,7 +338,7 @@ def markdown(records: list[dict[str, Any]], title: str = "pytest-gpuiso") -> str
     counts = leak_counts(records)
     outcomes = Counter(r["outcome"] for r in records)
     ended = [(r, how) for r in records if (how := _ended(r))]
-    leaky = [r for r in records if _reported(r)]
+    leaky = [r for r in records if counted_leaks(r)]
     allowed = sum(1 for r in records for leak in r.get("leaks", []) if leak.get("allowed"))
     lines = [f"## {title}", ""]
     outcome_text = ", ".join(f"{n} {_cell(o)}" for o, n in sorted(outcomes.items()))
@@ -341,9 +356,13 @@ def markdown(records: list[dict[str, Any]], title: str = "pytest-gpuiso") -> str
     if allowed:
         leaks = f"{allowed} leak{'s' if allowed != 1 else ''}"
         lines += ["", f"Not counted: {leaks} allowed by `allow_leaks` markers."]
+    known = known_count(records)
+    if known:
+        leaks = f"{known} leak{'s' if known != 1 else ''}"
+        lines += ["", f"Not counted: {leaks} known from the leak baseline."]
     if leaky:
         lines += ["", "### Leaks", "", "| test | kind | detail |", "|---|---|---|"]
-        rows = [(r["nodeid"], leak) for r in leaky for leak in _reported(r)]
+        rows = [(r["nodeid"], leak) for r in leaky for leak in counted_leaks(r)]
         for nodeid, leak in rows[:MARKDOWN_ROWS]:
             lines.append(
                 f"| {_code_cell(nodeid)} | {_kind(leak['kind'])} | {_cell(leak['detail'])} |"
@@ -365,7 +384,20 @@ def markdown(records: list[dict[str, Any]], title: str = "pytest-gpuiso") -> str
             lines += ["", f"{more} more {what} in the JSON report."]
     if not leaky and not ended:
         lines += ["", "No leaks, timeouts or crashes."]
-    return "\n".join(lines + _health(records) + _right_size(records)) + "\n"
+    more = _health(records) + _fixed(baseline) + _right_size(records)
+    return "\n".join(lines + more) + "\n"
+
+
+def _fixed(baseline: dict[str, Any] | None) -> list[str]:
+    """The "Fixed since the baseline" part: its entries that no longer leak."""
+    if not baseline or not baseline["fixed"]:
+        return []
+    lines = ["", "### Fixed since the leak baseline", ""]
+    lines += ["No longer leaking: write the baseline again to drop them.", ""]
+    lines += ["| test | kind |", "|---|---|"]
+    for entry in baseline["fixed"][:MARKDOWN_ROWS]:
+        lines.append(f"| {_code_cell(entry['nodeid'])} | {_kind(entry['kind'])} |")
+    return lines
 
 
 def _health(records: list[dict[str, Any]]) -> list[str]:
@@ -414,13 +446,15 @@ def _right_size(records: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def write_markdown(path: Path | None, records: list[dict[str, Any]]) -> list[str]:
+def write_markdown(
+    path: Path | None, records: list[dict[str, Any]], baseline: dict[str, Any] | None = None
+) -> list[str]:
     """Write the Markdown summary to ``path`` and append it to ``$GITHUB_STEP_SUMMARY``.
 
     Returns where it went. A step summary that cannot be written is skipped with
     its reason (a CI convenience must never fail the session).
     """
-    text = markdown(records)
+    text = markdown(records, baseline=baseline)
     written = []
     if path is not None:
         write_text(path, text)

@@ -63,7 +63,8 @@ def _attach_leaks(item: pytest.Item, reports: list[pytest.TestReport], verdict: 
     """
     last = reports[-1]
     lines = [
-        f"{r['kind']}: {r['detail']}" + (" (allowed)" if r.get("allowed") else "")
+        f"{r['kind']}: {r['detail']}"
+        + (" (allowed)" if r.get("allowed") else " (known)" if r.get("level") == "known" else "")
         for r in verdict.records
     ]
     if verdict.failing and not last.failed:

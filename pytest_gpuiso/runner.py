@@ -69,9 +69,9 @@ class Ran:
         """No process ran, or it finished: it neither crashed nor timed out."""
         return self.outcome is None or self.outcome.finished
 
-    def record(self, nodeid: str, attempt: int = 1, rerun: bool = False) -> dict[str, Any]:
+    def record(self, item: pytest.Item, attempt: int = 1, rerun: bool = False) -> dict[str, Any]:
         return build_record(
-            nodeid,
+            item.nodeid,
             self.reports,
             self.outcome,
             self.spec,
@@ -82,6 +82,7 @@ class Ran:
             self.peak,
             self.port,
             self.health,
+            item.location,
         )
 
 
@@ -165,13 +166,13 @@ def finish_item(item: pytest.Item, nextitem: pytest.Item | None, ran: Ran, attem
     needs (an error there fails this test's teardown), then attach the record."""
     if ran.stop is None:
         _teardown_parent_stack(item, nextitem, ran.reports)
-    attach_record(ran.reports, ran.record(item.nodeid, attempt))  # once every report is final
+    attach_record(ran.reports, ran.record(item, attempt))  # once every report is final
 
 
 def mark_rerun(item: pytest.Item, ran: Ran, attempt: int) -> None:
     """An attempt that runs again in a fresh process: its failed reports become "rerun"
     (as pytest-rerunfailures logs them) and its record says so."""
-    record = ran.record(item.nodeid, attempt, rerun=True)
+    record = ran.record(item, attempt, rerun=True)
     for report in ran.reports:
         if report.failed:
             report.outcome = "rerun"  # type: ignore[assignment] - pytest-rerunfailures' word
@@ -242,7 +243,8 @@ def _finish(item: pytest.Item, plan: Plan, state: State, turn: Turn, running: Ru
     turn.release(state)
     start_error = _tell_start_problems(item, state)
     leaks = outcome.leaks + [torch_check.leak(data) for data in outcome.torch_leaks]
-    verdict = judge(leaks, dict(state.settings.leaks), spec.allow_leaks)
+    known = state.baseline.kinds(item.nodeid) if state.baseline is not None else frozenset()
+    verdict = judge(leaks, dict(state.settings.leaks), spec.allow_leaks, known)
     replay.replay_warnings(item.config, outcome.warnings)
     verdict = replay.warn_leaks(item, verdict)
     replay.replay_junit(item.config, outcome.junit)

@@ -16,6 +16,7 @@ import pytest
 
 from . import imports, ports, workdir
 from ._linux import set_child_subreaper
+from .baseline import Baseline
 from .forkserver import ServerBoot
 from .health import Health
 from .launcher import Launcher
@@ -34,6 +35,8 @@ class State:
     settings: Settings
     report_path: Path | None = None
     summary_path: Path | None = None
+    code_quality_path: Path | None = None  # GitLab's Code Quality report of the findings
+    baseline: Baseline | None = None  # the known leaks (--gpu-isolate-leak-baseline)
     records: list[dict[str, Any]] = field(default_factory=list)
     launcher: Launcher | None = None  # made on first use (``launcher``)
     supervisor: Supervisor | None = None  # with the launcher

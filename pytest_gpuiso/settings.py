@@ -47,6 +47,8 @@ _UNITS |= {"GIB": 2**30, "TIB": 2**40}
 DEFAULT_TOLERANCE_MIB = 64.0  # GPU memory growth the leak check ignores
 START_METHODS = ("spawn", "forkserver")
 HEALTH_MODES = ("off", "after-failure", "always")  # when a test's GPUs are probed
+# where annotations go: GitHub's workflow commands where GITHUB_ACTIONS=true (auto), always, never
+ANNOTATION_MODES = ("auto", "github", "off")
 KINDS = ("shm", "process", "gpu_memory")  # leak kinds
 LEVELS = ("warn", "fail", "off")  # what a leak of a kind does
 # Seconds, from the template's start, that fork requests wait for it to collect (then the
@@ -118,9 +120,17 @@ def parse_start(value: str, what: str) -> str:
 
 
 def parse_health(value: str, what: str) -> str:
+    return _choice(value, what, HEALTH_MODES)
+
+
+def parse_annotations(value: str, what: str) -> str:
+    return _choice(value, what, ANNOTATION_MODES)
+
+
+def _choice(value: str, what: str, choices: tuple[str, ...]) -> str:
     text = value.strip().lower()
-    if text not in HEALTH_MODES:
-        raise SpecError(f"invalid value {value!r} for {what}: expected {', '.join(HEALTH_MODES)}")
+    if text not in choices:
+        raise SpecError(f"invalid value {value!r} for {what}: expected {', '.join(choices)}")
     return text
 
 
@@ -341,6 +351,11 @@ class Settings:
     template_wait: float = TEMPLATE_WAIT_DEFAULT  # see TEMPLATE_WAIT_ENV
     health: str = "after-failure"  # when a test's GPUs are probed (GPU health): HEALTH_MODES
     reprobe: float | None = None  # seconds between probes of a quarantined GPU (None: never)
+    annotations: str = "auto"  # ANNOTATION_MODES
+    code_quality_path: str | None = None  # GitLab's Code Quality report of the same findings
+    code_quality_source: str = ""
+    leak_baseline: str | None = None  # the known leaks' file (``baseline``)
+    leak_baseline_source: str = ""
 
     def leak_level(self, kind: str) -> str:
         return dict(self.leaks)[kind]

@@ -111,13 +111,25 @@ def _read_report(path: str) -> bytes:
 
 def load(path: str) -> list[dict[str, Any]]:
     """The records of one JSON report; ``ReportError`` names the file and the problem."""
-    data = _read_report(path)
-    try:
-        document = json.loads(data.decode("utf-8"))
-    except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
-        raise ReportError(f"{path}: not JSON: {exc}") from None
+    document = read_json(path)
     if not isinstance(document, dict) or not isinstance(document.get("tests"), list):
         raise ReportError(f"{path}: not a pytest-gpuiso report (no 'tests' list)")
+    return records_of(path, document)
+
+
+def read_json(path: str) -> Any:
+    """A JSON file's document (a report, a leak baseline); ``ReportError`` says why not."""
+    data = _read_report(path)
+    if not data.strip():
+        raise ReportError(f"{path}: empty file")
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
+        raise ReportError(f"{path}: not JSON (truncated?): {exc}") from None
+
+
+def records_of(path: str, document: dict[str, Any]) -> list[dict[str, Any]]:
+    """The checked records of a report's document (``{"version": 1, "tests": [...]}``)."""
     version = document.get("version")
     if not is_number(version) or version != SCHEMA_VERSION:
         raise ReportError(f"{path}: report version {version!r}, expected {SCHEMA_VERSION}")

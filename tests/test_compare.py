@@ -96,7 +96,7 @@ def test_nothing_new_exits_0_and_thresholds_are_options(pair, capsys) -> None:
         ("{not json", "not JSON"),
         (json.dumps({"version": 99, "tests": []}), "report version 99, expected"),
         (json.dumps({"version": SCHEMA_VERSION, "tests": [{"nodeid": 1}]}), "malformed"),
-        ("", "not JSON"),
+        ("", "empty file"),
     ],
 )
 def test_unusable_input_is_one_line_and_exit_2(pair, tmp_path, capsys, content, problem) -> None:

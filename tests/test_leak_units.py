@@ -151,8 +151,14 @@ def test_off_kinds_vanish_and_fail_and_warn_are_split():
     policy = {"shm": "off", "process": "fail", "gpu_memory": "warn"}
     verdict = judge([SHM, PROC, GPU, SHM], policy, frozenset())
     assert verdict.records == [
-        {"kind": "process", "detail": PROC.detail, "pid": 4242},
-        {"kind": "gpu_memory", "detail": GPU.detail, "device": "0", "bytes": 512 * MIB},
+        {"kind": "process", "detail": PROC.detail, "pid": 4242, "level": "fail"},
+        {
+            "kind": "gpu_memory",
+            "detail": GPU.detail,
+            "device": "0",
+            "bytes": 512 * MIB,
+            "level": "warn",
+        },
     ]
     assert verdict.failing == [PROC]
     assert verdict.warning == [GPU]
@@ -165,7 +171,7 @@ def test_allowed_kinds_are_recorded_but_neither_fail_nor_warn():
     verdict = judge([SHM, PROC, GPU], policy, frozenset({"shm", "gpu_memory"}))
     assert verdict.records == [
         {"kind": "shm", "detail": SHM.detail, "path": "/dev/shm/psm_1", "allowed": True},
-        {"kind": "process", "detail": PROC.detail, "pid": 4242},
+        {"kind": "process", "detail": PROC.detail, "pid": 4242, "level": "fail"},
         {
             "kind": "gpu_memory",
             "detail": GPU.detail,
@@ -180,6 +186,18 @@ def test_allowed_kinds_are_recorded_but_neither_fail_nor_warn():
     verdict = judge([SHM, PROC], dict.fromkeys(KINDS, "warn"), frozenset(KINDS))
     assert (verdict.failing, verdict.warning) == ([], [])
     assert [r["allowed"] for r in verdict.records] == [True, True]
+
+
+def test_known_kinds_are_recorded_as_known_and_neither_fail_nor_warn():
+    """The leak baseline's kinds for the test: reported (level "known"), never failing;
+    a kind it does not know is judged as ever, and the marker's allow_leaks wins."""
+    policy = dict.fromkeys(KINDS, "fail")
+    verdict = judge(
+        [SHM, PROC, GPU], policy, frozenset({"gpu_memory"}), frozenset({"shm", "gpu_memory"})
+    )
+    assert [r.get("level") for r in verdict.records] == ["known", "fail", None]
+    assert verdict.records[2]["allowed"] is True
+    assert (verdict.failing, verdict.warning, verdict.known) == ([PROC], [], [SHM])
 
 
 def test_off_wins_over_allowed_and_the_leak_objects_are_left_alone():

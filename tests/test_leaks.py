@@ -440,7 +440,7 @@ def test_leak_records_in_json_have_kind_and_detail(gpuiso_spawn, shm_name):
     document = json.loads((gpuiso_spawn.path / "report.json").read_text())
     [record] = document["tests"]
     [leak] = record["leaks"]
-    assert set(leak) == {"kind", "detail", "path", "size", "pid", "cleaned"}
+    assert set(leak) == {"kind", "detail", "path", "size", "pid", "cleaned", "level"}
 
 
 @pytest.mark.parametrize("daemon", [False, True], ids=["child", "daemon"])

@@ -248,7 +248,7 @@ def _bad(kind: str, path: Path) -> str:
             path.write_bytes(b"\xff\xfe\x00junk")
         else:
             path.write_text(text, encoding="utf-8")
-        return "not JSON: "
+        return "empty file" if kind == "empty" else "not JSON (truncated?): "
     if kind == "not a report":
         path.write_text('[{"nodeid": "x"}]', encoding="utf-8")
         return "not a pytest-gpuiso report (no 'tests' list)"

@@ -80,14 +80,26 @@ class Verdict:
     """The leaks of one test after the policy: what to record, what fails the test."""
 
     records: list[dict[str, Any]]  # every reported leak, for the JSON report
-    failing: list[Leak]  # leaks of kinds whose level is "fail" (and not allowed)
-    warning: list[Leak]  # leaks of kinds whose level is "warn" (and not allowed)
+    failing: list[Leak]  # leaks of kinds whose level is "fail" (and not allowed or known)
+    warning: list[Leak]  # leaks of kinds whose level is "warn" (and not allowed or known)
     policy_text: str = ""  # how the failing level was set, for the failure message
+    known: list[Leak] = field(default_factory=list)  # in the leak baseline: reported only
 
 
-def judge(leaks: list[Leak], policy: dict[str, str], allowed: frozenset[str]) -> Verdict:
-    """Apply the per-kind levels and the marker's ``allow_leaks``; ``off`` kinds vanish."""
-    records, failing, warning = [], [], []
+def judge(
+    leaks: list[Leak],
+    policy: dict[str, str],
+    allowed: frozenset[str],
+    known: frozenset[str] = frozenset(),
+) -> Verdict:
+    """Apply the per-kind levels, the marker's ``allow_leaks`` and the kinds the leak
+    baseline knows of this test (``known``); ``off`` kinds vanish.
+
+    Each record says what became of it: ``"allowed": true`` (its marker allows it), or
+    its ``level``: ``fail`` (it fails the test), ``warn`` or ``known`` (in the baseline:
+    it never fails the test, and it is not warned of).
+    """
+    records, failing, warning, known_leaks = [], [], [], []
     for leak in leaks:
         level = policy[leak.kind]
         if level == "off":
@@ -95,10 +107,10 @@ def judge(leaks: list[Leak], policy: dict[str, str], allowed: frozenset[str]) ->
         record = leak.as_record()
         if leak.kind in allowed:
             record["allowed"] = True
-        elif level == "fail":
-            failing.append(leak)
         else:
-            warning.append(leak)
+            level = "known" if leak.kind in known else level
+            record["level"] = level
+            {"fail": failing, "warn": warning, "known": known_leaks}[level].append(leak)
         records.append(record)
     text = ",".join(f"{k}={v}" for k, v in policy.items())
-    return Verdict(records, failing, warning, text)
+    return Verdict(records, failing, warning, text, known_leaks)

@@ -1,0 +1,202 @@
+"""Findings at the tests' lines: GitHub Actions annotations and GitLab's Code Quality report.
+
+One list of ``Finding``s, made from a session's records (each leak, crash and timeout of
+each test's last attempt: once per test, however many workers or attempts) or from a
+comparison with the base branch (what is new), is written out as
+
+* GitHub Actions workflow commands (``::error file=F,line=L,title=T::message``) on the
+  step's output, which GitHub shows at the test's line in the pull request; at most
+  ``PER_LEVEL`` of each level, as GitHub shows no more per step (the rest summarised in
+  one annotation naming them);
+* a GitLab Code Quality report (JSON), which a merge request shows in its widget.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .record import last_attempts
+
+GITHUB_ENV = "GITHUB_ACTIONS"  # "true" on GitHub Actions' runners
+WORKSPACE_ENV = "GITHUB_WORKSPACE"  # the checkout, which annotation paths are relative to
+PER_LEVEL = 10  # annotations of one level GitHub shows for a step
+LEVELS = ("error", "warning", "notice")
+SEVERITY = {"error": "major", "warning": "minor", "notice": "info"}  # Code Quality's
+LEAKED = {
+    "shm": "a /dev/shm segment",
+    "process": "a process running",
+    "gpu_memory": "GPU memory in use",
+}
+
+
+@dataclass(frozen=True)
+class Finding:
+    level: str  # LEVELS
+    nodeid: str
+    check: str  # "leak-shm", "crash", "timeout", "startup-timeout", "exit-timeout", "new-..."
+    title: str
+    message: str  # understood without the log
+    file: str | None = None  # the test's file, relative to the rootdir
+    line: int | None = None  # 1-based
+
+
+def wanted(mode: str) -> bool:
+    """Whether GitHub annotations are written: ``github``, or ``auto`` on GitHub Actions."""
+    return mode == "github" or (mode == "auto" and os.environ.get(GITHUB_ENV) == "true")
+
+
+def _where(record: dict[str, Any]) -> tuple[str | None, int | None]:
+    location = record.get("location")
+    if isinstance(location, dict) and isinstance(location.get("file"), str):
+        line = location.get("line")
+        return location["file"], line if isinstance(line, int) and line > 0 else None
+    return record["nodeid"].split("::")[0] or None, None
+
+
+def _ending(record: dict[str, Any]) -> tuple[str, str, str] | None:
+    """(check, title, what happened) of a process that timed out or crashed; None else."""
+    exit_ = record["exit"]
+    signal = exit_.get("signal")
+    by = f", and was ended by {signal}" if signal else ""
+    if exit_["timed_out"]:
+        expired = exit_.get("expired") or "test"
+        timeout, startup = record.get("timeout"), record.get("startup_timeout")
+        if expired == "startup":
+            within = f" within {startup:g} s" if isinstance(startup, (int, float)) else ""
+            what = f"did not finish starting{within} (interpreter, plugins, conftests, imports)"
+            return "startup-timeout", "start-up timed out", what + by
+        if expired == "exit":
+            return "exit-timeout", "process did not exit", "did not exit after its test" + by
+        after = f" after {timeout:g} s" if isinstance(timeout, (int, float)) else ""
+        what = f"timed out{after}{by}; its stack at the timeout is in the test's report"
+        return "timeout", "test timed out", what
+    if signal and record["outcome"] != "interrupted":
+        return "crash", "test process crashed", f"its process was killed by {signal}"
+    return None
+
+
+def of_records(records: list[dict[str, Any]]) -> list[Finding]:
+    """Each test's crash or timeout (an error) and leaks (an error where it failed the
+    test, a warning where it was warned of, a notice where the baseline knows it)."""
+    found = []
+    for nodeid, record in sorted(last_attempts(records).items()):
+        file, line = _where(record)
+        ended = _ending(record)
+        if ended is not None:
+            check, title, what = ended
+            message = f"{nodeid} {what}."
+            found.append(
+                Finding("error", nodeid, check, f"pytest-gpuiso: {title}", message, file, line)
+            )
+        for leak in record.get("leaks", []):
+            level = leak.get("level", "warn")
+            if leak.get("allowed") or level not in ("fail", "warn", "known"):
+                continue
+            what = LEAKED.get(leak["kind"], leak["kind"])
+            title = f"pytest-gpuiso: {leak['kind']} leak"
+            message = (
+                f"{nodeid} left {what} behind: {leak['detail']}. "
+                + {
+                    "fail": "It failed the test (--gpu-isolate-leaks).",
+                    "warn": "Reported, not failed (--gpu-isolate-leaks=warn).",
+                    "known": "Known: it is in the leak baseline, so it does not fail the test.",
+                }[level]
+            )
+            severity = {"fail": "error", "warn": "warning", "known": "notice"}[level]
+            if level == "known":
+                title += " (known)"
+            found.append(
+                Finding(severity, nodeid, f"leak-{leak['kind']}", title, message, file, line)
+            )
+    return found
+
+
+def of_changes(new: list[Any], head: list[dict[str, Any]]) -> list[Finding]:
+    """An error for each change ``compare`` found new, at its test's line in HEAD."""
+    last = last_attempts(head)
+    found = []
+    for change in new:
+        file, line = _where(last[change.nodeid])
+        check = "new-" + change.what.replace(" ", "-").lower()
+        title = f"pytest-gpuiso: new against the base: {change.what}"
+        message = f"{change.nodeid}: {change.what}: {change.detail} (not in the base's report)."
+        found.append(Finding("error", change.nodeid, check, title, message, file, line))
+    return found
+
+
+def _path(file: str | None, rootdir: Path | None) -> str | None:
+    """The test's file as GitHub and GitLab name it: relative to the checkout
+    (``GITHUB_WORKSPACE`` when set, else the current directory) when it lies inside."""
+    if file is None or rootdir is None:
+        return file
+    full = os.path.normpath(os.path.join(rootdir, file))
+    top = os.environ.get(WORKSPACE_ENV) or os.getcwd()
+    inside = os.path.commonpath([full, os.path.abspath(top)]) == os.path.abspath(top)
+    return os.path.relpath(full, top) if inside else file
+
+
+def _data(text: str) -> str:
+    """A workflow command's message, escaped (GitHub's rules)."""
+    return text.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
+
+
+def _property(text: str) -> str:
+    """A workflow command's property value, escaped (``:`` and ``,`` end one)."""
+    return _data(text).replace(":", "%3A").replace(",", "%2C")
+
+
+def _command(finding: Finding, rootdir: Path | None) -> str:
+    props = []
+    path = _path(finding.file, rootdir)
+    if path is not None:
+        props.append(f"file={_property(path)}")
+        if finding.line is not None:
+            props.append(f"line={finding.line}")
+    props.append(f"title={_property(finding.title)}")
+    return f"::{finding.level} {','.join(props)}::{_data(finding.message)}"
+
+
+def github(findings: list[Finding], rootdir: Path | None = None) -> list[str]:
+    """The workflow commands, errors first; past ``PER_LEVEL`` of a level, the last one
+    shown names the rest (GitHub drops what a step annotates beyond that)."""
+    lines = []
+    for level in LEVELS:
+        mine = [f for f in findings if f.level == level]
+        shown = mine if len(mine) <= PER_LEVEL else mine[: PER_LEVEL - 1]
+        lines += [_command(f, rootdir) for f in shown]
+        rest = mine[len(shown) :]
+        if rest:
+            tests = sorted({f.nodeid for f in rest})
+            names = ", ".join(tests[:20]) + (
+                f" and {len(tests) - 20} more" if len(tests) > 20 else ""
+            )
+            title = f"pytest-gpuiso: {len(rest)} more {level}s"
+            message = (
+                f"{len(rest)} more findings of level {level} (GitHub shows {PER_LEVEL} a step), "
+                f"in {names}; all are in the log's gpu-isolate summary and the reports."
+            )
+            lines.append(f"::{level} title={_property(title)}::{_data(message)}")
+    return lines
+
+
+def code_quality(findings: list[Finding], rootdir: Path | None = None) -> str:
+    """GitLab's Code Quality report (a JSON list) of the findings."""
+    issues = []
+    for f in findings:
+        path = _path(f.file, rootdir) or f.nodeid.split("::")[0]
+        fingerprint = hashlib.sha256(f"{f.nodeid}\0{f.check}".encode()).hexdigest()
+        issues.append(
+            {
+                "description": f"{f.title}: {f.message}",
+                "check_name": f"pytest-gpuiso/{f.check}",
+                "fingerprint": fingerprint,
+                "severity": SEVERITY[f.level],
+                "location": {"path": path, "lines": {"begin": f.line or 1}},
+            }
+        )
+    return json.dumps(issues, indent=2, ensure_ascii=False) + "\n"

@@ -1,0 +1,96 @@
+"""The session's records of isolated tests, and every report made of them at its end.
+
+``Recorder`` is a pytest plugin of the parent (the xdist controller under xdist): it
+collects each test's JSON record as its last report arrives, and at the session's end
+writes the JSON report, the Markdown summary (and ``$GITHUB_STEP_SUMMARY``), GitLab's
+Code Quality report, the terminal summary and GitHub's annotations.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from . import findings, report
+from .record import record_of
+from .session import State
+
+
+class Recorder:
+    """Collects the JSON records of isolated tests and writes the reports.
+
+    Records ride on teardown reports, so under xdist the controller receives
+    every worker's records test by test, even from a worker that later crashes.
+    """
+
+    def __init__(self, config: pytest.Config, state: State) -> None:
+        self.config = config
+        self.state = state
+        self.summaries: list[str] = []  # where the Markdown summary went
+        self.unwritten: list[str] = []  # reports that could not be written, and why
+        self.baseline: dict[str, Any] | None = None  # what became of the leak baseline
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        record = record_of(report)
+        if record is not None:
+            self.state.records.append(record)
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        state = self.state
+        if state.parallel:
+            return  # the xdist controller writes the reports, from every worker's records
+        if state.baseline is not None:
+            self.baseline = state.baseline.summary(state.records)
+        # Checked at configure; what fails now (a full disk) is one line, not a traceback.
+        try:
+            if state.report_path is not None:
+                report.write_json(state.report_path, state.records, self.baseline)
+        except OSError as exc:
+            self.unwritten.append(f"--gpu-isolate-report {state.report_path}: {_why(exc)}")
+        try:
+            if state.summary_path is not None or (state.records and report.step_summary_path()):
+                self.summaries = report.write_markdown(
+                    state.summary_path, state.records, self.baseline
+                )
+        except OSError as exc:
+            self.unwritten.append(f"--gpu-isolate-summary {state.summary_path}: {_why(exc)}")
+        try:
+            if state.code_quality_path is not None:
+                found = findings.of_records(state.records)
+                text = findings.code_quality(found, self.config.rootpath)
+                report.write_text(state.code_quality_path, text)
+        except OSError as exc:
+            path = state.code_quality_path
+            self.unwritten.append(f"--gpu-isolate-code-quality {path}: {_why(exc)}")
+        if self.unwritten and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        state = self.state
+        quiet = self.config.get_verbosity() <= -2  # -qq: only what needs attention
+        wanted = state.records or self.baseline
+        if wanted and not (quiet and not report.notable(state.records) and not self.fixed):
+            failed = any(p.startswith("--gpu-isolate-report") for p in self.unwritten)
+            written = None if failed else state.report_path
+            report.terminal_summary(terminalreporter, state.records, written, self.baseline)
+        if state.records and self.config.option.durations is not None:
+            report.startup_durations(terminalreporter, state.records, self.config)
+        for problem in self.unwritten:
+            terminalreporter.write_line(f"gpu-isolate: ERROR: could not write {problem}", red=True)
+        if self.summaries:
+            terminalreporter.write_line(
+                f"gpu-isolate: Markdown summary written to {', '.join(self.summaries)}"
+            )
+        if findings.wanted(state.settings.annotations) and not state.parallel:
+            found = findings.of_records(state.records)
+            for line in findings.github(found, self.config.rootpath):
+                terminalreporter.write_line(line)
+
+    @property
+    def fixed(self) -> bool:
+        return bool(self.baseline and self.baseline["fixed"])
+
+
+def _why(exc: OSError) -> str:
+    return f"{exc.strerror or exc}" + (f" ({exc.filename})" if exc.filename else "")

@@ -1,0 +1,515 @@
+"""Leak reports where reviewers look (issue 35): GitHub annotations at the tests' lines,
+GitLab's Code Quality report, the known-leaks baseline, and compare's annotations.
+
+The pull request-shaped pair at the end runs real sessions from fixtures/programs/
+test_pr_leaks.py (one leak new, one fixed, one known) and the commands the CI recipe in
+docs/ci.md runs; the rest are in-process units, under a second in all."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from pytest_gpuiso import baseline, findings
+from pytest_gpuiso.__main__ import main
+from pytest_gpuiso.record import SCHEMA_VERSION
+from pytest_gpuiso.shards import ReportError
+from tests.helpers import PROGRAMS, REPORT, ROOT
+
+
+def _record(nodeid, leaks=(), signal=None, timed_out=False, expired=None, line=3, **more):
+    return {
+        "nodeid": nodeid,
+        "outcome": "failed" if signal or timed_out else "passed",
+        "attempt": 1,
+        "pid": 100,
+        "exit": {"code": 0, "signal": signal, "timed_out": timed_out, "expired": expired},
+        "timeout": 2.0,
+        "startup_timeout": 300.0,
+        "leaks": list(leaks),
+        "location": {"file": nodeid.split("::")[0], "line": line},
+        **more,
+    }
+
+
+def _leak(kind="shm", level="warn", detail="segment /dev/shm/x (4 bytes) left in /dev/shm"):
+    leak = {"kind": kind, "detail": detail}
+    if level == "allowed":
+        leak["allowed"] = True
+    else:
+        leak["level"] = level
+    return leak
+
+
+# ------------------------------------------------------------------------ the findings
+
+
+def test_each_leak_crash_and_timeout_becomes_one_finding_at_its_tests_line():
+    records = [
+        _record("t.py::test_fail", [_leak(level="fail")], line=10),
+        _record("t.py::test_warn", [_leak("process", "warn", "process 7 (sleep) killed")]),
+        _record("t.py::test_known", [_leak(level="known")]),
+        _record("t.py::test_allowed", [_leak(level="allowed")]),
+        _record("t.py::test_crash", signal="SIGSEGV"),
+        _record("t.py::test_hang", signal="SIGKILL", timed_out=True, expired="test"),
+        _record("t.py::test_slow_start", timed_out=True, expired="startup"),
+        _record("t.py::test_stopped", signal="SIGINT") | {"outcome": "interrupted"},
+    ]
+    found = {(f.nodeid, f.check): f for f in findings.of_records(records)}
+    assert {key: f.level for key, f in found.items()} == {
+        ("t.py::test_fail", "leak-shm"): "error",
+        ("t.py::test_warn", "leak-process"): "warning",
+        ("t.py::test_known", "leak-shm"): "notice",
+        ("t.py::test_crash", "crash"): "error",
+        ("t.py::test_hang", "timeout"): "error",
+        ("t.py::test_slow_start", "startup-timeout"): "error",
+    }
+    fail = found["t.py::test_fail", "leak-shm"]
+    assert (fail.file, fail.line, fail.title) == ("t.py", 10, "pytest-gpuiso: shm leak")
+    assert fail.message == (
+        "t.py::test_fail left a /dev/shm segment behind: segment /dev/shm/x (4 bytes) left "
+        "in /dev/shm. It failed the test (--gpu-isolate-leaks)."
+    )
+    assert "Known: it is in the leak baseline" in found["t.py::test_known", "leak-shm"].message
+    assert found["t.py::test_hang", "timeout"].message == (
+        "t.py::test_hang timed out after 2 s, and was ended by SIGKILL; its stack at the "
+        "timeout is in the test's report."
+    )
+    assert (
+        "did not finish starting within 300 s"
+        in found["t.py::test_slow_start", "startup-timeout"].message
+    )
+    assert found["t.py::test_crash", "crash"].message.endswith("killed by SIGSEGV.")
+
+
+def test_a_rerun_test_is_annotated_once_from_its_last_attempt():
+    first = _record("t.py::test_flaky", signal="SIGSEGV") | {"outcome": "rerun"}
+    last = _record("t.py::test_flaky", [_leak(level="warn")]) | {"attempt": 2}
+    assert [f.check for f in findings.of_records([first, last, first])] == ["leak-shm"]
+
+
+def test_workflow_commands_are_escaped_and_paths_are_the_checkouts(tmp_path, monkeypatch):
+    """A message keeps to one line (a test's text can never start a workflow command of
+    its own); ``:`` and ``,`` are escaped in properties; the file is relative to
+    GITHUB_WORKSPACE, and a file outside it keeps its rootdir-relative name."""
+    monkeypatch.setenv(findings.WORKSPACE_ENV, str(tmp_path))
+    detail = "100% of it\n::add-mask::x\r, here: there"
+    record = _record("sub/t.py::test_x", [_leak(level="fail", detail=detail)], line=7)
+    [line] = findings.github(findings.of_records([record]), rootdir=tmp_path / "pkg")
+    assert line.startswith("::error file=pkg/sub/t.py,line=7,title=pytest-gpuiso%3A shm leak::")
+    assert "100%25 of it%0A::add-mask::x%0D, here: there" in line
+    assert "\n" not in line and "\r" not in line
+    [outside] = findings.github(findings.of_records([record]), rootdir=Path("/elsewhere"))
+    assert outside.startswith("::error file=sub/t.py,line=7,")
+    odd = findings.Finding("warning", "a", "c", "x: y, z", "m", "d,e:f.py", None)
+    assert findings.github([odd]) == ["::warning file=d%2Ce%3Af.py,title=x%3A y%2C z::m"]
+
+
+def test_past_githubs_limit_the_last_annotation_of_a_level_names_the_rest():
+    records = [_record(f"t.py::test_{n:02}", [_leak(level="fail")]) for n in range(12)]
+    records.append(_record("t.py::test_warned", [_leak(level="warn")]))
+    lines = findings.github(findings.of_records(records))
+    errors = [line for line in lines if line.startswith("::error")]
+    assert len(errors) == findings.PER_LEVEL
+    assert all("file=t.py" in line for line in errors[:9])
+    assert errors[9].startswith("::error title=pytest-gpuiso%3A 3 more errors::")
+    assert "in t.py::test_09, t.py::test_10, t.py::test_11;" in errors[9]
+    assert [line for line in lines if line.startswith("::warning")] == [
+        lines[-1]
+    ] and "test_warned" in lines[-1]
+
+
+def test_annotations_are_wanted_on_github_only_unless_asked(monkeypatch):
+    monkeypatch.delenv(findings.GITHUB_ENV, raising=False)
+    assert [findings.wanted(m) for m in ("auto", "github", "off")] == [False, True, False]
+    monkeypatch.setenv(findings.GITHUB_ENV, "true")
+    assert [findings.wanted(m) for m in ("auto", "github", "off")] == [True, True, False]
+
+
+def test_the_code_quality_report_is_gitlabs_format():
+    records = [
+        _record("t.py::test_a", [_leak(level="fail"), _leak("gpu_memory", "known")], line=4),
+        _record("t.py::test_b", signal="SIGABRT") | {"location": None},
+    ]
+    issues = json.loads(findings.code_quality(findings.of_records(records)))
+    assert [(i["check_name"], i["severity"], i["location"]) for i in issues] == [
+        ("pytest-gpuiso/leak-shm", "major", {"path": "t.py", "lines": {"begin": 4}}),
+        ("pytest-gpuiso/leak-gpu_memory", "info", {"path": "t.py", "lines": {"begin": 4}}),
+        ("pytest-gpuiso/crash", "major", {"path": "t.py", "lines": {"begin": 1}}),
+    ]
+    fingerprints = [i["fingerprint"] for i in issues]
+    assert len(set(fingerprints)) == 3  # stable per test and check: GitLab diffs by them
+    again = json.loads(findings.code_quality(findings.of_records(records)))
+    assert [i["fingerprint"] for i in again] == fingerprints
+    assert issues[0]["description"].startswith("pytest-gpuiso: shm leak: t.py::test_a left")
+
+
+# ------------------------------------------------------------------------ the baseline
+
+
+def _report(path: Path, *records: dict) -> str:
+    path.write_text(json.dumps({"version": SCHEMA_VERSION, "tests": list(records)}))
+    return str(path)
+
+
+def test_a_baseline_from_a_report_round_trips_and_says_what_was_fixed(tmp_path):
+    report = _report(
+        tmp_path / "base.json",
+        _record("t.py::test_a", [_leak(level="warn"), _leak("process", "fail")]),
+        _record("t.py::test_b", [_leak(level="allowed")]),
+        _record("t.py::test_c", [_leak(level="known")]),
+    )
+    assert main(["compare", "--write-baseline", str(tmp_path / "known.json"), report]) == 0
+    written = baseline.load(str(tmp_path / "known.json"))
+    from_report = baseline.load(report)  # a report serves as a baseline too
+    expected = {"t.py::test_a": {"shm", "process"}, "t.py::test_c": {"shm"}}
+    assert written.known == from_report.known == expected
+    assert written.kinds("t.py::test_a") == {"shm", "process"} and not written.kinds("t.py::x")
+    now = [
+        _record("t.py::test_a", [_leak("process", "known")]),
+        _record("t.py::test_c", signal="SIGKILL") | {"pid": None},  # never checked
+    ]
+    assert written.fixed(now) == [("t.py::test_a", "shm")]
+    assert written.not_run(now) == []
+    assert written.not_run(now[:1]) == ["t.py::test_c"]
+    summary = written.summary(now)
+    assert (summary["entries"], summary["known"]) == (3, 1)
+    assert summary["fixed"] == [{"nodeid": "t.py::test_a", "kind": "shm"}]
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        ("", "empty file"),
+        ("  \n", "empty file"),
+        ('{"format": "pytest-gpuiso leak baseline", "version": 1, "leaks": [', "not JSON"),
+        ('{"format": "pytest-gpuiso leak baseline", "version": 2, "leaks": []}', "version 2"),
+        ('{"format": "pytest-gpuiso leak baseline", "version": 1}', "'leaks' is not a list"),
+        ('{"format": "pytest-gpuiso leak baseline", "version": 1, "leaks": [3]}', "entry 0 is"),
+        (
+            '{"format": "pytest-gpuiso leak baseline", "version": 1, "leaks": [{"kind": "shm"}]}',
+            "entry 0 has no 'nodeid' string",
+        ),
+        (
+            '{"format": "pytest-gpuiso leak baseline", "version": 1, '
+            '"leaks": [{"nodeid": "t.py::x", "kind": "disk"}]}',
+            "entry 0 has kind 'disk', expected one of shm, process, gpu_memory",
+        ),
+        ('{"leaks": []}', "neither a leak baseline nor a pytest-gpuiso JSON report"),
+        ('{"version": 7, "tests": []}', "report version 7, expected 1"),
+    ],
+)
+def test_a_baseline_that_cannot_serve_is_one_line_naming_the_file(tmp_path, content, problem):
+    path = tmp_path / "known.json"
+    path.write_text(content)
+    with pytest.raises(ReportError) as raised:
+        baseline.load(str(path))
+    assert str(raised.value).startswith(f"{path}: ") and problem in str(raised.value)
+    assert "\n" not in str(raised.value)
+
+
+def test_an_empty_list_of_leaks_is_a_baseline_that_knows_nothing(tmp_path):
+    path = tmp_path / "known.json"
+    path.write_text('{"format": "pytest-gpuiso leak baseline", "version": 1, "leaks": []}')
+    assert baseline.load(str(path)).known == {}
+
+
+# ------------------------------------------------------------------------ compare's side
+
+
+def test_compare_annotates_what_is_new_and_writes_it_for_gitlab(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv(findings.GITHUB_ENV, raising=False)
+    monkeypatch.delenv("GITHUB_STEP_SUMMARY", raising=False)
+    base = _report(tmp_path / "b.json", _record("t.py::test_a"), _record("t.py::test_b"))
+    head = _report(
+        tmp_path / "h.json",
+        _record("t.py::test_a", [_leak(level="fail")], line=12),
+        _record("t.py::test_b"),
+    )
+    quality = tmp_path / "cq.json"
+    assert main(["compare", base, head, "--code-quality", str(quality)]) == 1
+    out = capsys.readouterr().out
+    assert not [line for line in out.splitlines() if line.startswith("::")]  # not on GitHub
+    [issue] = json.loads(quality.read_text())
+    assert (issue["check_name"], issue["location"]["lines"]["begin"]) == (
+        "pytest-gpuiso/new-leak-shm",
+        12,
+    )
+    monkeypatch.setenv(findings.GITHUB_ENV, "true")
+    assert main(["compare", base, head]) == 1
+    commands = [line for line in capsys.readouterr().out.splitlines() if line.startswith("::")]
+    assert commands == [
+        "::error file=t.py,line=12,title=pytest-gpuiso%3A new against the base%3A leak shm::"
+        "t.py::test_a: leak shm: segment /dev/shm/x (4 bytes) left in /dev/shm (not in the "
+        "base's report)."
+    ]
+    assert main(["compare", base, head, "--annotations", "off"]) == 1
+    assert "::error" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("args", "problem"),
+    [
+        (["compare", "a.json"], "give two reports, BASE and HEAD (one only with --write-baseline)"),
+        (["compare", "a", "b", "c"], "give two reports, BASE and HEAD"),
+        (["compare", "a", "b", "--annotations", "loud"], "invalid choice: 'loud'"),
+    ],
+)
+def test_compare_usage_errors_exit_2(args, problem, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(args)
+    assert exited.value.code == 2 and problem in capsys.readouterr().err
+
+
+# ------------------------------------------------------------ a pull request, end to end
+
+
+def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``python -m pytest_gpuiso`` as installed (run from /, never the checkout's copy)."""
+    return subprocess.run(
+        [sys.executable, "-m", "pytest_gpuiso", *args],
+        capture_output=True,
+        text=True,
+        cwd="/",
+        env={**os.environ, **(env or {})},
+        timeout=60,
+    )
+
+
+@pytest.mark.installation
+def test_a_pull_request_with_one_leak_new_one_fixed_one_known(gpuiso_spawn, monkeypatch):
+    """The base branch's run, its baseline (with an entry for a test since removed), the
+    pull request's run under xdist on GitHub Actions with leaks failing, then compare:
+    the new leak fails its test and is one error annotation at its line, the known one is
+    a notice and fails nothing, the fixed one is reported fixed; compare exits 1 and
+    annotates the new leak alone."""
+    shm = f"gpuiso-pr-{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv("GPUISO_SHM_NAME", shm)
+    monkeypatch.delenv(findings.GITHUB_ENV, raising=False)
+    monkeypatch.delenv("GITHUB_STEP_SUMMARY", raising=False)
+    path = gpuiso_spawn.path
+    gpuiso_spawn.copy("test_pr_leaks.py")
+    try:
+        monkeypatch.setenv("PR_SIDE", "base")
+        base = gpuiso_spawn.run("--gpu-isolate", "--gpu-isolate-report=base.json")
+        base.assert_outcomes(passed=4, warnings=2)
+        assert not [line for line in base.stdout.lines if line.startswith("::")]  # not GitHub
+        for leaked in Path("/dev/shm").glob(f"{shm}-*"):
+            leaked.unlink()
+        known = path / "known.json"
+        written = _cli("compare", "--write-baseline", str(known), str(path / "base.json"))
+        assert written.returncode == 0, written.stderr
+        assert (
+            written.stdout == f"wrote the leak baseline (2 leaks of {path}/base.json) to {known}\n"
+        )
+        document = json.loads(known.read_text())
+        document["leaks"].append({"nodeid": "test_pr_leaks.py::test_removed", "kind": "shm"})
+        known.write_text(json.dumps(document))
+
+        monkeypatch.setenv("PR_SIDE", "head")
+        monkeypatch.setenv(findings.GITHUB_ENV, "true")
+        monkeypatch.setenv(findings.WORKSPACE_ENV, str(path))
+        head = gpuiso_spawn.run(
+            "-n",
+            "2",
+            "--gpu-isolate",
+            "--gpu-isolate-leaks=fail",
+            "--gpu-isolate-leak-baseline=known.json",
+            "--gpu-isolate-report=head.json",
+            "--gpu-isolate-code-quality=quality.json",
+            "--gpu-isolate-summary=summary.md",
+        )
+    finally:
+        for leaked in Path("/dev/shm").glob(f"{shm}-*"):
+            leaked.unlink()
+    head.assert_outcomes(passed=4, errors=1)  # test_new's leak fails its teardown
+    out = head.stdout.str()
+    commands = [line for line in out.splitlines() if line.startswith("::")]
+    assert [c.split("::")[1] for c in commands] == [
+        "error file=test_pr_leaks.py,line=26,title=pytest-gpuiso%3A shm leak",
+        "notice file=test_pr_leaks.py,line=17,title=pytest-gpuiso%3A shm leak (known)",
+    ]
+    assert (
+        f"test_pr_leaks.py::test_new left a /dev/shm segment behind: segment /dev/shm/{shm}-new"
+        in commands[0]
+    )
+    head.stdout.fnmatch_lines(
+        [
+            f"gpu-isolate: leak baseline {known}: 1 known leaks reported, 1 of its 3 entries "
+            "fixed, 1 of its tests not run",
+            "  FIXED test_pr_leaks.py::test_fixed: shm (no longer leaks)",
+            "gpu-isolate: not run here (*): test_pr_leaks.py::test_removed",
+        ]
+    )
+    report = json.loads((path / "head.json").read_text())
+    assert report["baseline"]["fixed"] == [
+        {"nodeid": "test_pr_leaks.py::test_fixed", "kind": "shm"}
+    ]
+    levels = {t["nodeid"]: [leak["level"] for leak in t["leaks"]] for t in report["tests"]}
+    assert levels == {
+        "test_pr_leaks.py::test_known": ["known"],
+        "test_pr_leaks.py::test_fixed": [],
+        "test_pr_leaks.py::test_new": ["fail"],
+        "test_pr_leaks.py::test_clean": [],
+    }
+    quality = json.loads((path / "quality.json").read_text())
+    assert sorted((i["severity"], i["location"]["lines"]["begin"]) for i in quality) == [
+        ("info", 17),
+        ("major", 26),
+    ]
+    summary = (path / "summary.md").read_text()
+    assert "Not counted: 1 leak known from the leak baseline." in summary
+    assert "### Fixed since the leak baseline" in summary
+
+    compared = _cli(
+        "compare",
+        str(path / "base.json"),
+        str(path / "head.json"),
+        env={findings.GITHUB_ENV: "true", findings.WORKSPACE_ENV: str(path)},
+    )
+    assert compared.returncode == 1, compared.stderr
+    lines = compared.stdout.splitlines()
+    assert lines[:2] == [
+        f"NEW    test_pr_leaks.py::test_new: leak shm: segment /dev/shm/{shm}-new"
+        + lines[0].split(f"{shm}-new", 1)[1],
+        "FIXED  test_pr_leaks.py::test_fixed: leak shm",
+    ]
+    assert lines[2] == "compared 4 tests: 1 new, 1 fixed"
+    [command] = [line for line in lines if line.startswith("::")]
+    assert command.startswith("::error file=test_pr_leaks.py,line=26,title=pytest-gpuiso%3A new")
+
+
+@pytest.mark.installation
+def test_a_baseline_that_cannot_serve_stops_the_session_in_one_line(gpuiso_spawn):
+    gpuiso_spawn.copy("test_pr_leaks.py")
+    (gpuiso_spawn.path / "known.json").write_text("")
+    result = gpuiso_spawn.run("--gpu-isolate", "--gpu-isolate-leak-baseline=known.json", REPORT)
+    assert result.ret == 4
+    assert result.stderr.lines[0] == (
+        f"ERROR: gpu-isolate: --gpu-isolate-leak-baseline: {gpuiso_spawn.path}/known.json: "
+        "empty file"
+    )
+    assert "Traceback" not in result.stderr.str() + result.stdout.str()
+
+
+# ------------------------------------------------------------- the CI recipe's commands
+
+
+def _recipe() -> tuple[list[str], list[str]]:
+    """The CI recipe's workflow in docs/ci.md: its matrix's parts, and the ``pytest`` and
+    ``python -m pytest_gpuiso`` commands of its ``run:`` steps, continuation lines joined."""
+    text = (ROOT / "docs" / "ci.md").read_text()
+    workflow = text.split("## A CI recipe: GitHub Actions", 1)[1].split("```yaml\n", 1)[1]
+    workflow = workflow.split("```", 1)[0]
+    parts = re.search(r"^\s+part: \[(.*)\]$", workflow, re.M).group(1).split(", ")
+    commands, lines = [], workflow.splitlines()
+    for n, line in enumerate(lines):
+        step = re.match(r"^(\s*)(?:- )?run: (.*)$", line)
+        if step is None:
+            continue
+        script = [step.group(2)] if step.group(2) != "|" else []
+        for more in lines[n + 1 :]:
+            if more.strip() and len(more) - len(more.lstrip()) <= len(step.group(1)):
+                break
+            script.append(more.strip())
+        for command in "\n".join(script).replace("\\\n", " ").splitlines():
+            if command.startswith(("pytest ", "python -m pytest_gpuiso ")):
+                commands.append(command)
+    return parts, commands
+
+
+@pytest.mark.installation
+def test_the_ci_recipes_commands_on_a_pull_request(tmp_path, monkeypatch):
+    """The recipe's own commands, run as its workflow runs them: the base branch's shards
+    (its first run: an empty baseline, so its two leaks fail), merged, its leaks written as
+    the baseline; then the pull request's shards, merged and compared with the base's
+    report: the new leak fails its shard and the comparison (exit 1) and is its one
+    annotation, the known one fails nothing, the fixed one is listed."""
+    parts, commands = _recipe()
+    shard, merge, compare = commands[0], commands[1], commands[2]
+    assert parts == ["unit", "models"] and len(commands) == 3
+    assert shard.startswith("pytest tests/${{ matrix.part }} ") and "--gpu-isolate " in shard
+    assert merge.startswith("python -m pytest_gpuiso merge shard-*.json --json report.json")
+    assert compare.startswith("python -m pytest_gpuiso compare base/report.json report.json")
+    (tmp_path / "tests" / "unit").mkdir(parents=True)
+    (tmp_path / "tests" / "models").mkdir()
+    shutil.copy(PROGRAMS / "test_pr_leaks.py", tmp_path / "tests" / "unit")
+    (tmp_path / "tests" / "models" / "test_model.py").write_text("def test_model():\n    pass\n")
+    (tmp_path / "known-leaks.json").write_text(
+        json.dumps({"format": baseline.FORMAT, "version": 1, "leaks": []})
+    )
+    shm = f"gpuiso-ci-{uuid.uuid4().hex[:8]}"
+    env = {
+        **os.environ,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+        "PYTEST_ADDOPTS": "-p gpuiso -p xdist -p no:cacheprovider --gpu-isolate-preload=none",
+        "GPUISO_SHM_NAME": shm,
+        findings.GITHUB_ENV: "true",
+        findings.WORKSPACE_ENV: str(tmp_path),
+        "GITHUB_STEP_SUMMARY": str(tmp_path / "step-summary.md"),
+    }
+
+    def run(command: str, side: str) -> subprocess.CompletedProcess:
+        ran = subprocess.run(
+            ["bash", "-c", command],
+            cwd=tmp_path,
+            env={**env, "PR_SIDE": side},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        for leaked in Path("/dev/shm").glob(f"{shm}-*"):
+            leaked.unlink()
+        return ran
+
+    def shards(side: str, *parts: str) -> list[int]:
+        return [run(shard.replace("${{ matrix.part }}", part), side).returncode for part in parts]
+
+    assert shards("base", *parts) == [1, 0]  # its first run: both of its leaks fail tests/unit
+    assert run(merge, "base").returncode == 0
+    written = run(
+        "python -m pytest_gpuiso compare --write-baseline known-leaks.json report.json", "base"
+    )
+    assert written.returncode == 0 and "(2 leaks of report.json)" in written.stdout
+    (tmp_path / "base").mkdir()
+    (tmp_path / "report.json").rename(tmp_path / "base" / "report.json")  # the artifact
+
+    # The pull request changes tests/unit alone: tests/models' shard report stays as it was
+    # (running it again would take time and change nothing).
+    assert shards("head", "unit") == [1]  # the new leak fails its shard; the known one not
+    unit = json.loads((tmp_path / "shard-unit.json").read_text())
+    assert {t["nodeid"]: t["outcome"] for t in unit["tests"]} == {
+        "tests/unit/test_pr_leaks.py::test_known": "passed",
+        "tests/unit/test_pr_leaks.py::test_fixed": "passed",
+        "tests/unit/test_pr_leaks.py::test_new": "error",
+        "tests/unit/test_pr_leaks.py::test_clean": "passed",
+    }
+    assert unit["baseline"]["fixed"] == [
+        {"nodeid": "tests/unit/test_pr_leaks.py::test_fixed", "kind": "shm"}
+    ]
+    assert run(merge, "head").returncode == 0
+    compared = run(compare, "head")
+    assert compared.returncode == 1, compared.stderr
+    out = compared.stdout.splitlines()
+    assert out[1:3] == [
+        "FIXED  tests/unit/test_pr_leaks.py::test_fixed: leak shm",
+        "compared 5 tests: 1 new, 1 fixed",
+    ]
+    [annotation] = [line for line in out if line.startswith("::")]
+    assert annotation.startswith(
+        "::error file=tests/unit/test_pr_leaks.py,line=26,title=pytest-gpuiso%3A new against"
+    )
+    step = (tmp_path / "step-summary.md").read_text()
+    # each session's summary (a step of its own in the workflow) and the two merges'
+    assert step.splitlines().count("## pytest-gpuiso") == 5
+    assert "## pytest-gpuiso: against the base" in step and "### New" in step
+    assert "### New" in (tmp_path / "compare.md").read_text()
