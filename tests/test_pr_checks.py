@@ -21,6 +21,7 @@ import pytest
 from pytest_gpuiso import baseline, findings
 from pytest_gpuiso.__main__ import main
 from pytest_gpuiso.record import SCHEMA_VERSION
+from pytest_gpuiso.settings import SpecError, parse_annotations
 from pytest_gpuiso.shards import ReportError
 from tests.helpers import PROGRAMS, REPORT, ROOT
 
@@ -513,3 +514,13 @@ def test_the_ci_recipes_commands_on_a_pull_request(tmp_path, monkeypatch):
     assert step.splitlines().count("## pytest-gpuiso") == 5
     assert "## pytest-gpuiso: against the base" in step and "### New" in step
     assert "### New" in (tmp_path / "compare.md").read_text()
+
+
+@pytest.mark.parametrize("value", ["loud", "", "githubb"])
+def test_a_bad_annotations_value_names_the_option(value):
+    with pytest.raises(SpecError) as raised:
+        parse_annotations(value, "--gpu-isolate-annotations")
+    assert str(raised.value) == (
+        f"invalid value {value!r} for --gpu-isolate-annotations: expected auto, github, off"
+    )
+    assert parse_annotations(" GitHub ", "ini gpu_isolate_annotations") == "github"
