@@ -180,7 +180,7 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, argpars
     compare.add_argument(
         "reports",
         nargs="+",
-        metavar="BASE HEAD",
+        metavar="REPORT",
         help="the base branch's JSON report, then the pull request's (HEAD alone with "
         "--write-baseline)",
     )
@@ -231,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
             compare.error("give two reports, BASE and HEAD (or one, with --write-baseline)")
         if len(opts.reports) == 1 and opts.write_baseline is None:
             compare.error("give two reports, BASE and HEAD (one only with --write-baseline)")
+        if len(opts.reports) == 1 and (opts.markdown or opts.code_quality):
+            compare.error("--markdown and --code-quality need two reports, BASE and HEAD")
         return _compare(opts)
     if opts.command == "merge":
         if opts.markdown is None and opts.json is None:

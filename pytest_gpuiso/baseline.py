@@ -20,6 +20,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from .mdtext import cell, code_cell
 from .record import last_attempts
 from .settings import KINDS
 from .shards import ReportError, read_json, records_of
@@ -41,16 +42,18 @@ class Baseline:
         return sum(len(kinds) for kinds in self.known.values())
 
     def fixed(self, records: list[dict[str, Any]]) -> list[tuple[str, str]]:
-        """(test, kind) of each entry whose test's last attempt ran to its leak check
-        and did not leak that kind."""
+        """(test, kind) of each entry whose test's last attempt ran to its end (neither
+        skipped, nor stopped by a timeout, a crash or Ctrl-C), had that kind checked
+        (not ``off``; GPU memory only with a lease and NVML) and did not leak it."""
         last = last_attempts(records)
         found = []
         for nodeid, kinds in sorted(self.known.items()):
             record = last.get(nodeid)
-            if record is None or record.get("pid") is None or record["outcome"] == "interrupted":
-                continue  # not run here, or never checked
+            if record is None or not _ran_through(record):
+                continue
             leaking = {leak["kind"] for leak in record.get("leaks", [])}
-            found += [(nodeid, kind) for kind in sorted(kinds - leaking)]
+            checked = set(record.get("leak_checks") or ())
+            found += [(nodeid, kind) for kind in sorted(kinds & checked - leaking)]
         return found
 
     def not_run(self, records: list[dict[str, Any]]) -> list[str]:
@@ -74,11 +77,19 @@ class Baseline:
         }
 
 
+def _ran_through(record: dict[str, Any]) -> bool:
+    """Whether the test ran as far as it goes: a leak it no longer reports is gone, not
+    skipped over."""
+    exit_ = record.get("exit") or {}
+    stopped = exit_.get("timed_out") or exit_.get("signal")
+    return not stopped and record.get("outcome") not in ("skipped", "interrupted", "rerun")
+
+
 def load(path: str) -> Baseline:
     """The baseline in ``path`` (or a JSON report's leaks); ``ReportError`` names the file
     and the problem in one line."""
     document = read_json(path)
-    if isinstance(document, dict) and "tests" in document and "format" not in document:
+    if isinstance(document, dict) and isinstance(document.get("tests"), list):
         return Baseline(path, _known(entries(records_of(path, document))))
     if not isinstance(document, dict) or document.get("format") != FORMAT:
         raise ReportError(f"{path}: neither a leak baseline nor a pytest-gpuiso JSON report")
@@ -124,3 +135,43 @@ def text(records: list[dict[str, Any]]) -> str:
     """The baseline file of a report's records."""
     document = {"format": FORMAT, "version": VERSION, "leaks": entries(records)}
     return json.dumps(document, indent=2, ensure_ascii=False) + "\n"
+
+
+def baseline_lines(summary: dict[str, Any], most: int) -> list[str]:
+    """The terminal's lines on what became of the baseline (``Baseline.summary``): known
+    leaks, fixed entries (at most ``most`` named), tests not run."""
+    fixed, not_run = summary["fixed"], summary["not_run"]
+    lines = [
+        f"gpu-isolate: leak baseline {summary['path']}: {summary['known']} known leaks "
+        f"reported, {len(fixed)} of its {summary['entries']} entries fixed, "
+        f"{len(not_run)} of its tests not run"
+    ]
+    lines += [f"  FIXED {e['nodeid']}: {e['kind']} (no longer leaks)" for e in fixed[:most]]
+    if len(fixed) > most:
+        lines.append(f"  ... {len(fixed) - most} more fixed entries in the JSON report")
+    if fixed:
+        lines.append(
+            "gpu-isolate: fixed entries can leave the baseline: write it again with "
+            "python -m pytest_gpuiso compare --write-baseline FILE REPORT"
+        )
+    if not_run:
+        more = f" and {len(not_run) - most} more" if len(not_run) > most else ""
+        lines.append(
+            "gpu-isolate: not run here (deselected, in another shard, renamed or removed): "
+            f"{', '.join(not_run[:most])}{more}"
+        )
+    return lines
+
+
+def fixed_table(summary: dict[str, Any] | None, rows: int) -> list[str]:
+    """The Markdown's "Fixed since the leak baseline" part (at most ``rows`` rows)."""
+    if not summary or not summary["fixed"]:
+        return []
+    fixed = summary["fixed"]
+    lines = ["", "### Fixed since the leak baseline", ""]
+    lines += ["No longer leaking: write the baseline again to drop them.", ""]
+    lines += ["| test | kind |", "|---|---|"]
+    lines += [f"| {code_cell(e['nodeid'])} | {cell(e['kind'])} |" for e in fixed[:rows]]
+    if len(fixed) > rows:
+        lines += ["", f"{len(fixed) - rows} more in the JSON report."]
+    return lines

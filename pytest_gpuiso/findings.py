@@ -27,11 +27,18 @@ WORKSPACE_ENV = "GITHUB_WORKSPACE"  # the checkout, which annotation paths are r
 PER_LEVEL = 10  # annotations of one level GitHub shows for a step
 LEVELS = ("error", "warning", "notice")
 SEVERITY = {"error": "major", "warning": "minor", "notice": "info"}  # Code Quality's
-LEAKED = {
-    "shm": "a /dev/shm segment",
-    "process": "a process running",
-    "gpu_memory": "GPU memory in use",
+LEAKED = {  # what a test left behind: one, and {n} of them
+    "shm": ("a /dev/shm segment", "{n} /dev/shm segments"),
+    "process": ("a process running", "{n} processes running"),
+    "gpu_memory": ("GPU memory in use", "{n} GPU memory leaks"),
 }
+WHY = {  # a leak's level in its record: what became of it
+    "fail": "It failed the test (--gpu-isolate-leaks).",
+    "warn": "Reported, not failed (--gpu-isolate-leaks=warn).",
+    "known": "Known: it is in the leak baseline, so it does not fail the test.",
+}
+LEVEL = {"fail": "error", "warn": "warning", "known": "notice"}  # its annotation's
+CHECKOUT_ENVS = (WORKSPACE_ENV, "CI_PROJECT_DIR")  # GitHub's checkout, GitLab's
 
 
 @dataclass(frozen=True)
@@ -41,7 +48,7 @@ class Finding:
     check: str  # "leak-shm", "crash", "timeout", "startup-timeout", "exit-timeout", "new-..."
     title: str
     message: str  # understood without the log
-    file: str | None = None  # the test's file, relative to the rootdir
+    file: str | None = None  # the test's file, relative to the checkout (else the rootdir)
     line: int | None = None  # 1-based
 
 
@@ -50,11 +57,30 @@ def wanted(mode: str) -> bool:
     return mode == "github" or (mode == "auto" and os.environ.get(GITHUB_ENV) == "true")
 
 
+def locate(record: dict[str, Any], rootdir: Path) -> None:
+    """Add to the record's location the test file's path as GitHub and GitLab name it:
+    relative to the checkout (``GITHUB_WORKSPACE``, GitLab's ``CI_PROJECT_DIR``, else
+    the current directory), where it lies inside. Kept in the JSON report, so that
+    ``compare`` on another machine names the same file."""
+    location = record.get("location")
+    if not isinstance(location, dict) or not isinstance(location.get("file"), str):
+        return
+    full = os.path.normpath(os.path.join(rootdir, location["file"]))
+    top = next((os.environ[name] for name in CHECKOUT_ENVS if os.environ.get(name)), "")
+    top = os.path.abspath(top or os.getcwd())
+    if os.path.commonpath([full, top]) == top:
+        location["path"] = os.path.relpath(full, top)
+
+
 def _where(record: dict[str, Any]) -> tuple[str | None, int | None]:
+    """The test's file (relative to the checkout where known, else to the rootdir) and
+    line; without a location, the file its node id names."""
     location = record.get("location")
     if isinstance(location, dict) and isinstance(location.get("file"), str):
         line = location.get("line")
-        return location["file"], line if isinstance(line, int) and line > 0 else None
+        path = location.get("path")
+        file = path if isinstance(path, str) else location["file"]
+        return file, line if isinstance(line, int) and line > 0 else None
     return record["nodeid"].split("::")[0] or None, None
 
 
@@ -93,26 +119,18 @@ def of_records(records: list[dict[str, Any]]) -> list[Finding]:
             found.append(
                 Finding("error", nodeid, check, f"pytest-gpuiso: {title}", message, file, line)
             )
+        groups: dict[tuple[str, str], list[str]] = {}  # (kind, level) -> the details
         for leak in record.get("leaks", []):
             level = leak.get("level", "warn")
-            if leak.get("allowed") or level not in ("fail", "warn", "known"):
-                continue
-            what = LEAKED.get(leak["kind"], leak["kind"])
-            title = f"pytest-gpuiso: {leak['kind']} leak"
-            message = (
-                f"{nodeid} left {what} behind: {leak['detail']}. "
-                + {
-                    "fail": "It failed the test (--gpu-isolate-leaks).",
-                    "warn": "Reported, not failed (--gpu-isolate-leaks=warn).",
-                    "known": "Known: it is in the leak baseline, so it does not fail the test.",
-                }[level]
-            )
-            severity = {"fail": "error", "warn": "warning", "known": "notice"}[level]
-            if level == "known":
-                title += " (known)"
-            found.append(
-                Finding(severity, nodeid, f"leak-{leak['kind']}", title, message, file, line)
-            )
+            if not (leak.get("allowed") or leak.get("ignored")) and level in WHY:
+                groups.setdefault((leak["kind"], level), []).append(leak["detail"])
+        for (kind, level), details in groups.items():
+            one, many = LEAKED.get(kind, (f"a {kind} leak", "{n} " + kind + " leaks"))
+            what = one if len(details) == 1 else many.format(n=len(details))
+            more = f" (and {len(details) - 1} more in the reports)" if len(details) > 1 else ""
+            message = f"{nodeid} left {what} behind: {details[0]}{more}. {WHY[level]}"
+            title = f"pytest-gpuiso: {kind} leak" + (" (known)" if level == "known" else "")
+            found.append(Finding(LEVEL[level], nodeid, f"leak-{kind}", title, message, file, line))
     return found
 
 
@@ -129,17 +147,6 @@ def of_changes(new: list[Any], head: list[dict[str, Any]]) -> list[Finding]:
     return found
 
 
-def _path(file: str | None, rootdir: Path | None) -> str | None:
-    """The test's file as GitHub and GitLab name it: relative to the checkout
-    (``GITHUB_WORKSPACE`` when set, else the current directory) when it lies inside."""
-    if file is None or rootdir is None:
-        return file
-    full = os.path.normpath(os.path.join(rootdir, file))
-    top = os.environ.get(WORKSPACE_ENV) or os.getcwd()
-    inside = os.path.commonpath([full, os.path.abspath(top)]) == os.path.abspath(top)
-    return os.path.relpath(full, top) if inside else file
-
-
 def _data(text: str) -> str:
     """A workflow command's message, escaped (GitHub's rules)."""
     return text.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
@@ -150,25 +157,24 @@ def _property(text: str) -> str:
     return _data(text).replace(":", "%3A").replace(",", "%2C")
 
 
-def _command(finding: Finding, rootdir: Path | None) -> str:
+def _command(finding: Finding) -> str:
     props = []
-    path = _path(finding.file, rootdir)
-    if path is not None:
-        props.append(f"file={_property(path)}")
+    if finding.file is not None:
+        props.append(f"file={_property(finding.file)}")
         if finding.line is not None:
             props.append(f"line={finding.line}")
     props.append(f"title={_property(finding.title)}")
     return f"::{finding.level} {','.join(props)}::{_data(finding.message)}"
 
 
-def github(findings: list[Finding], rootdir: Path | None = None) -> list[str]:
+def github(findings: list[Finding]) -> list[str]:
     """The workflow commands, errors first; past ``PER_LEVEL`` of a level, the last one
     shown names the rest (GitHub drops what a step annotates beyond that)."""
     lines = []
     for level in LEVELS:
         mine = [f for f in findings if f.level == level]
         shown = mine if len(mine) <= PER_LEVEL else mine[: PER_LEVEL - 1]
-        lines += [_command(f, rootdir) for f in shown]
+        lines += [_command(f) for f in shown]
         rest = mine[len(shown) :]
         if rest:
             tests = sorted({f.nodeid for f in rest})
@@ -184,12 +190,12 @@ def github(findings: list[Finding], rootdir: Path | None = None) -> list[str]:
     return lines
 
 
-def code_quality(findings: list[Finding], rootdir: Path | None = None) -> str:
+def code_quality(findings: list[Finding]) -> str:
     """GitLab's Code Quality report (a JSON list) of the findings."""
     issues = []
     for f in findings:
-        path = _path(f.file, rootdir) or f.nodeid.split("::")[0]
-        fingerprint = hashlib.sha256(f"{f.nodeid}\0{f.check}".encode()).hexdigest()
+        path = f.file or f.nodeid.split("::")[0]
+        fingerprint = hashlib.sha256(f"{f.nodeid}\0{f.check}\0{f.level}".encode()).hexdigest()
         issues.append(
             {
                 "description": f"{f.title}: {f.message}",

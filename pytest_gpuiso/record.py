@@ -81,6 +81,7 @@ def build_record(
     port: int | None = None,
     health: dict[str, Any] | None = None,
     location: tuple[str, int | None, str] | None = None,
+    leak_checks: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """One test's entry in the JSON report (schema version 1): one per attempt.
 
@@ -114,6 +115,7 @@ def build_record(
         },
         "escaped": list(outcome.escaped) if outcome else [],
         "leaks": verdict.records if verdict is not None else [],
+        "leak_checks": list(leak_checks),  # the kinds checked after it (none: no check ran)
         "start": {
             "method": outcome.method if outcome else None,
             "prewarmed": outcome.prewarmed if outcome else False,

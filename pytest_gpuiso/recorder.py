@@ -34,6 +34,7 @@ class Recorder:
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         record = record_of(report)
         if record is not None:
+            findings.locate(record, self.config.rootpath)
             self.state.records.append(record)
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
@@ -58,7 +59,7 @@ class Recorder:
         try:
             if state.code_quality_path is not None:
                 found = findings.of_records(state.records)
-                text = findings.code_quality(found, self.config.rootpath)
+                text = findings.code_quality(found)
                 report.write_text(state.code_quality_path, text)
         except OSError as exc:
             path = state.code_quality_path
@@ -84,7 +85,7 @@ class Recorder:
             )
         if findings.wanted(state.settings.annotations) and not state.parallel:
             found = findings.of_records(state.records)
-            for line in findings.github(found, self.config.rootpath):
+            for line in findings.github(found):
                 terminalreporter.write_line(line)
 
     @property

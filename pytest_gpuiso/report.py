@@ -17,6 +17,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from .baseline import baseline_lines, fixed_table
 from .mdtext import cell as _cell
 from .mdtext import code_cell as _code_cell
 from .record import SCHEMA_VERSION, counted_leaks, is_number
@@ -25,6 +26,9 @@ from .settings import KINDS, SpecError, size_text
 STEP_SUMMARY_ENV = "GITHUB_STEP_SUMMARY"  # GitHub Actions' file for a step's Markdown
 MARKDOWN_ROWS = 200  # leak rows in the Markdown table; GitHub truncates huge summaries
 WORST = 5  # tests listed as worst offenders in the terminal
+# A name that is not UTF-8 (a /dev/shm entry's) is a lone surrogate in our text: written
+# as its escape (valid in JSON strings), never an error that loses the report.
+UNENCODABLE = "backslashreplace"
 
 
 def write_json(
@@ -96,7 +100,7 @@ def _write_atomic(path: Path, text: str) -> None:
     replaced and the link kept.
     """
     if written_in_place(path):
-        with open(path, "a", encoding="utf-8") as f:
+        with open(path, "a", encoding="utf-8", errors=UNENCODABLE) as f:
             f.write(text)
         return
     path = Path(os.path.realpath(path))
@@ -108,7 +112,7 @@ def _write_atomic(path: Path, text: str) -> None:
         ) from None
     fd, tmp = tempfile.mkstemp(prefix=".gpuiso-", suffix=path.suffix, dir=path.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with os.fdopen(fd, "w", encoding="utf-8", errors=UNENCODABLE) as f:
             f.write(text)
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
@@ -200,30 +204,8 @@ def terminal_summary(
     if leaky:
         leak_summary(tr, records)
     if baseline is not None:
-        baseline_summary(tr, baseline)
-
-
-def baseline_summary(tr: Any, baseline: dict[str, Any]) -> None:
-    """What became of the leak baseline's entries: known leaks, fixed ones, tests not run."""
-    fixed, not_run = baseline["fixed"], baseline["not_run"]
-    tr.write_line(
-        f"gpu-isolate: leak baseline {baseline['path']}: {baseline['known']} known leaks "
-        f"reported, {len(fixed)} of its {baseline['entries']} entries fixed, "
-        f"{len(not_run)} of its tests not run"
-    )
-    for entry in fixed:
-        tr.write_line(f"  FIXED {entry['nodeid']}: {entry['kind']} (no longer leaks)")
-    if fixed:
-        tr.write_line(
-            "gpu-isolate: fixed entries can leave the baseline: write it again with "
-            "python -m pytest_gpuiso compare --write-baseline FILE REPORT"
-        )
-    if not_run:
-        more = f" and {len(not_run) - WORST} more" if len(not_run) > WORST else ""
-        tr.write_line(
-            f"gpu-isolate: not run here (deselected, in another shard, renamed or removed): "
-            f"{', '.join(not_run[:WORST])}{more}"
-        )
+        for line in baseline_lines(baseline, WORST):
+            tr.write_line(line)
 
 
 def notable(records: list[dict[str, Any]]) -> bool:
@@ -384,20 +366,8 @@ def markdown(
             lines += ["", f"{more} more {what} in the JSON report."]
     if not leaky and not ended:
         lines += ["", "No leaks, timeouts or crashes."]
-    more = _health(records) + _fixed(baseline) + _right_size(records)
+    more = _health(records) + fixed_table(baseline, MARKDOWN_ROWS) + _right_size(records)
     return "\n".join(lines + more) + "\n"
-
-
-def _fixed(baseline: dict[str, Any] | None) -> list[str]:
-    """The "Fixed since the baseline" part: its entries that no longer leak."""
-    if not baseline or not baseline["fixed"]:
-        return []
-    lines = ["", "### Fixed since the leak baseline", ""]
-    lines += ["No longer leaking: write the baseline again to drop them.", ""]
-    lines += ["| test | kind |", "|---|---|"]
-    for entry in baseline["fixed"][:MARKDOWN_ROWS]:
-        lines.append(f"| {_code_cell(entry['nodeid'])} | {_kind(entry['kind'])} |")
-    return lines
 
 
 def _health(records: list[dict[str, Any]]) -> list[str]:
@@ -485,7 +455,7 @@ def append_step_summary(text: str) -> str | None:
     if step is None:
         return None
     try:
-        with open(step, "a", encoding="utf-8") as f:
+        with open(step, "a", encoding="utf-8", errors=UNENCODABLE) as f:
             f.write(text)
     except OSError as exc:
         return f"{exc.strerror}: {step}"

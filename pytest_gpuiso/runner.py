@@ -42,7 +42,7 @@ from .prewarm import HIDDEN_GPUS, WarmJob
 from .record import attach_record, build_record
 from .results import apply_xfail, item_reports, setup_error_reports, skip_reports
 from .session import STATE, State, health, isolated, launcher, settle
-from .settings import IsolationSpec
+from .settings import KINDS, IsolationSpec
 from .started import Started
 from .supervisor import Running
 from .warning_types import GpuIsoStartWarning, warn_session
@@ -63,6 +63,7 @@ class Ran:
     peak: int | None = None  # most GPU memory its processes held on one GPU (NVML)
     port: int | None = None  # its MASTER_PORT (None: the user's own, or none leased)
     health: dict[str, Any] | None = None  # its GPUs' probe after it (None: not probed)
+    leak_checks: tuple[str, ...] = ()  # the leak kinds checked after it
 
     @property
     def complete(self) -> bool:
@@ -83,6 +84,7 @@ class Ran:
             self.port,
             self.health,
             item.location,
+            self.leak_checks,
         )
 
 
@@ -259,7 +261,12 @@ def _finish(item: pytest.Item, plan: Plan, state: State, turn: Turn, running: Ru
         item.config.hook.pytest_gpuiso_parent_payload(item=item, payload=sent, reports=reports)
     peak = next((p.peak for p in turn.probes if isinstance(p, GpuMemoryProbe)), None)
     stopped = stop[0] if stop else None
-    return Ran(reports, spec, outcome, lease, verdict, stopped, payload, peak, number, checked)
+    kinds = {p.kind for p in turn.probes} | {"process"}  # the sweep always runs
+    ran = [k for k in KINDS if k in kinds and state.settings.leak_level(k) != "off"]
+    checks = () if outcome.interrupted else tuple(ran)
+    return Ran(
+        reports, spec, outcome, lease, verdict, stopped, payload, peak, number, checked, checks
+    )
 
 
 def _warm_while_waiting(plan: Plan, state: State) -> Started | None:

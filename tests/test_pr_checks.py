@@ -36,6 +36,7 @@ def _record(nodeid, leaks=(), signal=None, timed_out=False, expired=None, line=3
         "timeout": 2.0,
         "startup_timeout": 300.0,
         "leaks": list(leaks),
+        "leak_checks": ["shm", "process"],
         "location": {"file": nodeid.split("::")[0], "line": line},
         **more,
     }
@@ -97,21 +98,57 @@ def test_a_rerun_test_is_annotated_once_from_its_last_attempt():
     assert [f.check for f in findings.of_records([first, last, first])] == ["leak-shm"]
 
 
-def test_workflow_commands_are_escaped_and_paths_are_the_checkouts(tmp_path, monkeypatch):
+def test_workflow_commands_are_escaped_so_a_tests_text_stays_its_message():
     """A message keeps to one line (a test's text can never start a workflow command of
-    its own); ``:`` and ``,`` are escaped in properties; the file is relative to
-    GITHUB_WORKSPACE, and a file outside it keeps its rootdir-relative name."""
-    monkeypatch.setenv(findings.WORKSPACE_ENV, str(tmp_path))
+    its own); ``:`` and ``,`` are escaped in properties."""
     detail = "100% of it\n::add-mask::x\r, here: there"
     record = _record("sub/t.py::test_x", [_leak(level="fail", detail=detail)], line=7)
-    [line] = findings.github(findings.of_records([record]), rootdir=tmp_path / "pkg")
-    assert line.startswith("::error file=pkg/sub/t.py,line=7,title=pytest-gpuiso%3A shm leak::")
+    [line] = findings.github(findings.of_records([record]))
+    assert line.startswith("::error file=sub/t.py,line=7,title=pytest-gpuiso%3A shm leak::")
     assert "100%25 of it%0A::add-mask::x%0D, here: there" in line
     assert "\n" not in line and "\r" not in line
-    [outside] = findings.github(findings.of_records([record]), rootdir=Path("/elsewhere"))
-    assert outside.startswith("::error file=sub/t.py,line=7,")
     odd = findings.Finding("warning", "a", "c", "x: y, z", "m", "d,e:f.py", None)
     assert findings.github([odd]) == ["::warning file=d%2Ce%3Af.py,title=x%3A y%2C z::m"]
+
+
+@pytest.mark.parametrize("env", [findings.WORKSPACE_ENV, "CI_PROJECT_DIR", None])
+def test_paths_are_the_checkouts_and_kept_in_the_record(tmp_path, monkeypatch, env):
+    """The file is named relative to the checkout (GitHub's, GitLab's, else the current
+    directory), kept in the record for compare on another machine; a file outside keeps
+    its rootdir-relative name."""
+    for name in findings.CHECKOUT_ENVS:
+        monkeypatch.delenv(name, raising=False)
+    if env is None:
+        monkeypatch.chdir(tmp_path)
+    else:
+        monkeypatch.setenv(env, str(tmp_path))
+    record = _record("sub/t.py::test_x", [_leak(level="fail")], line=7)
+    findings.locate(record, tmp_path / "pkg")
+    assert record["location"] == {"file": "sub/t.py", "line": 7, "path": "pkg/sub/t.py"}
+    [line] = findings.github(findings.of_records([record]))
+    assert line.startswith("::error file=pkg/sub/t.py,line=7,")
+    outside = _record("sub/t.py::test_x", [_leak(level="fail")], line=7)
+    findings.locate(outside, Path("/elsewhere"))
+    assert "path" not in outside["location"]
+    assert findings.github(findings.of_records([outside]))[0].startswith("::error file=sub/t.py,")
+
+
+def test_a_tests_leaks_of_one_kind_are_one_annotation():
+    """Twelve processes left by one test are one annotation (GitHub shows ten a step), and
+    one Code Quality issue with a fingerprint of its own."""
+    procs = [_leak("process", "fail", f"process {n} (sleep) killed") for n in range(12)]
+    record = _record("t.py::test_spawner", [*procs, _leak(level="warn")])
+    found = findings.of_records([record])
+    assert [(f.check, f.level) for f in found] == [
+        ("leak-process", "error"),
+        ("leak-shm", "warning"),
+    ]
+    assert found[0].message == (
+        "t.py::test_spawner left 12 processes running behind: process 0 (sleep) killed (and "
+        "11 more in the reports). It failed the test (--gpu-isolate-leaks)."
+    )
+    issues = json.loads(findings.code_quality(found))
+    assert len({i["fingerprint"] for i in issues}) == 2
 
 
 def test_past_githubs_limit_the_last_annotation_of_a_level_names_the_rest():
@@ -176,9 +213,20 @@ def test_a_baseline_from_a_report_round_trips_and_says_what_was_fixed(tmp_path):
     assert written.kinds("t.py::test_a") == {"shm", "process"} and not written.kinds("t.py::x")
     now = [
         _record("t.py::test_a", [_leak("process", "known")]),
-        _record("t.py::test_c", signal="SIGKILL") | {"pid": None},  # never checked
+        _record("t.py::test_c", signal="SIGKILL"),  # crashed: maybe before its leak
     ]
     assert written.fixed(now) == [("t.py::test_a", "shm")]
+    unchecked = [
+        _record("t.py::test_a", [_leak("process", "known")]) | {"leak_checks": ["process"]}
+    ]
+    assert written.fixed(unchecked) == []  # shm=off: its leak was not looked for
+    for stopped in (
+        _record("t.py::test_c", timed_out=True, expired="test"),
+        _record("t.py::test_c") | {"outcome": "skipped"},
+        _record("t.py::test_c") | {"outcome": "interrupted"},
+    ):
+        assert written.fixed([stopped]) == []
+    assert written.fixed([_record("t.py::test_c")]) == [("t.py::test_c", "shm")]
     assert written.not_run(now) == []
     assert written.not_run(now[:1]) == ["t.py::test_c"]
     summary = written.summary(now)
@@ -206,6 +254,7 @@ def test_a_baseline_from_a_report_round_trips_and_says_what_was_fixed(tmp_path):
         ),
         ('{"leaks": []}', "neither a leak baseline nor a pytest-gpuiso JSON report"),
         ('{"version": 7, "tests": []}', "report version 7, expected 1"),
+        ('{"version": 1, "tests": null}', "neither a leak baseline nor a pytest-gpuiso JSON"),
     ],
 )
 def test_a_baseline_that_cannot_serve_is_one_line_naming_the_file(tmp_path, content, problem):
@@ -262,6 +311,10 @@ def test_compare_annotates_what_is_new_and_writes_it_for_gitlab(tmp_path, capsys
         (["compare", "a.json"], "give two reports, BASE and HEAD (one only with --write-baseline)"),
         (["compare", "a", "b", "c"], "give two reports, BASE and HEAD"),
         (["compare", "a", "b", "--annotations", "loud"], "invalid choice: 'loud'"),
+        (
+            ["compare", "a", "--write-baseline", "k.json", "--markdown", "c.md"],
+            "--markdown and --code-quality need two reports, BASE and HEAD",
+        ),
     ],
 )
 def test_compare_usage_errors_exit_2(args, problem, capsys):
@@ -389,15 +442,26 @@ def test_a_pull_request_with_one_leak_new_one_fixed_one_known(gpuiso_spawn, monk
 
 
 @pytest.mark.installation
-def test_a_baseline_that_cannot_serve_stops_the_session_in_one_line(gpuiso_spawn):
+@pytest.mark.parametrize(
+    ("args", "problem"),
+    [
+        (
+            ["--gpu-isolate-leak-baseline=known.json"],
+            "--gpu-isolate-leak-baseline: {path}/known.json: empty file",
+        ),
+        (
+            ["--gpu-isolate-annotations=loud"],
+            "invalid value 'loud' for --gpu-isolate-annotations: expected auto, github, off",
+        ),
+    ],
+)
+def test_a_bad_option_stops_the_session_in_one_line(gpuiso_spawn, args, problem):
     gpuiso_spawn.copy("test_pr_leaks.py")
     (gpuiso_spawn.path / "known.json").write_text("")
-    result = gpuiso_spawn.run("--gpu-isolate", "--gpu-isolate-leak-baseline=known.json", REPORT)
+    result = gpuiso_spawn.run("--gpu-isolate", *args, REPORT)
     assert result.ret == 4
-    assert result.stderr.lines[0] == (
-        f"ERROR: gpu-isolate: --gpu-isolate-leak-baseline: {gpuiso_spawn.path}/known.json: "
-        "empty file"
-    )
+    problem = problem.format(path=gpuiso_spawn.path)
+    assert result.stderr.lines[0] == f"ERROR: gpu-isolate: {problem}"
     assert "Traceback" not in result.stderr.str() + result.stdout.str()
 
 
@@ -473,7 +537,10 @@ def test_the_ci_recipes_commands_on_a_pull_request(tmp_path, monkeypatch):
         return ran
 
     def shards(side: str, *parts: str) -> list[int]:
-        return [run(shard.replace("${{ matrix.part }}", part), side).returncode for part in parts]
+        ran = [run(shard.replace("${{ matrix.part }}", part), side) for part in parts]
+        for each in ran:  # --gpu-isolate-annotations=off, on GitHub Actions
+            assert not [line for line in each.stdout.splitlines() if line.startswith("::")]
+        return [each.returncode for each in ran]
 
     assert shards("base", *parts) == [1, 0]  # its first run: both of its leaks fail tests/unit
     assert run(merge, "base").returncode == 0
