@@ -26,6 +26,12 @@ from pytest_gpuiso.shards import ReportError
 from tests.helpers import PROGRAMS, REPORT, ROOT
 
 
+def _line(test: str) -> int:
+    """The line of ``def test`` in fixtures/programs/test_pr_leaks.py."""
+    lines = (PROGRAMS / "test_pr_leaks.py").read_text().splitlines()
+    return lines.index(f"def {test}():") + 1
+
+
 def _record(nodeid, leaks=(), signal=None, timed_out=False, expired=None, line=3, **more):
     return {
         "nodeid": nodeid,
@@ -362,12 +368,13 @@ def test_a_pull_request_with_one_leak_new_one_fixed_one_known(gpuiso_spawn, monk
     finally:
         for leaked in Path("/dev/shm").glob(f"{shm}-*"):
             leaked.unlink()
-    head.assert_outcomes(passed=4, errors=1)  # test_new's leak fails its teardown
+    head.assert_outcomes(passed=3, errors=1)  # test_new's leak fails its teardown
     out = head.stdout.str()
     commands = [line for line in out.splitlines() if line.startswith("::")]
     assert [c.split("::")[1] for c in commands] == [
-        "error file=test_pr_leaks.py,line=26,title=pytest-gpuiso%3A shm leak",
-        "notice file=test_pr_leaks.py,line=17,title=pytest-gpuiso%3A shm leak (known)",
+        f"error file=test_pr_leaks.py,line={_line('test_new')},title=pytest-gpuiso%3A shm leak",
+        f"notice file=test_pr_leaks.py,line={_line('test_known')},"
+        "title=pytest-gpuiso%3A shm leak (known)",
     ]
     assert (
         f"test_pr_leaks.py::test_new left a /dev/shm segment behind: segment /dev/shm/{shm}-new"
@@ -390,12 +397,11 @@ def test_a_pull_request_with_one_leak_new_one_fixed_one_known(gpuiso_spawn, monk
         "test_pr_leaks.py::test_known": ["known"],
         "test_pr_leaks.py::test_fixed": [],
         "test_pr_leaks.py::test_new": ["fail"],
-        "test_pr_leaks.py::test_clean": [],
     }
     quality = json.loads((path / "quality.json").read_text())
     assert sorted((i["severity"], i["location"]["lines"]["begin"]) for i in quality) == [
-        ("info", 17),
-        ("major", 26),
+        ("info", _line("test_known")),
+        ("major", _line("test_new")),
     ]
     summary = (path / "summary.md").read_text()
     assert "Not counted: 1 leak known from the leak baseline." in summary
@@ -523,7 +529,6 @@ def test_the_ci_recipes_commands_on_a_pull_request(tmp_path, monkeypatch):
         "tests/unit/test_pr_leaks.py::test_known": "passed",
         "tests/unit/test_pr_leaks.py::test_fixed": "passed",
         "tests/unit/test_pr_leaks.py::test_new": "error",
-        "tests/unit/test_pr_leaks.py::test_clean": "passed",
     }
     assert unit["baseline"]["fixed"] == [
         {"nodeid": "tests/unit/test_pr_leaks.py::test_fixed", "kind": "shm"}
@@ -536,12 +541,11 @@ def test_the_ci_recipes_commands_on_a_pull_request(tmp_path, monkeypatch):
     assert out[0].startswith(new)
     assert out[1:3] == [
         "FIXED  tests/unit/test_pr_leaks.py::test_fixed: leak shm",
-        "compared 5 tests: 1 new, 1 fixed",
+        "compared 4 tests: 1 new, 1 fixed",
     ]
     [annotation] = [line for line in out if line.startswith("::")]
-    assert annotation.startswith(
-        "::error file=tests/unit/test_pr_leaks.py,line=26,title=pytest-gpuiso%3A new against"
-    )
+    where = f"file=tests/unit/test_pr_leaks.py,line={_line('test_new')}"
+    assert annotation.startswith(f"::error {where},title=pytest-gpuiso%3A new against the base")
     step = (tmp_path / "step-summary.md").read_text()
     # each session's summary (a step of its own in the workflow) and the two merges'
     assert step.splitlines().count("## pytest-gpuiso") == 5
