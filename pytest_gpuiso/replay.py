@@ -15,7 +15,7 @@ import pytest
 
 from . import _compat, frames
 from .leaks import Verdict
-from .warning_types import GpuIsoLeakWarning, GpuIsoStartWarning, warn_for_test
+from .warning_types import GpuIsoLeakWarning, GpuIsoStartWarning, issue_for_test, warn_for_test
 
 
 def warn_leaks(item: pytest.Item, verdict: Verdict) -> Verdict:
@@ -27,12 +27,14 @@ def warn_leaks(item: pytest.Item, verdict: Verdict) -> Verdict:
     errors: list = []
     for leak in verdict.warning:
         warning = GpuIsoLeakWarning(f"{leak.kind}: {leak.detail}")
-        (warned if warn_for_test(warning, str(item.path), lineno) else errors).append(leak)
+        how = issue_for_test(warning, str(item.path), lineno)
+        (errors if how == "error" else warned).append(leak)
+        if how == "ignored":  # reported still, but not annotated
+            _record_of(verdict, leak)["ignored"] = True
     if not errors:
         return verdict
     for leak in errors:  # their records say they failed the test
-        record = next(r for r in verdict.records if r.get("level") == "warn" and _is(r, leak))
-        record["level"] = "fail"
+        _record_of(verdict, leak)["level"] = "fail"
     return replace(
         verdict,
         failing=verdict.failing + errors,
@@ -41,8 +43,15 @@ def warn_leaks(item: pytest.Item, verdict: Verdict) -> Verdict:
     )
 
 
-def _is(record: dict[str, Any], leak: Any) -> bool:
-    return record["kind"] == leak.kind and record["detail"] == leak.detail
+def _record_of(verdict: Verdict, leak: Any) -> dict[str, Any]:
+    """The record of a warned leak, in the verdict's records."""
+    return next(
+        r
+        for r in verdict.records
+        if r.get("level") == "warn"
+        and not r.get("ignored")
+        and (r["kind"], r["detail"]) == (leak.kind, leak.detail)
+    )
 
 
 def junit_xml(config: pytest.Config) -> Any:

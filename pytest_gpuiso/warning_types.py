@@ -25,16 +25,28 @@ class GpuIsoStartWarning(pytest.PytestWarning):
 
 
 def warn_for_test(warning: Warning, filename: str, lineno: int) -> bool:
-    """Issue a warning of the running test; False when a filter made it an error.
+    """Issue a warning of the running test; False when a filter made it an error."""
+    return issue_for_test(warning, filename, lineno) != "error"
+
+
+def issue_for_test(warning: Warning, filename: str, lineno: int) -> str:
+    """Issue a warning of the running test through its filters: "shown" (pytest records
+    it), "ignored" (a filter dropped it) or "error" (a filter made it an exception).
 
     Called inside pytest's ``pytest_runtest_protocol`` wrapper, which applies the
     item's filters (ini, ``-W``, its ``filterwarnings`` marks) and records what passes.
+    The filters are applied here, in a catcher of our own that sees which it was; what
+    passes them is handed on to pytest's catcher with ``warnings.showwarning``, which
+    applies no filter again.
     """
-    try:
-        warnings.warn_explicit(warning, type(warning), filename, lineno)
-    except type(warning):
-        return False
-    return True
+    with warnings.catch_warnings(record=True) as passed:
+        try:
+            warnings.warn_explicit(warning, type(warning), filename, lineno)
+        except type(warning):
+            return "error"
+    for shown in passed:
+        warnings.showwarning(shown.message, shown.category, shown.filename, shown.lineno)
+    return "shown" if passed else "ignored"
 
 
 def warn_session(config: pytest.Config, warning: Warning) -> bool:

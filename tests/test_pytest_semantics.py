@@ -58,11 +58,19 @@ def test_leak_warnings_obey_the_tests_filterwarnings_mark(gpuiso_spawn, shm_name
     )
 
 
-def test_a_leak_warning_turned_error_fails_the_leaking_test(gpuiso_spawn, shm_name) -> None:
+def test_a_leak_warning_turned_error_fails_the_leaking_test(
+    gpuiso_spawn, shm_name, monkeypatch
+) -> None:
     """Not a crash of pytest: the leaking test gets an error in teardown (as the ``fail``
-    level gives it); the test whose mark ignores the warning, and the clean one, pass."""
+    level gives it); the test whose mark ignores the warning, and the clean one, pass.
+    The records say so (the first leak's level is ``fail``, the second is ``ignored``),
+    and so do GitHub's annotations: an error for the first, nothing for the second."""
     gpuiso_spawn.copy(LEAKS)
-    result = gpuiso_spawn.run("--gpu-isolate-cleanup", *LEAK_ERROR.split(), LEAKS)
+    monkeypatch.setenv("GITHUB_ACTIONS", "true")
+    monkeypatch.delenv("GITHUB_STEP_SUMMARY", raising=False)
+    result = gpuiso_spawn.run(
+        "--gpu-isolate-cleanup", "--gpu-isolate-report=report.json", *LEAK_ERROR.split(), LEAKS
+    )
     result.assert_outcomes(passed=3, errors=1)
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()
@@ -75,6 +83,13 @@ def test_a_leak_warning_turned_error_fails_the_leaking_test(gpuiso_spawn, shm_na
         ]
     )
     assert _warning_lines(result, "GpuIsoLeakWarning") == []  # an error, not also a warning
+    leaks = {r["nodeid"]: r["leaks"] for r in gpuiso_spawn.report()["tests"]}
+    [failed] = leaks[f"{LEAKS}::test_leaks_file"]
+    [ignored] = leaks[f"{LEAKS}::test_leaks_file_ignored_by_mark"]
+    assert (failed["level"], failed.get("ignored")) == ("fail", None)
+    assert (ignored["level"], ignored["ignored"]) == ("warn", True)
+    annotations = [line for line in result.stdout.lines if line.startswith("::")]
+    assert [line.split(",")[0] for line in annotations] == [f"::error file={LEAKS}"]
 
 
 def test_ini_filterwarnings_ignore_drops_the_leak_warning(gpuiso_spawn, shm_name) -> None:
