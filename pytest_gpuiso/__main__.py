@@ -97,8 +97,9 @@ def _compare(opts: argparse.Namespace) -> int:
         return 2
     head = sides[-1]
     outputs = []  # (path, text, what)
+    known = baseline.entries(head) if opts.write_baseline is not None else []
     if opts.write_baseline is not None:
-        outputs.append((opts.write_baseline, baseline.text(head), "leak baseline"))
+        outputs.append((opts.write_baseline, baseline.text(known), "leak baseline"))
     result = None
     if len(sides) == 2:
         growth = int(max(opts.peak_growth, 0.0) * (1 << 20))
@@ -119,8 +120,7 @@ def _compare(opts: argparse.Namespace) -> int:
             print(f"error: {path}: cannot write: {exc.strerror or exc}", file=sys.stderr)
             return 2
         if what == "leak baseline":
-            count = len(baseline.entries(head))
-            print(f"wrote the leak baseline ({count} leaks of {opts.reports[-1]}) to {path}")
+            print(f"wrote the leak baseline ({len(known)} leaks of {opts.reports[-1]}) to {path}")
     if result is not None:
         _step_summary(compare.markdown(result), "the comparison's Markdown")
     return 1 if result is not None and result.new else 0

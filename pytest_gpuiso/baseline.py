@@ -20,8 +20,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from .mdtext import cell, code_cell
-from .record import last_attempts
+from .mdtext import code_cell, kind_cell
+from .record import known_count, last_attempts, leak_kinds
 from .settings import KINDS
 from .shards import ReportError, read_json, records_of
 
@@ -65,13 +65,10 @@ class Baseline:
     def summary(self, records: list[dict[str, Any]]) -> dict[str, Any]:
         """What the session made of the baseline, for the reports: its file, the leaks
         it knew, its entries now fixed, the tests it names that did not run."""
-        known = sum(
-            1 for r in records for leak in r.get("leaks", []) if leak.get("level") == "known"
-        )
         return {
             "path": self.path,
             "entries": self.entries,
-            "known": known,
+            "known": known_count(records),
             "fixed": [{"nodeid": n, "kind": k} for n, k in self.fixed(records)],
             "not_run": self.not_run(records),
         }
@@ -123,17 +120,14 @@ def entries(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     kind it reported once (known ones too; not those its marker allows)."""
     found = []
     for nodeid, record in sorted(last_attempts(records).items()):
-        kinds: dict[str, str] = {}
-        for leak in record.get("leaks", []):
-            if not leak.get("allowed"):
-                kinds.setdefault(leak["kind"], leak["detail"])
-        found += [{"nodeid": nodeid, "kind": k, "detail": d} for k, d in sorted(kinds.items())]
+        kinds = sorted(leak_kinds(record).items())
+        found += [{"nodeid": nodeid, "kind": k, "detail": d} for k, d in kinds]
     return found
 
 
-def text(records: list[dict[str, Any]]) -> str:
-    """The baseline file of a report's records."""
-    document = {"format": FORMAT, "version": VERSION, "leaks": entries(records)}
+def text(leaks: list[dict[str, Any]]) -> str:
+    """The baseline file of its entries (``entries``)."""
+    document = {"format": FORMAT, "version": VERSION, "leaks": leaks}
     return json.dumps(document, indent=2, ensure_ascii=False) + "\n"
 
 
@@ -171,7 +165,7 @@ def fixed_table(summary: dict[str, Any] | None, rows: int) -> list[str]:
     lines = ["", "### Fixed since the leak baseline", ""]
     lines += ["No longer leaking: write the baseline again to drop them.", ""]
     lines += ["| test | kind |", "|---|---|"]
-    lines += [f"| {code_cell(e['nodeid'])} | {cell(e['kind'])} |" for e in fixed[:rows]]
+    lines += [f"| {code_cell(e['nodeid'])} | {kind_cell(e['kind'])} |" for e in fixed[:rows]]
     if len(fixed) > rows:
         lines += ["", f"{len(fixed) - rows} more in the JSON report."]
     return lines

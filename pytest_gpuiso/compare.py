@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .mdtext import cell, code_cell
-from .record import is_number, last_attempts
+from .record import is_number, last_attempts, leak_kinds
 
 STARTUP_GROWTH = 2.0  # seconds more of start-up that count as a regression
 PEAK_GROWTH = 512 << 20  # bytes more of GPU memory peak that count as a regression
@@ -39,15 +39,6 @@ class Comparison:
     only_base: list[str] = field(default_factory=list)
     only_head: list[str] = field(default_factory=list)
     compared: int = 0
-
-
-def _leaks(record: dict[str, Any]) -> dict[str, str]:
-    """Leak kind -> the first such leak's detail, of the leaks not allowed by its marker."""
-    kinds: dict[str, str] = {}
-    for leak in record.get("leaks", []):
-        if not leak.get("allowed"):
-            kinds.setdefault(leak["kind"], leak["detail"])
-    return kinds
 
 
 def _ended(record: dict[str, Any]) -> str | None:
@@ -78,7 +69,7 @@ def compare(
     for nodeid in sorted(set(before) & set(after)):
         old, now = before[nodeid], after[nodeid]
         result.compared += 1
-        old_leaks, new_leaks = _leaks(old), _leaks(now)
+        old_leaks, new_leaks = leak_kinds(old), leak_kinds(now)
         for kind in sorted(set(new_leaks) - set(old_leaks)):
             result.new.append(Change(nodeid, f"leak {kind}", new_leaks[kind]))
         for kind in sorted(set(old_leaks) - set(new_leaks)):

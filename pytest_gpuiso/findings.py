@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .record import last_attempts
+from .report import bound
 
 GITHUB_ENV = "GITHUB_ACTIONS"  # "true" on GitHub Actions' runners
 WORKSPACE_ENV = "GITHUB_WORKSPACE"  # the checkout, which annotation paths are relative to
@@ -39,6 +40,13 @@ WHY = {  # a leak's level in its record: what became of it
 }
 LEVEL = {"fail": "error", "warn": "warning", "known": "notice"}  # its annotation's
 CHECKOUT_ENVS = (WORKSPACE_ENV, "CI_PROJECT_DIR")  # GitHub's checkout, GitLab's
+STARTUP = " (interpreter, plugins, conftests, imports)"
+TIMEOUTS = {  # the bound a process ran past -> its check, its title, what to add to it
+    "startup": ("startup-timeout", "start-up timed out", STARTUP),
+    "exit": ("exit-timeout", "process did not exit", ""),
+    "test": ("timeout", "test timed out", ""),
+}
+STACK = "; its stack at the timeout is in the test's report"
 
 
 @dataclass(frozen=True)
@@ -88,19 +96,10 @@ def _ending(record: dict[str, Any]) -> tuple[str, str, str] | None:
     """(check, title, what happened) of a process that timed out or crashed; None else."""
     exit_ = record["exit"]
     signal = exit_.get("signal")
-    by = f", and was ended by {signal}" if signal else ""
     if exit_["timed_out"]:
-        expired = exit_.get("expired") or "test"
-        timeout, startup = record.get("timeout"), record.get("startup_timeout")
-        if expired == "startup":
-            within = f" within {startup:g} s" if isinstance(startup, (int, float)) else ""
-            what = f"did not finish starting{within} (interpreter, plugins, conftests, imports)"
-            return "startup-timeout", "start-up timed out", what + by
-        if expired == "exit":
-            return "exit-timeout", "process did not exit", "did not exit after its test" + by
-        after = f" after {timeout:g} s" if isinstance(timeout, (int, float)) else ""
-        what = f"timed out{after}{by}; its stack at the timeout is in the test's report"
-        return "timeout", "test timed out", what
+        check, title, more = TIMEOUTS[exit_.get("expired") or "test"]
+        by = f", and was ended by {signal}" if signal else ""
+        return check, title, f"{bound(record)}{more}{by}" + (STACK if check == "timeout" else "")
     if signal and record["outcome"] != "interrupted":
         return "crash", "test process crashed", f"its process was killed by {signal}"
     return None

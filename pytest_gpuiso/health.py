@@ -33,6 +33,7 @@ import time
 from typing import Any
 
 from . import rocm
+from .gpu_probe import NO_DRIVER
 from .leaks import Leak
 from .leases import LABEL_LEN, Lease, LeaseError, Leases
 from .nvml import NvmlReader
@@ -40,7 +41,6 @@ from .settings import GpuMemory
 
 PROBE_TIMEOUT = 20.0  # seconds for the driver part: a context on a healthy GPU takes < 1 s
 KILL_WAIT = 5.0  # seconds a killed probe gets to end before it is left behind
-NO_DRIVER = 2  # gpu_probe's exit status where it cannot probe (no CUDA driver to load)
 NODEID_KEPT = 100  # bytes of a test's name a quarantine's reason keeps (its end)
 # What a test's failure says when CUDA's error is sticky: the context (often the device)
 # is unusable until the process ends, and the device may stay so after it.

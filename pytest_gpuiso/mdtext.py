@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from .settings import KINDS
+
 _LINE_BREAK = re.compile(r"\r\n|\r|\n")  # what ends a table row in Markdown
 _SPECIAL = re.compile(r"([\\`*_\[\]<>|~&])")  # what Markdown could read as markup
 
@@ -16,6 +18,12 @@ def cell(text: Any) -> str:
     loses its backslash to the table's own pipe escape.
     """
     return _SPECIAL.sub(r"\\\1", _LINE_BREAK.sub(" ", str(text)))
+
+
+def kind_cell(kind: str) -> str:
+    """A leak kind: ours hold no markup (an underscore inside a word is literal), so they
+    are left as they are; anything else is escaped."""
+    return kind if kind in KINDS else cell(kind)
 
 
 def code_cell(text: str) -> str:

@@ -44,6 +44,21 @@ def counted_leaks(record: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
+def known_count(records: list[dict[str, Any]]) -> int:
+    """How many reported leaks the leak baseline knew (not counted)."""
+    return sum(1 for r in records for leak in r.get("leaks", []) if leak.get("level") == "known")
+
+
+def leak_kinds(record: dict[str, Any]) -> dict[str, str]:
+    """Leak kind -> the first such leak's detail, of the record's leaks its marker did not
+    allow (known ones included)."""
+    kinds: dict[str, str] = {}
+    for leak in record.get("leaks", []):
+        if not leak.get("allowed"):
+            kinds.setdefault(leak["kind"], leak["detail"])
+    return kinds
+
+
 def final_outcome(reports: list[pytest.TestReport]) -> str:
     """The test's one-word outcome, by one rule for every path.
 

@@ -30,6 +30,7 @@ class Recorder:
         self.summaries: list[str] = []  # where the Markdown summary went
         self.unwritten: list[str] = []  # reports that could not be written, and why
         self.baseline: dict[str, Any] | None = None  # what became of the leak baseline
+        self.found: list[findings.Finding] = []  # its findings, for annotations and GitLab
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         record = record_of(report)
@@ -43,6 +44,7 @@ class Recorder:
             return  # the xdist controller writes the reports, from every worker's records
         if state.baseline is not None:
             self.baseline = state.baseline.summary(state.records)
+        self.found = findings.of_records(state.records)
         # Checked at configure; what fails now (a full disk) is one line, not a traceback.
         try:
             if state.report_path is not None:
@@ -58,9 +60,7 @@ class Recorder:
             self.unwritten.append(f"--gpu-isolate-summary {state.summary_path}: {_why(exc)}")
         try:
             if state.code_quality_path is not None:
-                found = findings.of_records(state.records)
-                text = findings.code_quality(found)
-                report.write_text(state.code_quality_path, text)
+                report.write_text(state.code_quality_path, findings.code_quality(self.found))
         except OSError as exc:
             path = state.code_quality_path
             self.unwritten.append(f"--gpu-isolate-code-quality {path}: {_why(exc)}")
@@ -83,9 +83,8 @@ class Recorder:
             terminalreporter.write_line(
                 f"gpu-isolate: Markdown summary written to {', '.join(self.summaries)}"
             )
-        if findings.wanted(state.settings.annotations) and not state.parallel:
-            found = findings.of_records(state.records)
-            for line in findings.github(found):
+        if findings.wanted(state.settings.annotations):  # none in an xdist worker
+            for line in findings.github(self.found):
                 terminalreporter.write_line(line)
 
     @property

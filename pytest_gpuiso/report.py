@@ -20,7 +20,8 @@ from typing import Any
 from .baseline import baseline_lines, fixed_table
 from .mdtext import cell as _cell
 from .mdtext import code_cell as _code_cell
-from .record import SCHEMA_VERSION, counted_leaks, is_number
+from .mdtext import kind_cell as _kind
+from .record import SCHEMA_VERSION, counted_leaks, is_number, known_count
 from .settings import KINDS, SpecError, size_text
 
 STEP_SUMMARY_ENV = "GITHUB_STEP_SUMMARY"  # GitHub Actions' file for a step's Markdown
@@ -127,7 +128,7 @@ def _ended(record: dict[str, Any]) -> str | None:
     exit_ = record["exit"]
     if exit_["timed_out"]:
         how = f", ended by {exit_['signal']}" if exit_["signal"] else ""
-        return f"{_bound(record)}{how}"
+        return f"{bound(record)}{how}"
     if record["outcome"] == "interrupted":  # Ctrl-C: pytest stopped it, it did not crash
         return "interrupted"
     if exit_["signal"]:
@@ -135,7 +136,7 @@ def _ended(record: dict[str, Any]) -> str | None:
     return None
 
 
-def _bound(record: dict[str, Any], test: str = "timed out after") -> str:
+def bound(record: dict[str, Any], test: str = "timed out after") -> str:
     """Which bound a timed-out test ran past: "timed out after 2 s" (``test`` names the
     test's own timeout), "did not finish starting within 300 s", "did not exit within
     300 s after its test"."""
@@ -147,11 +148,6 @@ def _bound(record: dict[str, Any], test: str = "timed out after") -> str:
     if expired == "exit":
         return f"did not exit{within} after its test"
     return f"{test} {record['timeout']:g} s"
-
-
-def known_count(records: list[dict[str, Any]]) -> int:
-    """How many reported leaks the leak baseline knew (not counted)."""
-    return sum(1 for r in records for leak in r.get("leaks", []) if leak.get("level") == "known")
 
 
 def leak_counts(records: list[dict[str, Any]]) -> Counter[str]:
@@ -193,7 +189,7 @@ def terminal_summary(
     if starts:
         tr.write_line("gpu-isolate: started " + starts)
     for r in timed_out:
-        tr.write_line(f"  TIMEOUT {r['nodeid']}{_attempt(r)} ({_bound(r, test='after')})")
+        tr.write_line(f"  TIMEOUT {r['nodeid']}{_attempt(r)} ({bound(r, test='after')})")
     for r in crashed:
         tr.write_line(f"  CRASHED {r['nodeid']}{_attempt(r)} ({r['exit']['signal']})")
     for nodeid, device, problem, _ in quarantines(records):
@@ -301,11 +297,6 @@ def leak_summary(tr: Any, records: list[dict[str, Any]]) -> None:
             tr.write_line(f"    ... {len(leaks) - 3} more in the JSON report")
     if len(worst) > WORST:
         tr.write_line(f"  ... {len(worst) - WORST} more tests with leaks")
-
-
-def _kind(kind: str) -> str:
-    """Our kinds hold no markup (an underscore inside a word is literal): left as they are."""
-    return kind if kind in KINDS else _cell(kind)
 
 
 def markdown(
