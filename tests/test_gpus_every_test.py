@@ -201,8 +201,11 @@ def test_n_auto_starts_one_worker_per_gpu_slot(
     gpuiso_spawn: GpuIso, lease_region, monkeypatch, mode
 ):
     """-n auto under --gpu-isolate (or with pinned workers) on three declared GPUs: three
-    workers, said in the header, even on a machine with fewer CPUs; each test sees one GPU."""
+    workers, said in the header, even on a machine with fewer CPUs; each test sees one GPU.
+    Which worker gets the test is xdist's choice (the first ready), and a pinned worker's
+    GPU is its own: the test may see any of the three."""
     monkeypatch.delenv("PYTEST_XDIST_AUTO_NUM_WORKERS", raising=False)
+    monkeypatch.setenv("GPUISO_DECLARED", "0,1,2")
     gpuiso_spawn.copy(PROGRAM)
     args = (mode, "--gpu-isolate-devices=0,1,2", "-n", "auto", "-k", "sees_one", PROGRAM)
     result = gpuiso_spawn.run(*args)
