@@ -35,6 +35,7 @@ import faulthandler
 import os
 import pickle
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -374,7 +375,7 @@ class CallJob:
 
     def run(self, channel: Channel, boot: Bootstrap, config: Any = None) -> None:
         channel.wait_go()
-        channel.send(frames.BEGIN, _name(self.func))  # its timeout counts from here
+        channel.send(frames.BEGIN, (_name(self.func), time.monotonic()))  # its timeout counts
         try:
             value = self.func(*self.args, **self.kwargs)
         except BaseException as exc:

@@ -15,6 +15,7 @@ import gc
 import itertools
 import os
 import sys
+import time
 import warnings
 from typing import Any
 
@@ -189,7 +190,8 @@ class ChildPlugin:
         memory_cap.install()  # its GPU memory lease, on torch's allocator when CUDA starts
         before = torch_check.allocated() if self.job.torch_check else {}
         modules = imports.mark()
-        self.channel.send(frames.BEGIN, item.nodeid)  # the test's timeout counts from here
+        # the test's timeout counts from here
+        self.channel.send(frames.BEGIN, (item.nodeid, time.monotonic()))
         self.ran = item
         try:
             item.config.hook.pytest_runtest_protocol(item=item, nextitem=None)

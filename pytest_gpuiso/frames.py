@@ -29,7 +29,7 @@ from . import wire
 
 READY = "ready"  # the bootstrap is done: the process can answer a stack-dump request (pid)
 PHASE = "phase"  # what the process is doing while it starts: "importing test_x.py" (text)
-BEGIN = "begin"  # the test's protocol begins (setup): its timeout clock starts (nodeid)
+BEGIN = "begin"  # the test's protocol begins (setup): its timeout clock starts (nodeid, when)
 END = "end"  # the test's protocol (or run_isolated's call) is over: the clock stops (None)
 AHEAD = "ahead"  # a prewarmed process collected its test's module before its go (module)
 STALE = "stale"  # a prewarmed process can't take its GPUs: start afresh ({cuda, read, module})
@@ -62,7 +62,7 @@ _INT = (int,)
 SHAPES: dict[str, Any] = {
     READY: _INT,
     PHASE: _TEXT,
-    BEGIN: _TEXT,
+    BEGIN: (_TEXT, (float,)),  # when: the child's time.monotonic() (one clock on Linux)
     END: (type(None),),
     AHEAD: _TEXT,
     STALE: {"cuda": _MAYBE_TEXT, "read": _MAYBE_TEXT, "module": _MAYBE_TEXT},
@@ -329,8 +329,12 @@ def pump(
 
     ``sentinel`` becomes readable when the sending process has exited; the frames
     it sent before are all read then (a descendant that holds the pipe open and keeps
-    writing gets ``_DRAIN`` seconds).
+    writing gets ``_DRAIN`` seconds). Once the deadline has passed, what is in the pipe
+    already is read once more (a reader that comes late, busy with a prewarm, does not
+    take a frame sent in time for one that never came); then it is ``EXPIRED``, however
+    much more the sender writes.
     """
+    last_look = False
     while True:
         while (frame := reader.next()) is not None:
             received.append(frame)
@@ -338,7 +342,9 @@ def pump(
                 return until
         remaining = None if deadline is None else deadline - time.monotonic()
         if remaining is not None and remaining <= 0:
-            return EXPIRED
+            if last_look:
+                return EXPIRED
+            last_look, remaining = True, 0.0
         ready = wait([sentinel] if reader.eof else [reader, sentinel], remaining)
         if reader in ready:
             reader.fill()

@@ -20,6 +20,8 @@ Past a bound, in order:
 
 from __future__ import annotations
 
+import contextlib
+import math
 import signal
 import time
 from dataclasses import dataclass
@@ -74,6 +76,7 @@ class Watch:
         self.cutoff: int | None = None  # frames that had arrived when the bound ran out
         self.stack = ""
         self.left = False  # gone on once it said it was exiting (``leave``)
+        self.go_at = go_at
         self._stage, self._since = "startup", go_at
 
     def run(self) -> bool:
@@ -90,24 +93,38 @@ class Watch:
             status = frames.pump(self.reader, self.sentinel, self.received, deadline, until)
             if status == frames.EXITED:
                 if self.began is None and frames.BEGIN in self.received.kinds:
-                    self.began = time.monotonic()  # read with the rest once it had exited
+                    self.began = self._begin_stamp()  # read with the rest once it had exited
                 return False
             if status == frames.EXPIRED:
                 break
             if status == frames.EXITING:
                 self.may_leave = False  # asked once
                 return True
-            self._since = time.monotonic()
             if status == frames.BEGIN:
-                self._stage, self.began = "test", self._since
+                self._stage = "test"
+                self._since = self.began = self._begin_stamp()
             else:
-                self._stage = "exit"
+                self._stage, self._since = "exit", time.monotonic()
         self.expired, self.cutoff = self._stage, len(self.received)
         # Before its bootstrap the child has no handler and the signal would kill it.
         if frames.READY in self.received.kinds:
             self.stack = dump_stack(self.proc.pid, STACK_SIGNAL, self.stack_file)
         self.escalate(b.grace)
+        if self.stack:  # read once it stopped growing; complete only once the process is gone
+            with contextlib.suppress(OSError):
+                final = self.stack_file.read_text(errors="replace").strip()
+                if len(final) > len(self.stack):
+                    self.stack = final
         return False
+
+    def _begin_stamp(self) -> float:
+        """When the test began, by the child's clock (``time.monotonic()`` is one clock for
+        every process): a reader busy elsewhere (a prewarm) reads BEGIN late, and neither
+        the start-up nor the test's time may count that. Taken only between the go and
+        now, so that a test cannot give itself more time than its bound."""
+        now = time.monotonic()
+        stamp = next(data[1] for kind, data in reversed(self.received) if kind == frames.BEGIN)
+        return min(max(stamp, self.go_at), now) if math.isfinite(stamp) else now
 
     def leave(self) -> None:
         """Go on without waiting for the exit of a process past it (``leaving``)."""
