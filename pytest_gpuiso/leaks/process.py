@@ -33,7 +33,9 @@ import psutil
 from ..proctree import REAP_WAIT, STOP_ROUNDS, alive, cmdline, descendant_keys, environ
 from . import Leak, Probe, RunInfo
 
-SETTLE = 0.1  # seconds a new descendant gets to exit by itself before it counts
+SETTLE = 1.0  # seconds a new descendant gets to exit by itself before it counts (on a
+# loaded machine a pool worker takes a while to notice its parent is gone; a leftover
+# waits this long only once, before its TERM)
 KILL_ROUNDS = 10  # stop-and-kill rounds, for what a kill woke (SIGCONT to an orphaned group)
 MARK_ENV = "PYTEST_GPUISO_CALL"  # the environment variable of a call's Mark
 
