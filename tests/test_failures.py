@@ -167,8 +167,9 @@ def test_sigterm_ignoring_test_is_killed_after_grace(gpuiso, tmp_path: Path, mon
             "timed_out": True,
             "expired": "test",
         }
-        # SIGKILL comes no sooner than timeout + grace, and not much later either.
-        assert 2 + 1 <= record["duration"] <= 2 + 1 + 1.5, record
+        # SIGKILL comes no sooner than timeout + grace, nor later than that plus the stack
+        # dump's own bound (2 s, proctree.dump_stack) and some slack for a loaded machine.
+        assert 2 + 1 <= record["duration"] <= 2 + 1 + 2 + 1.5, record
         assert not pid_alive(pid)
         assert not psutil.pid_exists(pid)
     finally:
@@ -255,7 +256,7 @@ def test_module_import_is_not_test_time(gpuiso) -> None:
 
 def test_hang_at_import_is_bounded_by_the_start_up_bound(gpuiso, monkeypatch) -> None:
     """A module that hangs at import in the isolated process: stopped after the marker's
-    startup_timeout=2, an error in setup naming what it was doing, with its stack."""
+    startup_timeout=15, an error in setup naming what it was doing, with its stack."""
     if gpuiso.start == "forkserver":
         # the template is stuck in the same import: fork from the server after 1 s
         monkeypatch.setenv(TEMPLATE_WAIT_ENV, "1")
@@ -263,14 +264,14 @@ def test_hang_at_import_is_bounded_by_the_start_up_bound(gpuiso, monkeypatch) ->
     result = gpuiso.run(GRACE, REPORT)
     result.assert_outcomes(errors=1)
     record = gpuiso.records()["test_import_hangs.py::test_never_gets_to_run"]
-    assert record["exit"]["expired"] == "startup" and record["startup_timeout"] == 2, record
+    assert record["exit"]["expired"] == "startup" and record["startup_timeout"] == 15, record
     assert record["outcome"] == "error"
     source = (PROGRAMS / "test_import_hangs.py").read_text().splitlines()
     hang = next(n for n, line in enumerate(source, 1) if "time.sleep(0.1)" in line)
     section(result, "ERROR at setup of test_never_gets_to_run").fnmatch_lines(
         [
             "Start-up timeout: the test process did not finish starting "
-            "(importing test_import_hangs.py) within 2 s*",
+            "(importing test_import_hangs.py) within 15 s*",
             "Stack of the test process (pid *) at the timeout:",
             f'  File "*test_import_hangs.py", line {hang} in <module>',
         ]
@@ -495,7 +496,7 @@ def test_child_dies_with_its_parent(gpuiso, tmp_path: Path) -> None:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
         started = time.monotonic()
-        still = wait_gone([child], timeout=1.0)
+        still = wait_gone([child], timeout=30)
         assert still == [], f"child {child} alive {time.monotonic() - started:.2f} s after"
     finally:
         kill_quietly([proc.pid] + ([child] if child else []))

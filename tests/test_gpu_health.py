@@ -302,7 +302,7 @@ def test_a_request_quarantine_left_unservable_holds_no_one_back(lease_region: Pa
     )
     try:
         assert waiter.stdout.readline().strip() == "waiting"
-        wait_until(lambda: leases.region.snapshot()["waiters"], 30)
+        wait_until(lambda: leases.region.snapshot()["waiters"], "the 2-GPU request", timeout=30)
         assert leases.acquire(1, "t::one", 10.0).devices == ("1",)
     finally:
         waiter.kill()

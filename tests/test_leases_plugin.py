@@ -62,8 +62,10 @@ def test_waiting_for_a_gpu_is_not_charged_to_the_timeout(gpuiso_spawn: GpuIso, l
         "-n", "2", "--gpu-isolate-devices=0", "--gpu-isolate-report=report.json", "lease_wait.py"
     )
     result.assert_outcomes(passed=2)
+    # xdist hands each worker its test at once: one leases at once, the other waits out
+    # the first one's 4 s hold
     waits = sorted(r["lease_wait"] for r in gpuiso_spawn.report()["tests"])
-    assert waits[0] < 0.5 and waits[1] > 1.0, waits
+    assert waits[0] < 2 and waits[1] > 3.5, waits
 
 
 def test_lease_timeout_fails_naming_the_holder(gpuiso_spawn: GpuIso, lease_region):
@@ -77,12 +79,13 @@ def test_lease_timeout_fails_naming_the_holder(gpuiso_spawn: GpuIso, lease_regio
         "lease_wait.py",
     )
     result.assert_outcomes(passed=1, errors=1)
-    result.stdout.fnmatch_lines(
-        [
-            "*waited 0.5 s for 1 GPU of 0 (--gpu-isolate-lease-timeout); held by: GPU 0: pid * "
-            "(lease_wait.py::test_hold[[]*])*"
-        ]
+    # the time waited is measured: at least the bound, a little more on a busy machine
+    [waited] = re.findall(
+        r"waited ([0-9.]+) s for 1 GPU of 0 \(--gpu-isolate-lease-timeout\); held by: GPU 0: "
+        r"pid \d+ \(lease_wait.py::test_hold\[\d\]\)",
+        result.stdout.str(),
     )
+    assert float(waited) >= 0.5, waited
 
 
 def test_worker_killed_while_holding_a_gpu_does_not_block_the_rest(gpuiso: GpuIso, lease_region):
@@ -91,6 +94,7 @@ def test_worker_killed_while_holding_a_gpu_does_not_block_the_rest(gpuiso: GpuIs
         "-n",
         "2",
         "--gpu-isolate-devices=0",
+        "--gpu-isolate-lease-timeout=60",
         "--gpu-isolate-report=report.json",
         "lease_killer.py",
     )
@@ -99,8 +103,11 @@ def test_worker_killed_while_holding_a_gpu_does_not_block_the_rest(gpuiso: GpuIs
     assert outcomes.get("passed") == 3, result.stdout.str()
     assert outcomes.get("failed") == 1, result.stdout.str()
     result.stdout.fnmatch_lines(["*worker 'gw*' crashed while running*test_kills_its_worker*"])
+    # A lease the dead worker kept would fail its waiters after the 60 s lease timeout;
+    # none waits near it. A wait here also covers live holders' start-ups (seconds each on
+    # a loaded machine), so "at once" itself is the lease table's test (PROMPT there).
     waits = [r.get("lease_wait", 0) for r in gpuiso.report()["tests"]]
-    assert max(waits) < 5, waits  # noticed at once, not after a timeout
+    assert max(waits) < 30, waits
 
 
 def test_too_many_gpus_on_a_machine_without_gpus_is_a_skip(gpuiso_spawn: GpuIso, lease_region):

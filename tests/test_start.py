@@ -380,10 +380,14 @@ SECOND = "test_start_order.py::test_second"
 
 
 @pytest.mark.parametrize("prewarm", [1, 0])
-def test_prewarm_starts_the_next_process_while_a_test_runs(gpuiso: GpuIso, logs: Logs, prewarm):
+def test_prewarm_starts_the_next_process_while_a_test_runs(
+    gpuiso: GpuIso, logs: Logs, prewarm, monkeypatch: pytest.MonkeyPatch
+):
     """--gpu-isolate-prewarm=1: the second test's process exists (as pytest's child)
     while the first test runs; =0: it is created after the first test ended."""
     gpuiso.copy("start_log.py", "test_start_order.py")
+    if prewarm:  # the first test waits for the second's process (a sleep would race it)
+        monkeypatch.setenv("GPUISO_PREWARMED", "1")
     result = gpuiso.run(
         "--gpu-isolate", f"--gpu-isolate-prewarm={prewarm}", REPORT, "test_start_order.py"
     )
