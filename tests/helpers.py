@@ -23,6 +23,7 @@ PROGRAMS = ROOT / "fixtures" / "programs"
 GPUSIM = ROOT / "fixtures" / "gpusim"  # the simulated GPU: stand-in libcuda and NVML
 # The JSON report of a run, read back by GpuIso.report() and records()
 REPORT = "--gpu-isolate-report=report.json"
+_TMPDIR = os.environ.get("TMPDIR")  # this process's own, before any test changed it
 
 
 # The runs here load only the plugins they use: ours, pytest-xdist (-n) and pytest-timeout
@@ -138,6 +139,12 @@ def make_gpuiso(
     monkeypatch.setenv("COLUMNS", "80")
     if REGION_ENV not in os.environ:  # never the user's own lease table
         monkeypatch.setenv(REGION_ENV, str(pytester.path.parent / f"{pytester.path.name}-leases"))
+    if os.environ.get("TMPDIR") == _TMPDIR:  # nor a work directory other tests' runs share:
+        # a run that starts as another test's session was killed would end its leftovers
+        # and warn about them (a warning more than the test expects)
+        tmpdir = pytester.path.parent / f"{pytester.path.name}-tmp"
+        tmpdir.mkdir(exist_ok=True)
+        monkeypatch.setenv("TMPDIR", str(tmpdir))
     if start == "forkserver":  # every test's process from the collected template, if it can
         monkeypatch.setenv(TEMPLATE_WAIT_ENV, "120")
     return GpuIso(pytester, start=start, plugins=plugins)

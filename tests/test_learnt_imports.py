@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from pytest_gpuiso import frames, imports
-from tests.helpers import REPORT, GpuIso, make_gpuiso
+from tests.helpers import REPORT, GpuIso, make_gpuiso, wait_gone
 
 DIR = "learnt_imports"
 
@@ -62,7 +62,10 @@ def test_later_tests_have_what_an_earlier_test_imported(forkserver: GpuIso, leas
     assert not psutil.pid_exists(successors[0])  # pytest's child: reaped at the end
 
 
-def test_without_learning_each_test_imports_it_itself(forkserver: GpuIso, lease_region):
+def test_without_learning_each_test_imports_it_itself(
+    forkserver: GpuIso, lease_region, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setenv("GPUISO_NOT_LEARNING", "1")
     args = ("--gpu-isolate", "-p", "no:randomly", "--gpu-isolate-no-learn-imports")
     result = forkserver.run(*args, f"{DIR}/test_lazy.py")
     result.assert_outcomes(passed=6)
@@ -88,7 +91,7 @@ def test_a_module_that_starts_a_thread_is_not_learnt(forkserver: GpuIso, lease_r
     tests = {pid for pid, _ in _had(forkserver).values()}
     successors = [pid for pid in _importers(forkserver) if pid not in tests]
     assert successors  # it tried
-    assert not any(psutil.pid_exists(pid) for pid in successors)
+    assert wait_gone(successors, timeout=30) == []
 
 
 def test_a_successor_still_importing_ends_with_the_session(forkserver: GpuIso, lease_region):
@@ -148,13 +151,17 @@ def test_learnable_names_the_outermost_modules_imported_since_the_mark(
     frames.check((frames.IMPORTED, learnt))
 
 
-def test_what_tests_imported_is_remembered_for_the_next_session(forkserver: GpuIso, lease_region):
+def test_what_tests_imported_is_remembered_for_the_next_session(
+    forkserver: GpuIso, lease_region, monkeypatch: pytest.MonkeyPatch
+):
     """Kept in pytest's cache, imported by a successor as soon as the template has
     collected; --cache-clear forgets it (an unfit module is never kept: above)."""
     args = ("--gpu-isolate", "-p", "no:randomly", f"{DIR}/test_remembered.py")
     forkserver.run_with_cache(*args, "-k", "test_imports").assert_outcomes(passed=1)
     [[name, origin]] = _remembered(forkserver)
     assert name == "lazy_pkg" and origin.endswith("lazy_pkg/__init__.py")
+    # test_has[0] waits for this session's successor: an importer after these lines
+    monkeypatch.setenv("GPUISO_IMPORTS_BEFORE", str(len(_importers(forkserver))))
     forkserver.run_with_cache(*args, "-k", "test_has").assert_outcomes(passed=4)
     had = _had(forkserver)
     assert not had[0][1] and had[3][1], had  # forked after the successor took over
