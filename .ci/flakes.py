@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Hunt flaky tests: run the README's test command on fresh clones, under several loads.
 
-Each run clones the committed HEAD of this checkout into a scratch folder, makes the
+Each run clones this checkout at the commit HEAD was at its start into a scratch folder, makes the
 README's venv there (``python3 -m venv .venv && .venv/bin/pip install -e ".[test]"``) and
 runs ``.venv/bin/pytest`` with a JUnit XML report, optionally beside CPU hogs, with
 pytest-randomly's shuffling or with more xdist workers than cores. At the end it prints
@@ -100,12 +100,13 @@ def sh(command: str, cwd: Path, log) -> int:
     ).returncode
 
 
-def one(run: Run, index: int, out: Path, extra: list[str]) -> None:
+def one(run: Run, index: int, out: Path, commit: str, extra: list[str]) -> None:
     clone = out / f"run{index}"
     log_path = out / f"run{index}.log"
     junit = out / f"run{index}.xml"
     with open(log_path, "w") as log:
-        if sh(f"git clone -q {shlex.quote(str(ROOT))} {shlex.quote(str(clone))}", out, log):
+        clone_it = f"git clone -q {shlex.quote(str(ROOT))} {shlex.quote(str(clone))}"
+        if sh(f"{clone_it} && git -C {shlex.quote(str(clone))} checkout -q {commit}", out, log):
             raise SystemExit(f"flakes: git clone failed, see {log_path}")
         if sh('python3 -m venv .venv && .venv/bin/pip install -q -e ".[test]"', clone, log):
             raise SystemExit(f"flakes: the install failed, see {log_path}")
@@ -139,7 +140,7 @@ def main() -> int:
     ).stdout.strip()
     print(f"flakes: {len(runs)} runs of HEAD {head}; logs in {out}", flush=True)
     for index, run in enumerate(runs, 1):
-        one(run, index, out, options.pytest_args)
+        one(run, index, out, head, options.pytest_args)
         seed = f" seed {run.seed}" if run.seed is not None else ""
         print(
             f"run {index}: {run.label}{seed}: rc {run.rc} in {run.seconds:.0f} s: {run.summary}",
