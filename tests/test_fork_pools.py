@@ -157,3 +157,23 @@ def test_forty_tiny_torch_tests_are_all_forked(iso: GpuIso) -> None:
     result.assert_outcomes(passed=40)
     assert not _start_warnings(result)
     result.stdout.fnmatch_lines(["gpu-isolate: started 40 forkserver; *"])
+
+
+@pytest.mark.parametrize("openblas", [True, False])
+def test_threads_a_shutdown_joined_are_waited_for_until_they_are_gone(
+    monkeypatch: pytest.MonkeyPatch, openblas: bool
+) -> None:
+    """pthread_join returns a moment before a joined thread leaves /proc/self/task: after
+    OpenBLAS's shutdown, quiesce waits (briefly) for the count to fall; without one, a
+    thread is reported at once."""
+    from pytest_gpuiso.forkserver import pools
+
+    counts = iter([3, 3, 2, 1])
+    shut: list[str] = []
+    library = type("Library", (), {pools.SHUTDOWN: lambda self: shut.append("down")})()
+    monkeypatch.setattr(pools, "threads", lambda: next(counts))
+    kind = "OpenBLAS" if openblas else "GNU OpenMP"
+    monkeypatch.setattr(pools, "loaded_pools", lambda: [("/lib/libpool.so", kind)])
+    monkeypatch.setattr(pools.ctypes, "CDLL", lambda path, mode: library)
+    assert pools.quiesce() == (1 if openblas else 3)
+    assert shut == (["down"] if openblas else [])

@@ -24,6 +24,7 @@ import contextlib
 import ctypes
 import os
 import threading
+import time
 
 # Library file names (prefixes) of thread pools, and what they are, for messages.
 POOLS = {
@@ -37,6 +38,10 @@ POOLS = {
     "libtbb": "TBB",
 }
 SHUTDOWN = "blas_thread_shutdown_"  # OpenBLAS's own before-fork handler
+# Seconds the threads a shutdown joined get to leave /proc/self/task: pthread_join returns
+# when the kernel clears the thread's id, a little before it is gone from the list, and a
+# loaded machine can stretch that moment.
+EXITING = 0.5
 
 _steps: list[tuple[str, int]] = []  # (what the process did, threads it had after it)
 
@@ -76,13 +81,18 @@ def quiesce() -> int:
     count = threads()
     if count <= 1:
         return count
+    stopped = False
     for path, kind in loaded_pools():
         if kind != "OpenBLAS":
             continue
         with contextlib.suppress(OSError, AttributeError):
             library = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_NOW)
             getattr(library, SHUTDOWN)()
-    return threads()
+            stopped = True
+    deadline = time.monotonic() + (EXITING if stopped else 0)
+    while (count := threads()) > 1 and time.monotonic() < deadline:
+        time.sleep(0.002)
+    return count
 
 
 def step(what: str) -> None:
