@@ -34,8 +34,9 @@ from ..proctree import REAP_WAIT, STOP_ROUNDS, alive, cmdline, descendant_keys, 
 from . import Leak, Probe, RunInfo
 
 SETTLE = 1.0  # seconds a new descendant gets to exit by itself before it counts (on a
-# loaded machine a pool worker takes a while to notice its parent is gone; a leftover
-# waits this long only once, before its TERM)
+# loaded machine a pool worker takes a while to notice its parent is gone); the wait ends
+# as soon as they are gone, so only a test with leftovers pays it: once for them, once
+# for what they start while they are ended
 KILL_ROUNDS = 10  # stop-and-kill rounds, for what a kill woke (SIGCONT to an orphaned group)
 MARK_ENV = "PYTEST_GPUISO_CALL"  # the environment variable of a call's Mark
 
