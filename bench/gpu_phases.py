@@ -38,7 +38,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 from pathlib import Path
 
@@ -148,16 +147,25 @@ def floor(runs: int, timeout: float) -> dict:
             say("floor: the spawned probe failed:", proc.stderr.strip().splitlines()[-1:])
             return {}
         t0, t1, t2, t3, t4, t5 = map(float, proc.stdout.split())
-        spawned.append({
-            "interpreter": t0 - t, "import torch": t1 - t0, "cuinit": t2 - t1,
-            "context + first op": t3 - t2, "synchronize": t4 - t3, "exit": end - t5,
-            "total": end - t, "cuda total": (t4 - t1) + (end - t5),
-        })
+        spawned.append(
+            {
+                "interpreter": t0 - t,
+                "import torch": t1 - t0,
+                "cuinit": t2 - t1,
+                "context + first op": t3 - t2,
+                "synchronize": t4 - t3,
+                "exit": end - t5,
+                "total": end - t,
+                "cuda total": (t4 - t1) + (end - t5),
+            }
+        )
     result = {"spawn": spawned}
     for kind in ("cuda", "cpu"):
         proc = subprocess.run(
             [sys.executable, "-c", FLOOR_FORK, str(runs), kind],
-            capture_output=True, text=True, timeout=timeout,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
         )
         if proc.returncode:
             say(f"floor: the {kind} fork probe failed:", proc.stderr.strip().splitlines()[-1:])
@@ -187,7 +195,11 @@ def run_pytest(args: list[str], cwd: Path, timeout: float, env: dict | None = No
     try:
         proc = subprocess.run(
             [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", *args],
-            cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env,
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
         )
     except subprocess.TimeoutExpired as exc:
         out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
@@ -206,25 +218,40 @@ def header_lines(out: str) -> list[str]:
     return [line for line in out.splitlines() if line.startswith("gpu-isolate:")][:8]
 
 
-def summarise(name: str, code, wall: float, base: float | None, n: int, recs: list[dict],
-              notes: list[float], out: str) -> dict:
+def summarise(
+    name: str,
+    code,
+    wall: float,
+    base: float | None,
+    n: int,
+    recs: list[dict],
+    notes: list[float],
+    out: str,
+) -> dict:
     tail = out.strip().splitlines()[-1:] if out.strip() else []
     per = (wall - base) / n if base is not None else None
     row = {
-        "config": name, "exit": code, "wall": wall, "overhead_per_test": per,
+        "config": name,
+        "exit": code,
+        "wall": wall,
+        "overhead_per_test": per,
         "lease_wait": [r.get("lease_wait") or 0.0 for r in recs],
         "startup": [r["startup"] for r in recs if r.get("startup") is not None],
         "duration": [r["duration"] for r in recs],
-        "after": [r["wall"] - r["startup"] - r["duration"] for r in recs
-                  if r.get("startup") is not None],
-        "cuda": notes, "methods": sorted({(r.get("start") or {}).get("method") for r in recs} - {None}),
+        "after": [
+            r["wall"] - r["startup"] - r["duration"] for r in recs if r.get("startup") is not None
+        ],
+        "cuda": notes,
+        "methods": sorted({(r.get("start") or {}).get("method") for r in recs} - {None}),
         "last_line": tail,
     }
-    say(f"{name:>12} exit {code}  {wall:7.2f} s  "
+    say(
+        f"{name:>12} exit {code}  {wall:7.2f} s  "
         + (f"{per * 1000:7.1f} ms/test over in-process  " if per is not None else " " * 30)
         + f"lease {med(row['lease_wait'])} start {med(row['startup'])} dur "
         f"{med(row['duration'])} cuda {med(notes)} after {med(row['after'])}  "
-        f"{','.join(row['methods'])}  {' '.join(tail)}")
+        f"{','.join(row['methods'])}  {' '.join(tail)}"
+    )
     for line in header_lines(out):
         say(" " * 14 + line)
     return row
@@ -234,8 +261,10 @@ def suites(work: Path, n: int, timeout: float) -> list[dict]:
     files = make_suite(work / "suite", n)
     rows = []
     for kind, path in files.items():
-        say(f"\n== {n} tests that {'use CUDA once' if kind == 'cuda' else 'never touch CUDA'}"
-            " (ms: medians of the JSON report's fields)")
+        say(
+            f"\n== {n} tests that {'use CUDA once' if kind == 'cuda' else 'never touch CUDA'}"
+            " (ms: medians of the JSON report's fields)"
+        )
         base = None
         for name, opts in CONFIGS.items():
             report = work / f"{kind}-{name}.json"
@@ -261,15 +290,32 @@ def profile(work: Path, n: int, timeout: float) -> None:
     t = time.monotonic()
     try:
         subprocess.run(
-            [sys.executable, "-m", "cProfile", "-o", str(prof), "-m", "pytest", "-q",
-             "-p", "no:cacheprovider", *CONFIGS["forkserver"], files["cuda"].name],
-            cwd=files["cuda"].parent, capture_output=True, text=True, timeout=timeout,
+            [
+                sys.executable,
+                "-m",
+                "cProfile",
+                "-o",
+                str(prof),
+                "-m",
+                "pytest",
+                "-q",
+                "-p",
+                "no:cacheprovider",
+                *CONFIGS["forkserver"],
+                files["cuda"].name,
+            ],
+            cwd=files["cuda"].parent,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
         )
     except subprocess.TimeoutExpired:
         say("profile: timed out")
         return
-    say(f"\n== pytest's process under cProfile, {n} CUDA tests, fork server "
-        f"({time.monotonic() - t:.2f} s with the profiler)")
+    say(
+        f"\n== pytest's process under cProfile, {n} CUDA tests, fork server "
+        f"({time.monotonic() - t:.2f} s with the profiler)"
+    )
     import io
     import pstats
 
@@ -280,7 +326,7 @@ def profile(work: Path, n: int, timeout: float) -> None:
         lines = [line for line in buf.getvalue().splitlines() if line.strip()]
         start = next((i for i, line in enumerate(lines) if "ncalls" in line), 0)
         say(f"-- by {sort}" + (f" ({pattern})" if pattern else ""))
-        for line in lines[start:start + (26 if pattern else 13)]:
+        for line in lines[start : start + (26 if pattern else 13)]:
             say(line[:200])
 
 
@@ -298,9 +344,9 @@ def real(work: Path, timeout: float) -> list[dict]:
         for name in ("in-process", "forkserver"):
             report = work / f"real-{suite}-{name}.json"
             code, wall, out = run_pytest(
-                [*CONFIGS[name], f"--gpu-isolate-report={report}", "--pyargs",
-                 f"{suite}.tests"],
-                work, timeout,
+                [*CONFIGS[name], f"--gpu-isolate-report={report}", "--pyargs", f"{suite}.tests"],
+                work,
+                timeout,
             )
             recs = records(report)
             n = len(recs) or max(1, _count(out))
@@ -333,7 +379,8 @@ def main() -> int:
         parser.error(f"unknown part(s): {', '.join(sorted(unknown))}")
     check = subprocess.run(
         [sys.executable, "-c", "import torch; assert torch.cuda.is_available()"],
-        capture_output=True, timeout=120,
+        capture_output=True,
+        timeout=120,
     )
     if check.returncode and os.environ.get("GPUPHASES_DEVICE", "cuda") == "cuda":
         say("gpu_phases: torch sees no CUDA device here; nothing to measure")
