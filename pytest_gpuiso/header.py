@@ -88,6 +88,8 @@ def _packing(s: Settings) -> str:
 
 def _start_header(s: Settings) -> str:
     line = f"gpu-isolate: start {s.start}"
+    if s.start_why:  # the default is spawn here
+        line += f" ({s.start_why})"
     if s.start == "forkserver":
         how = "pre-collected session" if s.precollect else "parsed configuration"
         line += f" (a server per pytest process that never initialises CUDA; forks from a {how})"

@@ -133,7 +133,10 @@ class Launcher:
 
     def _fall_back(self, reason: str) -> None:
         if self.method != "spawn":
-            self.notices.append(f"{reason}; isolated tests are started with spawn instead")
+            self.notices.append(
+                f"{reason}; isolated tests are started with spawn instead "
+                "(--gpu-isolate-start=spawn chooses it from the start)"
+            )
         self.method = "spawn"
         if self.server is not None:
             self.server.close()

@@ -32,6 +32,7 @@ from .settings import (
     TEMPLATE_WAIT_ENV,
     Settings,
     SpecError,
+    default_start,
     parse_annotations,
     parse_devices,
     parse_flag,
@@ -298,11 +299,12 @@ OPTIONS: tuple[Option, ...] = (
         "how isolated processes start: spawn a new interpreter, or fork them from a server "
         "that has imported pytest, the plugins, the conftests and the preload modules and "
         "never touched CUDA",
-        field="start",
+        field=("start", "start_why"),
         parse=parse_start,
-        unset="spawn",
+        unset=default_start,
+        source="start_source",
         metavar="spawn|forkserver",
-        default="spawn",
+        default="forkserver on Linux, spawn where it is not safe (not Linux, a sanitizer)",
     ),
     Option(
         "gpu_isolate_preload",

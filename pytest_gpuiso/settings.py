@@ -19,6 +19,7 @@ import importlib.util
 import math
 import os
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,13 +111,35 @@ def parse_count(value: Any, what: str) -> int:
     return value
 
 
-def parse_start(value: str, what: str) -> str:
+def parse_start(value: str, what: str) -> tuple[str, str]:
+    """A start method given (and no reason for it: it was chosen)."""
     text = value.strip().lower()
     if text not in START_METHODS:
         raise SpecError(
             f"invalid value {value!r} for {what}: expected {' or '.join(START_METHODS)}"
         )
-    return text
+    return text, ""
+
+
+# A sanitizer's runtime mapped into this process (an instrumented interpreter or an
+# LD_PRELOAD): the fork server's forks would share its state and threads.
+_SANITIZER = re.compile(r"/(lib(?:asan|hwasan|tsan|msan|lsan)[^/\s]*\.so[^/\s]*)$", re.MULTILINE)
+
+
+def default_start(maps: str = "/proc/self/maps") -> tuple[str, str]:
+    """The start method where none is chosen: the fork server where it is safe, else
+    spawn and why (a phrase for the header). Where the server turns out not to serve
+    (pidfd_open missing, CUDA touched before it forked), the launcher falls back then."""
+    if not sys.platform.startswith("linux") or not hasattr(os, "fork"):
+        return "spawn", f"the fork server needs Linux, this is {sys.platform}"
+    try:
+        with open(maps, encoding="utf-8", errors="replace") as file:
+            found = _SANITIZER.search(file.read())
+    except OSError:
+        found = None
+    if found:
+        return "spawn", f"a sanitizer's runtime is loaded ({found.group(1)})"
+    return "forkserver", ""
 
 
 def parse_health(value: str, what: str) -> str:
@@ -344,6 +367,8 @@ class Settings:
     report_source: str = ""  # where report_path was set (a relative path's base)
     summary_source: str = ""
     start: str = "spawn"  # how isolated processes start: spawn or forkserver
+    start_why: str = ""  # why the default is spawn here ("": chosen, or the fork server)
+    start_source: str = ""  # where the start method was chosen ("": the default)
     precollect: bool = True  # forkserver: fork tests from a configured, collected template
     learn_imports: bool = True  # forkserver: the template imports what tests imported
     preload: tuple[str, ...] = ()  # imported by the fork server and by prewarmed children

@@ -42,16 +42,18 @@ class GpuIso:
     def __init__(
         self,
         pytester: pytest.Pytester,
-        start: str = "spawn",
+        start: str | None = "spawn",
         plugins: tuple[str, ...] = (),
     ) -> None:
+        """``start``: the start method its runs name (None: none, the default)."""
         self.pytester = pytester
         self.path = pytester.path
         self.start = start
         # what its runs load: "-p" and a pytest11 entry point, for _NEEDED and ``plugins``
         self.plugin_args = tuple(arg for name in (*_NEEDED, *plugins) for arg in ("-p", name))
         # The programs here do not import torch: preloading it would only cost time.
-        self.start_options = (f"--gpu-isolate-start={start}", "--gpu-isolate-preload=none")
+        chosen = () if start is None else (f"--gpu-isolate-start={start}",)
+        self.start_options = (*chosen, "--gpu-isolate-preload=none")
 
     def copy(self, *names: str) -> None:
         """Copy files or directories from fixtures/programs/ into the test directory."""
@@ -124,7 +126,7 @@ def _sigint_not_ignored():
 def make_gpuiso(
     pytester: pytest.Pytester,
     monkeypatch: pytest.MonkeyPatch,
-    start: str = "spawn",
+    start: str | None = "spawn",
     plugins: tuple[str, ...] = (),
 ) -> GpuIso:
     """A ``GpuIso`` whose runs see the same terminal everywhere: pytest stops truncating

@@ -23,6 +23,7 @@ from tests.helpers import PROGRAMS, REPORT, GpuIso, kill_quietly, make_gpuiso, w
 PRELOAD = "start_preload_mod"
 TICK = 1 / os.sysconf("SC_CLK_TCK")  # resolution of a process's creation time
 USAGE_ERROR = pytest.ExitCode.USAGE_ERROR
+HOW_TO_CHOOSE = "(--gpu-isolate-start=spawn chooses it from the start)"
 
 PROCS = "test_start_procs.py"
 LOGGERS = [f"{PROCS}::test_logs_its_process[{i}]" for i in range(3)]
@@ -100,6 +101,63 @@ def _starts(iso: GpuIso, *more: str) -> dict[str, dict]:
 
 def _start_warnings(result: pytest.RunResult) -> list[str]:
     return [line for line in result.outlines if "GpuIsoStartWarning" in line]
+
+
+# --------------------------------------------------------------------------- the default
+
+
+def test_the_default_start_method_is_the_fork_server(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, logs: Logs
+) -> None:
+    """No start method named: the header says forkserver, and every test was forked."""
+    iso = make_gpuiso(pytester, monkeypatch, None)
+    iso.copy("start_log.py", "start_preload_mod.py", PROCS)
+    result = iso.run("--gpu-isolate", REPORT, PROCS)
+    result.assert_outcomes(passed=4)
+    result.stdout.fnmatch_lines(
+        [
+            "gpu-isolate: start forkserver (a server per pytest process *), preload none, *",
+            "gpu-isolate: started 4 forkserver; *",
+        ]
+    )
+    assert {start["method"] for start in _starts(iso).values()} == {"forkserver"}
+    assert not _start_warnings(result)
+
+
+def test_the_default_is_spawn_where_the_fork_server_is_not_safe(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not Linux, or a sanitizer's runtime mapped: spawn, and the reason for the header."""
+    from pytest_gpuiso.header import _start_header
+    from pytest_gpuiso.settings import Settings, default_start
+
+    maps = tmp_path / "maps"
+    maps.write_text(
+        "7f00-7f10 r-xp 00000000 08:01 12 /usr/lib/x86_64-linux-gnu/libc.so.6\n"
+        "7f20-7f30 r-xp 00000000 08:01 13 /usr/lib/x86_64-linux-gnu/libasan.so.8.0.0\n"
+    )
+    method, why = default_start(str(maps))
+    assert (method, why) == ("spawn", "a sanitizer's runtime is loaded (libasan.so.8.0.0)")
+    settings = Settings("all", 900.0, "", 5.0, None, start=method, start_why=why)
+    header = _start_header(settings)
+    assert header.startswith(f"gpu-isolate: start spawn ({why}), preload")
+    maps.write_text("7f00-7f10 r-xp 00000000 08:01 12 /usr/lib/libtsan_like_name.txt\n")
+    assert default_start(str(maps)) == ("forkserver", "")  # only a runtime library counts
+    monkeypatch.setattr(sys, "platform", "darwin")
+    method, why = default_start(str(maps))
+    assert method == "spawn" and "needs Linux" in why and "darwin" in why
+
+
+def test_a_start_method_chosen_in_the_ini_file_is_kept(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, logs: Logs
+) -> None:
+    iso = make_gpuiso(pytester, monkeypatch, None)
+    iso.copy("start_log.py", "start_preload_mod.py", PROCS)
+    pytester.makeini("[pytest]\ngpu_isolate_start = spawn\n")
+    result = iso.run("--gpu-isolate", "--gpu-isolate-prewarm=0", REPORT, PROCS)
+    result.assert_outcomes(passed=4)
+    result.stdout.fnmatch_lines(["gpu-isolate: start spawn, preload none, prewarm off"])
+    assert {start["method"] for start in _starts(iso).values()} == {"spawn"}
 
 
 # --------------------------------------------------------------------------- the fork server
@@ -220,7 +278,7 @@ def test_server_that_queried_nvml_refuses_to_fork(
     result.assert_outcomes(passed=4, warnings=1)
     [warning] = _start_warnings(result)
     assert "refused to fork: the NVIDIA management library is loaded" in warning
-    assert str(fake_libnvml) in warning and warning.endswith("spawn instead")
+    assert str(fake_libnvml) in warning and warning.endswith(f"spawn instead {HOW_TO_CHOOSE}")
     assert {start["method"] for start in _starts(iso).values()} == {"spawn"}
 
 
@@ -345,7 +403,7 @@ def test_preload_module_failing_at_import_falls_back_to_spawn(
     assert "the fork server could not start:" in warning
     assert "importing start_preload_broken failed" in warning
     assert "RuntimeError('start_preload_broken refuses to be imported')" in warning
-    assert warning.endswith("; isolated tests are started with spawn instead")
+    assert warning.endswith(f"; isolated tests are started with spawn instead {HOW_TO_CHOOSE}")
     assert {start["method"] for start in _starts(iso).values()} == {"spawn"}
     result.stdout.fnmatch_lines(["gpu-isolate: started 4 spawn; 3 prewarmed*"])
 
