@@ -9,6 +9,7 @@ JSON report's ``start`` records, the warnings summary and the processes left.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -161,6 +162,46 @@ def test_a_start_method_chosen_in_the_ini_file_is_kept(
 
 
 # --------------------------------------------------------------------------- the fork server
+
+
+@pytest.mark.parametrize("seed", ["", "7"], ids=["unseeded", "seeded-at-import"])
+def test_forked_tests_draw_their_own_torch_random_numbers(
+    forkserver_iso: GpuIso, monkeypatch: pytest.MonkeyPatch, seed: str
+) -> None:
+    """torch's and numpy's global generators are reseeded in each fork, as a spawned
+    process seeds them: unseeded, three forked tests draw three different numbers; a
+    module that seeded torch at import gives each test that seed's first draw, as in a
+    process that imported it itself."""
+    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("numpy") is None:
+        pytest.skip("needs torch and numpy (CI's ML stage)")
+    iso = forkserver_iso
+    iso.copy("test_torch_draws.py")
+    log = iso.path / "draws.log"
+    monkeypatch.setenv("GPUISO_DRAWS_LOG", str(log))
+    monkeypatch.setenv("GPUISO_TORCH_SEED", seed)
+    result = iso.run("--gpu-isolate", "--gpu-isolate-preload=torch", REPORT, "test_torch_draws.py")
+    result.assert_outcomes(passed=3)
+    assert {start["method"] for start in _starts(iso).values()} == {"forkserver"}
+    rows = [line.split() for line in log.read_text().splitlines()]
+    assert len({pid for pid, _, _ in rows}) == 3, rows
+    torch_draws = [float(value) for _, value, _ in rows]
+    numpy_draws = {float(value) for _, _, value in rows}
+    assert len(numpy_draws) == 3, rows
+    if seed:  # what a fresh process that ran torch.manual_seed(7) draws first
+        [first] = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import torch; torch.manual_seed(7); print(torch.rand(1).item())",
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=120,
+        ).stdout.split()
+        assert torch_draws == [float(first)] * 3, rows
+    else:
+        assert len(set(torch_draws)) == 3, rows
 
 
 @pytest.mark.parametrize(

@@ -157,12 +157,25 @@ def _become_test_process(parent_pid: int, close: list[Any], stdio: tuple[int, in
             time.sleep(0.0002)
         gc.enable()
         _forget_multiprocessing_children()
-        numpy = sys.modules.get("numpy")
-        if numpy is not None:  # every fork would otherwise draw the same "random" numbers
-            with contextlib.suppress(Exception):
-                numpy.random.seed()
+        reseed()
     except BaseException:
         os._exit(71)
+
+
+def reseed() -> None:
+    """Fresh seeds for numpy's and torch's global generators (Python's ``random`` reseeds
+    itself after a fork): every fork would otherwise draw the same "random" numbers, where
+    a spawned process seeds them from the OS. torch's CPU generator only: CUDA is never
+    initialised before the fork, and its generators are made (and seeded) when it is."""
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        with contextlib.suppress(Exception):
+            numpy.random.seed()
+    torch = sys.modules.get("torch")
+    generator = getattr(torch, "default_generator", None)
+    if generator is not None:
+        with contextlib.suppress(Exception):
+            generator.seed()
 
 
 def _forget_multiprocessing_children() -> None:

@@ -332,7 +332,7 @@ class TemplatePlugin(child_plugin.ChildPlugin):
         self.modules = modules
         self.await_fork = await_fork
         self.items: dict[str, Any] = {}
-        self.seeded: list[Any] = [None, None]  # generator states the collection set
+        self.seeded: list[Any] = [None, None, None]  # generator states the collection set
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_collection(self, session: Any) -> bool:
@@ -404,13 +404,22 @@ def run_session(
 
 
 def _random_states() -> list[Any]:
-    """The states of Python's and numpy's global random generators (None: no numpy)."""
+    """The states of Python's, numpy's and torch's (CPU) global random generators (None:
+    not imported)."""
     numpy = sys.modules.get("numpy")
     try:
         state = numpy.random.get_state() if numpy is not None else None
     except Exception:
         state = None
-    return [random.getstate(), _comparable(state)]
+    return [random.getstate(), _comparable(state), _torch_state()]
+
+
+def _torch_state() -> bytes | None:
+    generator = getattr(sys.modules.get("torch"), "default_generator", None)
+    try:
+        return bytes(generator.get_state().tolist()) if generator is not None else None
+    except Exception:
+        return None
 
 
 def _comparable(state: Any) -> Any:
@@ -421,7 +430,7 @@ def _comparable(state: Any) -> Any:
 
 
 def _restore_random_states(seeded: list[Any]) -> None:
-    python, numpy_state = seeded
+    python, numpy_state, torch_state = seeded
     if python is not None:
         random.setstate(python)
     numpy = sys.modules.get("numpy")
@@ -429,6 +438,12 @@ def _restore_random_states(seeded: list[Any]) -> None:
         with contextlib.suppress(Exception):
             kind, keys, *rest = numpy_state
             numpy.random.set_state((kind, numpy.asarray(keys, dtype=numpy.uint32), *rest))
+    torch = sys.modules.get("torch")
+    if torch_state is not None and torch is not None:
+        with contextlib.suppress(Exception):
+            torch.default_generator.set_state(
+                torch.frombuffer(bytearray(torch_state), dtype=torch.uint8)
+            )
 
 
 def _repoint_faulthandler(config: Any) -> None:
