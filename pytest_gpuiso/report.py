@@ -188,6 +188,9 @@ def terminal_summary(
     starts = start_counts(records)
     if starts:
         tr.write_line("gpu-isolate: started " + starts)
+    cost = cost_line(records)
+    if cost:
+        tr.write_line("gpu-isolate: " + cost)
     for r in timed_out:
         tr.write_line(f"  TIMEOUT {r['nodeid']}{_attempt(r)} ({bound(r, test='after')})")
     for r in crashed:
@@ -242,6 +245,30 @@ def startup_durations(tr: Any, records: list[dict[str, Any]], config: Any) -> No
             tr.write_line(f"({len(timed) - n} start-ups < {minimum:g}s hidden.)")
             break
         tr.write_line(f"{r['startup']:.2f}s startup {r['nodeid']} (wall {r['wall']:.2f}s)")
+
+
+def cost_line(records: list[dict[str, Any]]) -> str:
+    """What isolation cost the session, from each record: the time each test's process
+    took beyond the test's own setup, call and teardown (``wall - duration``: its start
+    from its turn, and its exit), and apart from it the time tests waited for GPUs
+    (``lease_wait``: contention, not isolation). "" when no isolated process ran."""
+    ran = [r for r in records if is_number(r.get("startup")) and is_number(r.get("wall"))]
+    if not ran:
+        return ""
+    total = sum(max(0.0, r["wall"] - (r.get("duration") or 0.0)) for r in ran)
+    each = total / len(ran)
+    line = (
+        f"isolation cost {_seconds(total)} over {len(ran):,} test{'s' if len(ran) != 1 else ''}"
+        f" (~{each * 1000:.0f} ms a test) beyond their own setup, call and teardown"
+    )
+    waited = sum(r["lease_wait"] for r in records if is_number(r.get("lease_wait")))
+    if waited >= 0.05:
+        line += f"; {_seconds(waited)} waiting for GPUs"
+    return line
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.1f} s" if value < 100 else f"{value:,.0f} s"
 
 
 def start_counts(records: list[dict[str, Any]]) -> str:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from pytest_gpuiso.report import cost_line
+
 # pytest's report formats, hooks and internals: CI's lowest-versions stage runs them all
 pytestmark = pytest.mark.versions
 
@@ -60,6 +62,35 @@ def test_json_report_records_every_isolated_test(gpuiso_spawn, xdist):
         assert record["exit"]["code"] == code, nodeid
         assert record["exit"]["timed_out"] is False
     result.stdout.fnmatch_lines(["gpu-isolate: JSON report written to *report.json"])
+    # what isolation cost, from the same records the report holds
+    cost = cost_line(list(records.values()))
+    assert cost.startswith("isolation cost ") and f" over {len(EXPECTED)} tests (~" in cost
+    result.stdout.fnmatch_lines([f"gpu-isolate: {cost}"])
+
+
+def test_the_cost_line_sums_what_each_process_took_beyond_its_test():
+    """wall - duration of each test whose process ran; GPU waits apart; nothing without
+    a process."""
+
+    def record(wall, duration, startup=0.01, lease_wait=None):
+        found = {"wall": wall, "duration": duration, "startup": startup}
+        return found if lease_wait is None else {**found, "lease_wait": lease_wait}
+
+    records = [
+        record(0.5, 0.1, lease_wait=1.5),
+        record(0.3, 0.2),
+        record(0.0, 0.0, startup=None),  # no process ran (a bad marker, a lease timeout)
+    ]
+    assert cost_line(records) == (
+        "isolation cost 0.5 s over 2 tests (~250 ms a test) beyond their own setup, call "
+        "and teardown; 1.5 s waiting for GPUs"
+    )
+    many = [record(0.12, 0.1)] * 2000
+    assert cost_line(many) == (
+        "isolation cost 40.0 s over 2,000 tests (~20 ms a test) beyond their own setup, "
+        "call and teardown"
+    )
+    assert cost_line([record(0.0, 0.0, startup=None)]) == ""
 
 
 def test_report_path_from_ini_is_relative_to_invocation_dir(gpuiso_spawn):
