@@ -30,6 +30,7 @@ and leaves, and the parent starts a fresh one.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import faulthandler
 import os
@@ -37,6 +38,7 @@ import pickle
 import sys
 import time
 import traceback
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -116,10 +118,13 @@ def flush_and_exit(status: int, conn: Connection | None = None) -> NoReturn:
     threading's exit hooks run (concurrent.futures shuts its executors down there), then
     multiprocessing's finalizers (the semaphores of a pool left open are unlinked, its
     workers ended), as at the end of a ``multiprocessing.Process``; the parent bounds
-    them with the exit bound. Not run, as there: ``atexit`` handlers (torch's alone cost
-    ~23 ms in a forked process and change nothing a test could observe), the joining of
-    non-daemon threads still running (they would keep the process alive; in-process they
-    would keep pytest alive) and the interpreter's teardown of every module.
+    them with the exit bound. Between them, as at an interpreter's exit: the ``atexit``
+    handlers and ``weakref.finalize`` entries registered since the test's go
+    (``mark_exit_handlers``), i.e. by the test's own code, not those of the imports,
+    plugins and conftests before it (torch's alone cost ~23 ms in a forked process; in-
+    process they run once, in pytest's). Not run: the joining of non-daemon threads still
+    running (they would keep the process alive; in-process they would keep pytest alive)
+    and the interpreter's teardown of every module.
 
     ``conn``: the pipe to the parent, which is told ``EXITING`` last (``say_exiting``)."""
     _flush()
@@ -139,9 +144,43 @@ def _flush() -> None:
             stream.flush()
 
 
+class _ExitMark:
+    """Where the exit handlers of the test's own code begin (None: not marked)."""
+
+    finalizers: int | None = None  # the first ``weakref.finalize`` index after the go
+
+
+def mark_exit_handlers() -> None:
+    """At the test's go: what was registered for exit so far (by the imports, plugins,
+    conftests, the template) is not the test's and is dropped (``os._exit`` would skip it
+    anyway); what is registered from now on runs at the process's exit
+    (``run_exit_hooks``). Marked again at a later go of the same process (``go_first``)."""
+    with contextlib.suppress(Exception):
+        atexit._clear()
+        _ExitMark.finalizers = next(weakref.finalize._index_iter)
+
+
+def _run_finalizers_since(first: int) -> None:
+    """The ``weakref.finalize`` entries made since ``first`` that run at exit, newest
+    first, as ``weakref.finalize._exitfunc`` runs them (an open TemporaryDirectory's
+    cleanup); a failing one is printed as Python prints it."""
+    with contextlib.suppress(Exception):
+        pending = sorted(
+            (info.index, entry)
+            for entry, info in list(weakref.finalize._registry.items())
+            if info.index >= first and info.atexit
+        )
+        for _, entry in reversed(pending):
+            try:
+                entry()
+            except Exception:  # noqa: BLE001 - as Python's own exit: print, go on
+                traceback.print_exc()
+
+
 def run_exit_hooks() -> None:
-    """threading's exit hooks, then multiprocessing's finalizers (when it was imported); a
-    failing one is printed (to the test's output) as Python prints it."""
+    """threading's exit hooks, the test's own ``atexit`` handlers and ``weakref.finalize``
+    entries (``mark_exit_handlers``), then multiprocessing's finalizers (when it was
+    imported); a failing one is printed (to the test's output) as Python prints it."""
     import threading
 
     hooks = getattr(threading, "_threading_atexits", [])  # CPython's, Python >= 3.9
@@ -151,6 +190,9 @@ def run_exit_hooks() -> None:
         except Exception:  # noqa: BLE001 - as Python's own exit: print, go on
             traceback.print_exc()
     hooks.clear()
+    if _ExitMark.finalizers is not None:
+        atexit._run_exitfuncs()  # what the test registered; a failing one is printed
+        _run_finalizers_since(_ExitMark.finalizers)
     util = sys.modules.get("multiprocessing.util")
     if util is not None:
         try:
@@ -237,6 +279,7 @@ class Channel:
         """Block until the parent says this test's turn has come; apply its environment."""
         if self.go is None:
             set_child_subreaper(False)
+            mark_exit_handlers()
             return
         try:
             env: dict[str, str] = self.go.recv()
@@ -251,6 +294,7 @@ class Channel:
             self.send(frames.STALE, stale)
             os._exit(0)
         os.environ.update(env)
+        mark_exit_handlers()
         if self.ahead is not None:
             self.send(frames.AHEAD, self.ahead)
         if self.output is not None:  # start-up noise (imports) is not the test's output

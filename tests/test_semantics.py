@@ -589,3 +589,32 @@ def test_garbage_collection_in_the_test_process(gpuiso: GpuIso, extra: tuple[str
     gpuiso.copy("test_gc_state.py")
     result = gpuiso.run("--gpu-isolate", *extra)
     result.assert_outcomes(passed=3)
+
+
+def test_exit_handlers_of_the_test_run_at_its_process_exit(
+    gpuiso: GpuIso, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a test's own code registered for exit runs when its process exits, as
+    in-process at pytest's exit: an atexit handler, and an open TemporaryDirectory's
+    cleanup (weakref.finalize); what the conftest registered at import runs once, in
+    pytest's process, never in the tests' processes."""
+    gpuiso.copy("exit_handlers")
+    log = gpuiso.path / "exit.log"
+    monkeypatch.setenv("GPUISO_EXIT_LOG", str(log))
+    for isolated in (False, True):
+        log.unlink(missing_ok=True)
+        args = ["--gpu-isolate", "--gpu-isolate-report=report.json"] if isolated else []
+        gpuiso.run(*args, "-W", "ignore::ResourceWarning", "exit_handlers").assert_outcomes(
+            passed=3
+        )
+        lines = [line.split() for line in log.read_text().splitlines()]
+        kinds = sorted(line[0] for line in lines)
+        assert kinds == ["atexit", "conftest", "nothing", "tempdir"], (isolated, lines)
+        [directory] = [line[2] for line in lines if line[0] == "tempdir"]
+        assert not Path(directory).exists(), (isolated, lines)  # cleaned up at exit
+        if isolated:
+            pids = {r["nodeid"].split("::")[1]: str(r["pid"]) for r in gpuiso.report()["tests"]}
+            by_kind = {line[0]: line[1] for line in lines}
+            assert by_kind["atexit"] == pids["test_registers_an_atexit_handler"], lines
+            assert by_kind["tempdir"] == pids["test_leaves_a_temporary_directory_open"]
+            assert by_kind["conftest"] not in pids.values(), lines  # pytest's own
