@@ -151,10 +151,9 @@ class _ExitMark:
 
 
 def mark_exit_handlers() -> None:
-    """At the test's go: what was registered for exit so far (by the imports, plugins,
-    conftests, the template) is not the test's and is dropped (``os._exit`` would skip it
-    anyway); what is registered from now on runs at the process's exit
-    (``run_exit_hooks``). Marked again at a later go of the same process (``go_first``)."""
+    """At the test's go (again at a later one, after ``go_first``): what imports, plugins,
+    conftests, the template registered for exit is not the test's and is dropped (never
+    run: ``os._exit``); what is registered from now on runs at exit (``run_exit_hooks``)."""
     with contextlib.suppress(Exception):
         atexit._clear()
         _ExitMark.finalizers = next(weakref.finalize._index_iter)
