@@ -49,8 +49,8 @@ def test_holds_the_gpu(i):
 
 CONFIGS = {
     ("spawn", 0): "spawn, prewarm 0 (cold after the lease)",
-    ("spawn", 1): "spawn, prewarm 1 (default)",
-    ("forkserver", 1): "forkserver, prewarm 1",
+    ("spawn", 1): "spawn, prewarm 1",
+    ("forkserver", 1): "forkserver, prewarm 1 (default)",
 }
 
 

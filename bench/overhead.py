@@ -10,11 +10,12 @@ its GPU would, which shows what prewarming hides) and times, on the same
 machine and in the same run:
 
 * in-process pytest;
-* ``--gpu-isolate`` with spawn, prewarming off (``--gpu-isolate-prewarm=0``);
-* spawn with prewarming of the next test (the default) and of the next 2;
-* ``--gpu-isolate-start=forkserver`` (default prewarming), with its pre-collected
-  template (the default) and without (``--gpu-isolate-no-precollect``: each test's
-  process configures pytest and collects its module itself);
+* ``--gpu-isolate`` alone: the fork server (the default start method), default
+  prewarming, with its pre-collected template (the default), and without
+  (``--gpu-isolate-start=forkserver --gpu-isolate-no-precollect``: each test's process
+  configures pytest and collects its module itself);
+* ``--gpu-isolate-start=spawn``, prewarming off (``--gpu-isolate-prewarm=0``), of the
+  next test (the default) and of the next 2;
 * naive isolation: one ``pytest FILE::test_i`` process per test. It is slow, so
   only --naive-tests of the N tests are run and their per-test cost is
   extrapolated to N (the output says so);
@@ -294,28 +295,28 @@ def main() -> None:
         Config(
             "spawn, prewarm off",
             "pytest",
-            [*others, "--gpu-isolate", "--gpu-isolate-prewarm=0"],
+            [*others, "--gpu-isolate", "--gpu-isolate-start=spawn", "--gpu-isolate-prewarm=0"],
             isolated=True,
             spawn=True,
         ),
         Config(
-            "spawn, prewarm 1 (default)",
+            "spawn, prewarm 1",
             "pytest",
-            [*others, "--gpu-isolate"],
+            [*others, "--gpu-isolate", "--gpu-isolate-start=spawn"],
             isolated=True,
             spawn=True,
         ),
         Config(
             "spawn, prewarm 2",
             "pytest",
-            [*others, "--gpu-isolate", "--gpu-isolate-prewarm=2"],
+            [*others, "--gpu-isolate", "--gpu-isolate-start=spawn", "--gpu-isolate-prewarm=2"],
             isolated=True,
             spawn=True,
         ),
         Config(
-            "forkserver, prewarm 1",
+            "forkserver (default), prewarm 1",
             "pytest",
-            [*others, "--gpu-isolate", "--gpu-isolate-start=forkserver"],
+            [*others, "--gpu-isolate"],
             isolated=True,
         ),
         Config(

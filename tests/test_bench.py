@@ -63,7 +63,7 @@ def test_overhead_prints_ratios_and_targets():
     assert "3 tiny torch tests on cpu, best of 1 round" in out
     inproc = row(out, "in-process")
     assert inproc[2] == "1.00x", inproc
-    fork = row(out, "forkserver, prewarm 1")
+    fork = row(out, "forkserver (default), prewarm 1")
     wall, worst, ratio = float(fork[0]), float(fork[1]), fork[2]
     assert 0 < wall <= worst
     # the ratio is the row's wall over in-process's, both printed rounded to 10 ms and the
@@ -81,7 +81,7 @@ def test_overhead_with_sleeping_tests_judges_no_target():
     out = bench_table("--tests", "2", "--repeat", "1", "--only", "forkserver", "--sleep", "0.2")
     assert "2 tiny torch tests on cpu, each sleeping 0.2 s, best of 1 round" in out
     assert float(row(out, "in-process")[0]) > 0.4  # two tests that sleep 0.2 s each
-    assert float(row(out, "forkserver, prewarm 1")[0]) > 0.4
+    assert float(row(out, "forkserver (default), prewarm 1")[0]) > 0.4
     assert "targets: not judged with --sleep" in out  # they are set for tiny tests alone
     assert "forkserver wall <=" not in out
 
@@ -144,7 +144,7 @@ def test_gpu_validation_unknown_step_is_one_line(tmp_path):
     assert done.returncode == 2
     assert done.stderr.splitlines() == [
         "gpu_validation.sh: unknown step 'tets' "
-        "(steps: facts build torch tests cuda-bench cpu-bench mem-bench health)"
+        "(steps: facts build torch tests cuda-bench cpu-bench mem-bench health phases)"
     ]
     assert not (tmp_path / "facts.log").exists()  # nothing ran
 
@@ -200,8 +200,8 @@ def test_lease_wait_bench_runs_and_prints_every_configuration() -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     for label in (
         "| spawn, prewarm 0 (cold after the lease) |",
-        "| spawn, prewarm 1 (default) |",
-        "| forkserver, prewarm 1 |",
+        "| spawn, prewarm 1 |",
+        "| forkserver, prewarm 1 (default) |",
     ):
         [line] = [line for line in done.stdout.splitlines() if line.startswith(label)]
         assert line.rstrip().endswith("| 4/4 |"), line
