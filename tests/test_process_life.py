@@ -1,7 +1,7 @@
 """Issue 31: a test's process lives as a Python process does for the code it runs. Dead
 classes are collected before what exists is frozen out of garbage collection, and at its
-end threading's exit hooks and multiprocessing's finalizers run (not atexit's handlers,
-as in multiprocessing's own processes), under both start methods. What it held through
+end threading's exit hooks, the test's own atexit handlers and multiprocessing's
+finalizers run, under both start methods. What it held through
 a descriptor is free when the next test starts, also where pytest does not wait for the
 kernel's teardown of its memory (``leaving``)."""
 
@@ -22,12 +22,23 @@ def test_garbage_is_collected_and_the_exit_ends_what_multiprocessing_started(
     gpuiso: GpuIso, lease_region
 ):
     gpuiso.copy(PROGRAM)
-    result = gpuiso.run("--gpu-isolate", "--gpu-isolate-leaks=fail", "-p", "no:randomly", PROGRAM)
+    result = gpuiso.run(
+        "--gpu-isolate",
+        "--gpu-isolate-leaks=fail",
+        "--gpu-isolate-report=report.json",
+        "-p",
+        "no:randomly",
+        PROGRAM,
+    )
     text = result.stdout.str()
     result.assert_outcomes(passed=5)
     assert "leaked semaphore" not in text + result.stderr.str()
     assert "gpu-isolate leaks" not in text
-    assert not list(gpuiso.path.glob("atexit-*.txt"))  # as in a multiprocessing.Process
+    # the test's own atexit handler ran at its process's exit, as in-process at pytest's
+    [ran] = gpuiso.path.glob("atexit-*.txt")
+    assert ran.read_text() == "ran"
+    [record] = [r for r in gpuiso.records().values() if r["nodeid"].endswith("atexit_handler")]
+    assert ran.name == f"atexit-{record['pid']}.txt"
 
 
 def test_a_spawned_process_preloads_only_what_its_test_imports(gpuiso_spawn: GpuIso, lease_region):
