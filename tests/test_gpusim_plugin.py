@@ -322,3 +322,47 @@ def test_a_pinned_worker_s_in_process_test_sees_its_gpu(gpuiso_spawn: GpuIso, si
     result = gpuiso_spawn.run(*args)
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["*pinned workers (--gpu-isolate-pin-workers): each of the 1*"])
+
+
+def _main_thread_calls(libs: Path) -> int:
+    """The NVML device calls processes made on their main threads (the simulator's count)."""
+    code = (
+        "import ctypes; n = ctypes.CDLL('libnvidia-ml.so.1'); "
+        "n.gpusimMainThreadCalls.restype = ctypes.c_longlong; print(n.gpusimMainThreadCalls())"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return int(done.stdout)
+
+
+# NVML device calls pytest's main thread makes for each isolated CUDA test (6 on
+# 2026-11-28: the GPU memory leak check's reads around it); ~0.02 ms each on an H200. A
+# sampler thread's reads (the test's memory peak) depend on time and are not counted.
+NVML_CALLS_A_TEST = 6
+
+
+def test_nvml_work_a_test_costs_is_bounded_and_the_driver_start_is_the_tests(
+    gpuiso: GpuIso, sim: Path, gpusim_libs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The simulated driver takes what an H200's takes in a fresh process (cuInit 109 ms,
+    a context 143 ms, NVML 0.02 ms a call): that time is each test's own duration, and
+    pytest's main thread makes the same few NVML calls for every test, whatever they
+    take (each further test adds exactly the same number, at most NVML_CALLS_A_TEST)."""
+    _copy(gpuiso, "sim_cost.py")
+    monkeypatch.setenv("GPUISO_SIM_CUINIT_MS", "109")
+    monkeypatch.setenv("GPUISO_SIM_CONTEXT_MS", "143")
+    monkeypatch.setenv("GPUISO_SIM_NVML_MS", "0.02")
+    counts = []
+    for tests in (1, 4):
+        monkeypatch.setenv("GPUISO_SIM_TESTS", str(tests))
+        before = _main_thread_calls(gpusim_libs)
+        result = gpuiso.run("--gpu-isolate", REPORT, "sim_cost.py")
+        result.assert_outcomes(passed=tests)
+        counts.append(_main_thread_calls(gpusim_libs) - before)
+        records = gpuiso.records().values()
+        assert all(len(r["gpus"]) == 1 and r["leaks"] == [] for r in records), records
+        # the modelled start (0.252 s) is in each test's own time
+        assert all(r["duration"] >= 0.25 for r in records), records
+        result.stdout.fnmatch_lines([f"gpu-isolate: isolation cost * over {tests} test*"])
+    more = counts[1] - counts[0]
+    assert more % 3 == 0 and 0 < more // 3 <= NVML_CALLS_A_TEST, counts  # the same each
