@@ -302,7 +302,6 @@ OPTIONS: tuple[Option, ...] = (
         field=("start", "start_why"),
         parse=parse_start,
         unset=default_start,
-        source="start_source",
         metavar="spawn|forkserver",
         default="forkserver on Linux, spawn where it is not safe (not Linux, a sanitizer)",
     ),

@@ -368,7 +368,6 @@ class Settings:
     summary_source: str = ""
     start: str = "spawn"  # how isolated processes start: spawn or forkserver
     start_why: str = ""  # why the default is spawn here ("": chosen, or the fork server)
-    start_source: str = ""  # where the start method was chosen ("": the default)
     precollect: bool = True  # forkserver: fork tests from a configured, collected template
     learn_imports: bool = True  # forkserver: the template imports what tests imported
     preload: tuple[str, ...] = ()  # imported by the fork server and by prewarmed children
