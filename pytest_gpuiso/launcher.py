@@ -35,7 +35,8 @@ from typing import Any
 
 from . import child, frames, imports, leaving
 from .dead_sessions import OWNER_ENV
-from .forkserver import ForkServer, ServerBoot, Unavailable
+from .forkserver import ForkServer, ServerBoot, Unavailable, module_of
+from .forkserver.server import LEARN_WEIGHT
 from .leaks.process import Mark
 from .proctree import (
     REAP_WAIT,
@@ -99,6 +100,7 @@ class Launcher:
         self.stale: str | None = None
         # ... or its test module did: prewarmed processes then stop collecting ahead.
         self.collect_ahead = True
+        self._taught: str | None = None  # see ``taught``
         self.live: dict[int, Started] = {}  # started children not yet run, by id()
         self.ending = leaving.Ending()  # tests' processes left while past their exit
         self._awaiting: collections.deque[Started] = collections.deque()  # fork answers due
@@ -162,11 +164,23 @@ class Launcher:
             self.collect_ahead = False
             self.notices.append(child.stale_notice(why))
 
-    def learn(self, imported: list[dict[str, Any]]) -> None:
-        """What a forked test imported: the template imports it for the next ones."""
+    def learn(self, imported: list[dict[str, Any]], nodeid: str, took: float) -> None:
+        """What a forked test (``nodeid``, its process ran ``took`` seconds) imported: the
+        template imports it for the next ones; once that is worth a successor of its own,
+        the module's next tests are forked from that successor (``taught``)."""
         if self.server is not None:
             for learnt in imported:
-                self.server.learn(learnt["names"], learnt["modules"])
+                sent = self.server.learn(learnt["names"], learnt["modules"], nodeid, took)
+                if sent and learnt["modules"] >= LEARN_WEIGHT:
+                    self._taught = module_of(nodeid)
+
+    def taught(self) -> str | None:
+        """The module (path) of the last test that taught the template enough to start a
+        successor since this was asked: the processes started ahead for its next tests
+        are better started again (``Prewarmer.restart``): the server holds them until
+        the successor has imported what they will most likely import too."""
+        taught, self._taught = self._taught, None
+        return taught
 
     # ------------------------------------------------------------------ processes
 

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .forkserver import module_of
 from .launcher import Launcher, StartError
 from .started import Started
 
@@ -48,6 +49,7 @@ class Prewarmer:
         self.launcher = launcher
         self.depth = depth
         self.warm: dict[str, Started] = {}  # by node id
+        self.jobs: dict[str, WarmJob] = {}  # what each was started with
         self.disabled: str | None = None
         self._positions: dict[int, int] | None = None  # id(item) -> its index in the session
 
@@ -66,7 +68,22 @@ class Prewarmer:
 
     def take(self, nodeid: str) -> Started | None:
         """The process started for this test, if there is one."""
+        self.jobs.pop(nodeid, None)
         return self.warm.pop(nodeid, None)
+
+    def restart(self, module: str) -> None:
+        """Start again the forked processes waiting for tests of ``module`` (a path): a
+        test of it taught the fork server's template modules that its next tests will
+        most likely import too (``Launcher.taught``), and the server holds their forks
+        until its successor has them."""
+        for nodeid in [n for n, s in self.warm.items() if s.method == "forkserver"]:
+            if module_of(nodeid) == module:
+                self.launcher.discard(self.warm.pop(nodeid))
+                job = self.jobs[nodeid]
+                try:
+                    self.warm[nodeid] = self.launcher.start(job.job, job.env, warm=True)
+                except StartError:
+                    del self.jobs[nodeid]  # the test's own run will report it
 
     def refill(self, upcoming: list[WarmJob]) -> None:
         """Have processes started for the ``upcoming`` tests (those that will run in a
@@ -76,6 +93,7 @@ class Prewarmer:
         wanted = {job.nodeid: job for job in upcoming[: self.depth]}
         for nodeid in list(self.warm):
             if nodeid not in wanted:
+                self.jobs.pop(nodeid, None)
                 self.launcher.discard(self.warm.pop(nodeid))
         for nodeid, job in wanted.items():
             if nodeid in self.warm:
@@ -84,6 +102,7 @@ class Prewarmer:
                 self.warm[nodeid] = self.launcher.start(job.job, job.env, warm=True)
             except StartError:
                 return  # the test's own run will report it
+            self.jobs[nodeid] = job
 
     def disable(self, reason: str) -> None:
         self.disabled = reason
@@ -93,3 +112,4 @@ class Prewarmer:
         for started in self.warm.values():
             self.launcher.discard(started)
         self.warm.clear()
+        self.jobs.clear()

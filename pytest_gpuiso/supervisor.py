@@ -153,7 +153,8 @@ class Running:
             stop = {"interrupt": True, "message": "KeyboardInterrupt", "returncode": None}
             outcome.exits.append(stop)
         if outcome.method == "forkserver":
-            launcher.learn(outcome.imported)  # the template imports them for the next ones
+            # the template imports them for the next ones
+            launcher.learn(outcome.imported, getattr(started.job, "nodeid", ""), duration)
         return outcome
 
     def _leavable(self) -> bool:

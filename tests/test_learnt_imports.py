@@ -24,7 +24,7 @@ DIR = "learnt_imports"
 def forkserver(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> GpuIso:
     gpuiso = make_gpuiso(pytester, monkeypatch, "forkserver")
     gpuiso.copy(DIR)
-    for package in ("lazy_pkg", "thready_pkg", "slow_pkg", "shadow_mod.py"):  # on sys.path
+    for package in ("lazy_pkg", "heavy_pkg", "thready_pkg", "slow_pkg", "shadow_mod.py"):
         (gpuiso.path / DIR / package).rename(gpuiso.path / package)
     return gpuiso
 
@@ -65,6 +65,24 @@ def test_later_tests_have_what_an_earlier_test_imported(forkserver: GpuIso, leas
     successors = [pid for pid in importers if pid not in tests]
     assert len(successors) == 1, (importers, had)  # one successor imported it, once
     assert not psutil.pid_exists(successors[0])  # pytest's child: reaped at the end
+
+
+def test_the_next_tests_of_the_teaching_module_wait_for_the_successor(
+    forkserver: GpuIso, lease_region
+):
+    """Case 0 imports heavy_pkg (2 s) itself; cases 1-3 are forked from the successor
+    that imports it once, not each importing it anew: case 1, started ahead while case 0
+    ran, is started again, and the server holds its fork until the successor has it."""
+    args = ("--gpu-isolate", "-p", "no:randomly", REPORT)
+    result = forkserver.run(*args, f"{DIR}/test_heavy.py")
+    result.assert_outcomes(passed=4)
+    had = _had(forkserver)
+    assert [had[n][1] for n in range(4)] == [False, True, True, True], had
+    tests = {pid for pid, _ in had.values()}
+    importers = _importers(forkserver)
+    assert importers[0] == had[0][0] and len(importers) == 2, (importers, had)
+    assert importers[1] not in tests  # the successor
+    assert all(r["start"]["collected"] for r in forkserver.records().values())
 
 
 def test_without_learning_each_test_imports_it_itself(

@@ -17,9 +17,9 @@ from typing import Any
 from .. import imports, wire
 from ..proctree import main_not_rerun, reap_or_kill, reap_pid, unlist
 from .fork import close_quietly, send_request
-from .server import ServerBoot, Unavailable, main
+from .server import ServerBoot, Unavailable, main, module_of
 
-__all__ = ["ForkServer", "ServerBoot", "Unavailable"]
+__all__ = ["ForkServer", "ServerBoot", "Unavailable", "module_of"]
 
 _ANSWER_BYTES = 1 << 16  # an answer of the server is a pid and a line or two
 
@@ -84,15 +84,23 @@ class ForkServer:
         with contextlib.suppress(OSError):
             send_request(self.sock, self.conn, ("collect", directories, modules))
 
-    def learn(self, names: list[Any], modules: int) -> None:
+    def learn(self, names: list[Any], modules: int, nodeid: str = "", took: float = 0.0) -> bool:
         """Tell the server what a test's process imported while its test ran (``names``:
         (name, origin) pairs, ``modules`` in all: ``imports.learnable``; best effort): its
-        template imports them for later tests."""
+        template imports them for later tests. ``nodeid`` and ``took``: the test, and
+        how long its process ran (the imports' cost, at most): the server holds the next
+        forks of its module's tests until the successor has them (``Server.learn``).
+        Whether they were sent."""
         new = {p[0]: p[1] for p in names if imports.is_learnt(p) and p[0] not in self.learnt}
-        if new and self.ready:
-            self.learnt.update(new)
-            with contextlib.suppress(OSError):
-                send_request(self.sock, self.conn, ("learn", list(new.items()), max(0, modules)))
+        if not new or not self.ready:
+            return False
+        self.learnt.update(new)
+        request = ("learn", list(new.items()), max(0, modules), module_of(nodeid), took)
+        try:
+            send_request(self.sock, self.conn, request)
+        except OSError:
+            return False
+        return True
 
     def _answer(self, timeout: float, what: str) -> tuple[str, Any]:
         try:

@@ -38,6 +38,17 @@ SUCCESSOR_WAIT = 30.0  # seconds a successor may import before it counts as stuc
 # successor costs a fork, a garbage collection and an audit (~50 ms of CPU), which a few
 # small modules do not repay; torch.distributed.tensor alone brings ~520.
 LEARN_WEIGHT = 64
+# A fork for a test of the module whose test taught the successor what it imports waits
+# for it (one module's tests import alike: each of a parametrized test's cases reaches
+# torch.distributed.tensor through assert_close, ~0.7 s a process), but no longer than
+# twice what the teaching test's process took, import included, plus this (seconds):
+# past that, importing it again would have been cheaper.
+AWAIT_SLACK = 0.5
+
+
+def module_of(nodeid: str) -> str:
+    """A test's module, as its node id names it (its path)."""
+    return nodeid.split("::", 1)[0]
 
 
 class Unavailable(RuntimeError):
@@ -153,6 +164,11 @@ class Server:
         self.weight = LEARN_WEIGHT if self.to_learn else 0  # modules tests imported with them
         self.unfit = 0  # successors that could not take over
         self.unfit_names: list[str] = []  # the modules that left them unfit (told to pytest)
+        # the modules (paths) of the tests that taught what the next successor imports,
+        # each with how long its teacher's process took; then those of the importing one,
+        # and when its wait ends (``await_successor``)
+        self.teachers: dict[str, float] = {}
+        self.awaited: dict[str, float] = {}
 
     def loop(self) -> Any:
         """Serve requests until pytest closes the socket (None); in a test's process
@@ -197,16 +213,22 @@ class Server:
         if modules and self.template is None:
             self.template = TemplateHandle.start(self, modules)
 
-    def learn(self, names: list[tuple[str, str]], modules: int) -> None:
+    def learn(
+        self, names: list[tuple[str, str]], modules: int, teacher: str = "", took: float = 0.0
+    ) -> None:
         """Modules a test imported while it ran ((name, origin); ``modules`` with what they
         import): the tests forked after it get them from a successor of the template that
         imported them (as pytest in-process keeps them), once they are worth a
         successor's fork and audit (``LEARN_WEIGHT``). Not the server's own forks: they
         configure and collect for themselves. A successor is started here, never taken
-        over: only a fork's answer tells pytest the new template's pid (``adopt``)."""
+        over: only a fork's answer tells pytest the new template's pid (``adopt``).
+        ``teacher``: the test's module, whose next tests wait for the successor
+        (``await_successor``); ``took``: seconds its process ran."""
         if self.boot.learn:
             self.to_learn += names
             self.weight += modules
+            if teacher:
+                self.teachers[teacher] = max(self.teachers.get(teacher, 0.0), float(took))
             self.adopt(take_over=False)
 
     def adopt(self, take_over: bool = True) -> None:
@@ -238,6 +260,22 @@ class Server:
         if ready and self.successor is None and due:
             self.learning, self.to_learn, self.weight = self.to_learn, [], 0
             self.successor = template.learn(self.learning, SUCCESSOR_WAIT)
+            now = time.monotonic()
+            teachers = self.teachers.items()
+            self.awaited = {path: now + 2 * took + AWAIT_SLACK for path, took in teachers}
+            self.teachers = {}
+
+    def await_successor(self, job: Any) -> None:
+        """Hold a fork for a test of a module whose test taught the importing successor
+        until it can take over (``AWAIT_SLACK``): that test would most likely import
+        the same again. Other tests are forked at once, from the template serving now."""
+        successor = self.successor
+        until = self.awaited.get(module_of(str(getattr(job, "nodeid", ""))))
+        if successor is None or until is None:
+            return
+        wait = min(until, successor.deadline) - time.monotonic()
+        if successor.conn.poll(max(0.0, wait)):
+            self.adopt()
 
     def _unfit(self, kind: str, payload: list[Any]) -> None:
         """A successor could not take over: the template serves on. Unfit after importing a
@@ -262,6 +300,7 @@ class Server:
         if len(fds) != 2:
             return "refused", f"the fork server got {len(fds)} descriptors for a fork, expected 2"
         self.adopt()
+        self.await_successor(job)
         template = self.template
         if template is not None and template.serves(job):
             kind, payload = template.fork(fds, cboot, job)
