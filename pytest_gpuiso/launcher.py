@@ -35,8 +35,7 @@ from typing import Any
 
 from . import child, frames, imports, leaving
 from .dead_sessions import OWNER_ENV
-from .forkserver import ForkServer, ServerBoot, Unavailable, module_of
-from .forkserver.server import LEARN_WEIGHT
+from .forkserver import LEARN_WEIGHT, ForkServer, ServerBoot, Unavailable, module_of
 from .leaks.process import Mark
 from .proctree import (
     REAP_WAIT,

@@ -48,8 +48,7 @@ class Prewarmer:
     def __init__(self, launcher: Launcher, depth: int) -> None:
         self.launcher = launcher
         self.depth = depth
-        self.warm: dict[str, Started] = {}  # by node id
-        self.jobs: dict[str, WarmJob] = {}  # what each was started with
+        self.warm: dict[str, tuple[WarmJob, Started]] = {}  # by node id: job and process
         self.disabled: str | None = None
         self._positions: dict[int, int] | None = None  # id(item) -> its index in the session
 
@@ -68,22 +67,19 @@ class Prewarmer:
 
     def take(self, nodeid: str) -> Started | None:
         """The process started for this test, if there is one."""
-        self.jobs.pop(nodeid, None)
-        return self.warm.pop(nodeid, None)
+        warm = self.warm.pop(nodeid, None)
+        return warm[1] if warm is not None else None
 
     def restart(self, module: str) -> None:
         """Start again the forked processes waiting for tests of ``module`` (a path): a
         test of it taught the fork server's template modules that its next tests will
         most likely import too (``Launcher.taught``), and the server holds their forks
         until its successor has them."""
-        for nodeid in [n for n, s in self.warm.items() if s.method == "forkserver"]:
-            if module_of(nodeid) == module:
-                self.launcher.discard(self.warm.pop(nodeid))
-                job = self.jobs[nodeid]
-                try:
-                    self.warm[nodeid] = self.launcher.start(job.job, job.env, warm=True)
-                except StartError:
-                    del self.jobs[nodeid]  # the test's own run will report it
+        for nodeid, (job, started) in list(self.warm.items()):
+            if started.method == "forkserver" and module_of(nodeid) == module:
+                del self.warm[nodeid]
+                self.launcher.discard(started)
+                self._start(job)
 
     def refill(self, upcoming: list[WarmJob]) -> None:
         """Have processes started for the ``upcoming`` tests (those that will run in a
@@ -93,23 +89,24 @@ class Prewarmer:
         wanted = {job.nodeid: job for job in upcoming[: self.depth]}
         for nodeid in list(self.warm):
             if nodeid not in wanted:
-                self.jobs.pop(nodeid, None)
-                self.launcher.discard(self.warm.pop(nodeid))
+                self.launcher.discard(self.warm.pop(nodeid)[1])
         for nodeid, job in wanted.items():
-            if nodeid in self.warm:
-                continue
-            try:
-                self.warm[nodeid] = self.launcher.start(job.job, job.env, warm=True)
-            except StartError:
+            if nodeid not in self.warm and not self._start(job):
                 return  # the test's own run will report it
-            self.jobs[nodeid] = job
+
+    def _start(self, job: WarmJob) -> bool:
+        """Start ``job``'s process ahead of its turn; False when it could not be started."""
+        try:
+            self.warm[job.nodeid] = (job, self.launcher.start(job.job, job.env, warm=True))
+        except StartError:
+            return False
+        return True
 
     def disable(self, reason: str) -> None:
         self.disabled = reason
         self.close()
 
     def close(self) -> None:
-        for started in self.warm.values():
+        for _, started in self.warm.values():
             self.launcher.discard(started)
         self.warm.clear()
-        self.jobs.clear()

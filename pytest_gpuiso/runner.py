@@ -149,8 +149,9 @@ def run_item(item: pytest.Item, nextitem: pytest.Item | None) -> Ran:
                 _prewarm_safely(item, nextitem, state)
                 warmed = True
                 ran = _finish(item, plan, state, turn, running)
-                taught = state.launcher.taught()  # the next tests of its module: from the
-                if taught is not None and state.prewarmer is not None:  # successor
+                # the next tests of a module that taught the template: from its successor
+                taught = state.launcher.taught()
+                if taught is not None and state.prewarmer is not None:
                     state.prewarmer.restart(taught)
     except (StartError, workdir.WorkdirError) as exc:  # out of processes, files: this
         ran = Ran(setup_error_reports(item, str(exc)), spec)  # test fails, the session

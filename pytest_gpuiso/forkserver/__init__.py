@@ -17,9 +17,9 @@ from typing import Any
 from .. import imports, wire
 from ..proctree import main_not_rerun, reap_or_kill, reap_pid, unlist
 from .fork import close_quietly, send_request
-from .server import ServerBoot, Unavailable, main, module_of
+from .server import LEARN_WEIGHT, ServerBoot, Unavailable, main, module_of
 
-__all__ = ["ForkServer", "ServerBoot", "Unavailable", "module_of"]
+__all__ = ["LEARN_WEIGHT", "ForkServer", "ServerBoot", "Unavailable", "module_of"]
 
 _ANSWER_BYTES = 1 << 16  # an answer of the server is a pid and a line or two
 
@@ -40,6 +40,7 @@ class ForkServer:
         self.sock = socket.socket(fileno=os.dup(self.conn.fileno()))
         self.ready = False
         self.template_pid: int | None = None  # the server's template, when it is our child
+        self.learning = boot.learn  # --gpu-isolate-learn-imports: else nothing is sent
         self.learnt: dict[str, str] = {}  # modules the template was told to import: origins
         self.unfit: set[str] = set()  # modules that left a successor template unfit to fork
 
@@ -92,7 +93,7 @@ class ForkServer:
         forks of its module's tests until the successor has them (``Server.learn``).
         Whether they were sent."""
         new = {p[0]: p[1] for p in names if imports.is_learnt(p) and p[0] not in self.learnt}
-        if not new or not self.ready:
+        if not new or not self.ready or not self.learning:
             return False
         self.learnt.update(new)
         request = ("learn", list(new.items()), max(0, modules), module_of(nodeid), took)
