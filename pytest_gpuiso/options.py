@@ -47,6 +47,7 @@ from .settings import (
     parse_seconds,
     parse_start,
     parse_template_wait,
+    parse_warnings,
     torch_if_installed,
 )
 from .settings import DEFAULT_TOLERANCE_MIB as DEFAULT_TOLERANCE
@@ -154,6 +155,17 @@ OPTIONS: tuple[Option, ...] = (
         unset="auto",
         metavar="auto|github|off",
         default="auto",
+    ),
+    Option(
+        "gpu_isolate_warnings",
+        "a warning that isolated tests' processes repeat (the same category, message and "
+        "line: a library's warn-once, given again by each fresh process) is shown once, "
+        "under the first test, with the repeats counted (once), or for every test (each)",
+        field="warnings",
+        parse=parse_warnings,
+        unset="once",
+        metavar="once|each",
+        default="once",
     ),
     Option(
         "gpu_isolate_code_quality",

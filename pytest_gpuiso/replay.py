@@ -79,10 +79,26 @@ def echo(config: pytest.Config, text: str) -> None:
         sys.stdout.flush()
 
 
-def replay_warnings(config: pytest.Config, payloads: list[dict[str, Any]]) -> None:
+def replay_warnings(
+    config: pytest.Config, payloads: list[dict[str, Any]], seen: set[tuple[Any, ...]] | None
+) -> int:
     """Hand the child's warnings to pytest's warnings summary, as in-process (the child's
-    filters already applied to them)."""
+    filters already applied to them); return how many were folded.
+
+    A fresh process warns again what a library warns once per process (torch's warn-once
+    messages): in-process the session shows it once, isolated every test would. With
+    ``seen`` (the session's replayed warnings; None: ``gpu_isolate_warnings = each``) a
+    warning an earlier test's process gave, the same category, message and line, is not
+    replayed but counted; a test's own repeats of it still are, as in-process."""
+    folded = 0
+    fresh = set()
     for data in payloads:
+        key = tuple(data[k] for k in ("category_module", "category_name", "message"))
+        key += (data["filename"], data["lineno"])
+        if seen is not None and key in seen:
+            folded += 1
+            continue
+        fresh.add(key)
         message, category = frames.decode_warning(data)
         record = warnings.WarningMessage(
             message=message, category=category, filename=data["filename"], lineno=data["lineno"]
@@ -92,6 +108,9 @@ def replay_warnings(config: pytest.Config, payloads: list[dict[str, Any]]) -> No
                 warning_message=record, when="runtest", nodeid=data["nodeid"], location=None
             )
         )
+    if seen is not None:
+        seen |= fresh
+    return folded
 
 
 NO_GPU = (

@@ -191,6 +191,12 @@ def terminal_summary(
     cost = cost_line(records)
     if cost:
         tr.write_line("gpu-isolate: " + cost)
+    folded = sum(r["warnings_folded"] for r in records if is_number(r.get("warnings_folded")))
+    if folded:
+        tr.write_line(
+            f"gpu-isolate: {folded:,} warning{'s' if folded != 1 else ''} repeated by later "
+            "tests' processes shown once (--gpu-isolate-warnings=each shows each)"
+        )
     for r in timed_out:
         tr.write_line(f"  TIMEOUT {r['nodeid']}{_attempt(r)} ({bound(r, test='after')})")
     for r in crashed:

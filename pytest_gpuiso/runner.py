@@ -64,6 +64,7 @@ class Ran:
     port: int | None = None  # its MASTER_PORT (None: the user's own, or none leased)
     health: dict[str, Any] | None = None  # its GPUs' probe after it (None: not probed)
     leak_checks: tuple[str, ...] = ()  # the leak kinds checked after it
+    folded: int = 0  # its warnings an earlier test's process gave (not replayed again)
 
     @property
     def complete(self) -> bool:
@@ -71,7 +72,7 @@ class Ran:
         return self.outcome is None or self.outcome.finished
 
     def record(self, item: pytest.Item, attempt: int = 1, rerun: bool = False) -> dict[str, Any]:
-        return build_record(
+        record = build_record(
             item.nodeid,
             self.reports,
             self.outcome,
@@ -86,6 +87,9 @@ class Ran:
             item.location,
             self.leak_checks,
         )
+        if self.folded:
+            record["warnings_folded"] = self.folded
+        return record
 
 
 @dataclass
@@ -251,7 +255,8 @@ def _finish(item: pytest.Item, plan: Plan, state: State, turn: Turn, running: Ru
     leaks = outcome.leaks + [torch_check.leak(data) for data in outcome.torch_leaks]
     known = state.baseline.kinds(item.nodeid) if state.baseline is not None else frozenset()
     verdict = judge(leaks, dict(state.settings.leaks), spec.allow_leaks, known)
-    replay.replay_warnings(item.config, outcome.warnings)
+    seen = state.warned if state.settings.warnings == "once" else None
+    folded = replay.replay_warnings(item.config, outcome.warnings, seen)
     verdict = replay.warn_leaks(item, verdict)
     replay.replay_junit(item.config, outcome.junit)
     replay.warn_cuda_without_gpu(item, spec.gpus == 0, outcome.driver)
@@ -269,7 +274,18 @@ def _finish(item: pytest.Item, plan: Plan, state: State, turn: Turn, running: Ru
     ran = [k for k in KINDS if k in kinds and state.settings.leak_level(k) != "off"]
     checks = () if outcome.interrupted else tuple(ran)
     return Ran(
-        reports, spec, outcome, lease, verdict, stopped, payload, peak, number, checked, checks
+        reports,
+        spec,
+        outcome,
+        lease,
+        verdict,
+        stopped,
+        payload,
+        peak,
+        number,
+        checked,
+        checks,
+        folded,
     )
 
 

@@ -52,6 +52,7 @@ class State:
     pins: list[Lease] = field(default_factory=list)  # pinning leases this process took
     pinned_to: dict[str, Lease] = field(default_factory=dict)  # controller: worker -> lease
     cache: Any = None  # pytest's cache (config.cache; none with -p no:cacheprovider)
+    warned: set[tuple[Any, ...]] = field(default_factory=set)  # warnings replayed (``replay``)
 
 
 STATE = pytest.StashKey[State]()

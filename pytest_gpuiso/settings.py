@@ -50,6 +50,7 @@ START_METHODS = ("spawn", "forkserver")
 HEALTH_MODES = ("off", "after-failure", "always")  # when a test's GPUs are probed
 # where annotations go: GitHub's workflow commands where GITHUB_ACTIONS=true (auto), always, never
 ANNOTATION_MODES = ("auto", "github", "off")
+WARNING_MODES = ("once", "each")
 KINDS = ("shm", "process", "gpu_memory")  # leak kinds
 LEVELS = ("warn", "fail", "off")  # what a leak of a kind does
 # Seconds, from the template's start, that fork requests wait for it to collect (then the
@@ -148,6 +149,10 @@ def parse_health(value: str, what: str) -> str:
 
 def parse_annotations(value: str, what: str) -> str:
     return _choice(value, what, ANNOTATION_MODES)
+
+
+def parse_warnings(value: str, what: str) -> str:
+    return _choice(value, what, WARNING_MODES)
 
 
 def _choice(value: str, what: str, choices: tuple[str, ...]) -> str:
@@ -380,6 +385,7 @@ class Settings:
     code_quality_source: str = ""
     leak_baseline: str | None = None  # the known leaks' file (``baseline``)
     leak_baseline_source: str = ""
+    warnings: str = "once"  # WARNING_MODES: a warning repeated by later tests' processes
 
     def leak_level(self, kind: str) -> str:
         return dict(self.leaks)[kind]

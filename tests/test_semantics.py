@@ -618,3 +618,55 @@ def test_exit_handlers_of_the_test_run_at_its_process_exit(
             assert by_kind["atexit"] == pids["test_registers_an_atexit_handler"], lines
             assert by_kind["tempdir"] == pids["test_leaves_a_temporary_directory_open"]
             assert by_kind["conftest"] not in pids.values(), lines  # pytest's own
+
+
+def _warned_tests(result: pytest.RunResult) -> dict[str, int]:
+    """Each warning of the warnings summary (its message) -> how many tests it lists."""
+    found: dict[str, int] = {}
+    tests = 0
+    for line in result.stdout.lines:
+        if "test_warn_once.py::" in line and not line.startswith(" "):
+            tests += 1
+        elif ": " in line and line.startswith("  /") and tests:
+            found[line.split(": ", 1)[1]] = tests
+            tests = 0
+    return found
+
+
+@pytest.mark.parametrize("mode", ["", "each"])
+def test_a_warning_each_fresh_process_repeats_is_shown_once(gpuiso: GpuIso, mode: str) -> None:
+    """A library's warn-once warning (torch's) is given again by every test's fresh
+    process: it is shown once, under the first test, as in-process, and the repeats are
+    counted; a warning the library gives at every call is shown once too (in-process:
+    each test), and a test's own distinct warnings each. ``each`` shows every repeat."""
+    gpuiso.copy("warn_once")
+    inproc = gpuiso.run("-p", "no:randomly", "warn_once")
+    inproc.assert_outcomes(passed=3, warnings=7)
+    args = ["--gpu-isolate", "--gpu-isolate-report=report.json", "-p", "no:randomly"]
+    if mode:
+        args.append(f"--gpu-isolate-warnings={mode}")
+    isolated = gpuiso.run(*args, "warn_once")
+    listed = _warned_tests(isolated)
+    folded = [r.get("warnings_folded", 0) for r in gpuiso.records().values()]
+    each = {f"UserWarning: the test's own warning {n}": 1 for n in (1, 2, 3)}
+    if mode == "each":
+        isolated.assert_outcomes(passed=3, warnings=9)
+        assert listed == {
+            "UserWarning: oncelib: said once per process": 3,
+            "DeprecationWarning: oncelib: said at every call": 3,
+            **each,
+        }
+        assert folded == [0, 0, 0]
+        assert "repeated by later tests' processes" not in isolated.stdout.str()
+        return
+    assert _warned_tests(inproc)["UserWarning: oncelib: said once per process"] == 1
+    isolated.assert_outcomes(passed=3, warnings=5)
+    assert listed == {
+        "UserWarning: oncelib: said once per process": 1,
+        "DeprecationWarning: oncelib: said at every call": 1,
+        **each,
+    }
+    assert sorted(folded) == [0, 2, 2]
+    isolated.stdout.fnmatch_lines(
+        ["gpu-isolate: 4 warnings repeated by later tests' processes shown once (*=each*)"]
+    )
