@@ -19,12 +19,15 @@
 #   phases      bench/gpu_phases.py: where a GPU-leasing test's time goes (lease, start,
 #               CUDA init, the test, after it) under spawn and the fork server, against the
 #               floor a fresh process pays for CUDA, and pytest's process under cProfile
+#   faults      bench/page_faults.py --import torch: what the kernel charges a forked test
+#               (a copy-on-write fault, a fork of a torch-sized process), to set beside the
+#               development VM's (docs/performance.md)
 #
 # Each step's output goes to $OUT/<step>.log (OUT defaults to ./gpu-validation-out) and a
 # line "step exit-status seconds" to $OUT/summary.txt, which is printed at the end. A step
 # that fails does not stop the next; the script exits 1 if any failed. $PYTHON (default
 # python3) runs everything. Each step has its own bound (facts 60 s, build 300, torch 120,
-# tests 420, cuda-bench 540, cpu-bench 300, mem-bench 540, health 120, phases 360); $STEP_TIMEOUT, if set,
+# tests 420, cuda-bench 540, cpu-bench 300, mem-bench 540, health 120, phases 360, faults 120); $STEP_TIMEOUT, if set,
 # replaces them all. Under the device tool's 600 s a command, one call each: `facts build torch
 # tests`, `cuda-bench`, `cpu-bench`, `mem-bench health`.
 set -u
@@ -32,8 +35,8 @@ cd "$(dirname "$0")/.."
 export PYTHON=${PYTHON:-python3}
 export OUT=${OUT:-gpu-validation-out}
 declare -A BOUND=([facts]=60 [build]=300 [torch]=120 [tests]=420 [cuda-bench]=540 [cpu-bench]=300
-    [mem-bench]=540 [health]=120 [phases]=360)
-ALL=(facts build torch tests cuda-bench cpu-bench mem-bench health phases)
+    [mem-bench]=540 [health]=120 [phases]=360 [faults]=120)
+ALL=(facts build torch tests cuda-bench cpu-bench mem-bench health phases faults)
 mkdir -p "$OUT"
 : >"$OUT/summary.txt"
 
@@ -101,6 +104,10 @@ step_health() {
 
 step_phases() {
     "$PYTHON" bench/gpu_phases.py --tests "${PHASES_TESTS:-10}" --out "$OUT" --timeout 120
+}
+
+step_faults() {
+    "$PYTHON" bench/page_faults.py --import torch
 }
 
 steps=("$@")

@@ -144,7 +144,7 @@ def test_gpu_validation_unknown_step_is_one_line(tmp_path):
     assert done.returncode == 2
     assert done.stderr.splitlines() == [
         "gpu_validation.sh: unknown step 'tets' "
-        "(steps: facts build torch tests cuda-bench cpu-bench mem-bench health phases)"
+        "(steps: facts build torch tests cuda-bench cpu-bench mem-bench health phases faults)"
     ]
     assert not (tmp_path / "facts.log").exists()  # nothing ran
 
@@ -233,13 +233,19 @@ def test_memory_leases_bench_packs_tests_and_prints_the_ratio() -> None:
     assert re.search(r"memory leases vs exclusive: throughput \d+\.\d\dx", done.stdout)
 
 
-def test_chatty_bench_prints_both_modes_and_their_ratio() -> None:
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "chatty.py"), "--mb", "1", "--repeat", "1"],
+def run_script(name: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run bench/NAME with this interpreter, from the repository's root."""
+    return subprocess.run(
+        [sys.executable, str(ROOT / "bench" / name), *args],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timeout,
+        cwd=ROOT,
     )
+
+
+def test_chatty_bench_prints_both_modes_and_their_ratio() -> None:
+    done = run_script("chatty.py", "--mb", "1", "--repeat", "1")
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     assert lines[0] == "a test writing 1 MiB to captured stdout, 1 runs each"
@@ -249,13 +255,7 @@ def test_chatty_bench_prints_both_modes_and_their_ratio() -> None:
 def test_health_bench_prints_both_parts_and_the_target_ratio() -> None:
     """bench/health_cost.py on the simulated GPU (no driver here): the NVML part with its
     ratio to the 10 ms target, and the driver part; the healthy GPU shows no problem."""
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "health_cost.py"), "--repeat", "5", "--sim"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
+    done = run_script("health_cost.py", "--repeat", "5", "--sim")
     if done.returncode == 2 and "no gcc" in done.stdout:
         pytest.skip(done.stdout.strip())
     assert done.returncode == 0, done.stdout + done.stderr
@@ -265,3 +265,18 @@ def test_health_bench_prints_both_parts_and_the_target_ratio() -> None:
         done.stdout,
     ), done.stdout
     assert re.search(r"driver part \(a fresh process\): \d+ ms; .*found: nothing", done.stdout)
+
+
+def test_page_faults_bench_prints_each_cost_and_its_ratios() -> None:
+    """bench/page_faults.py runs and prints every row (no timing asserted)."""
+    done = run_script("page_faults.py", "--pages", "64", "--repeat", "1", timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for row in ("copy-on-write write in a fork", "zero-fill write", "write to a private page"):
+        assert re.search(rf"{row}\s+\d+\.\d+ us a page", done.stdout), done.stdout
+    assert re.search(r"fork \+ _exit \+ waitpid\s+\d+\.\d+ ms", done.stdout), done.stdout
+    assert "ratios: copy-on-write / rewrite" in done.stdout
+    bad = run_script("page_faults.py", "--import", "no_such_mod_xyz", timeout=60)
+    assert bad.returncode == 1
+    assert bad.stderr.strip().splitlines() == [
+        "page_faults.py: cannot import no_such_mod_xyz: No module named 'no_such_mod_xyz'"
+    ]
