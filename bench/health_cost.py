@@ -55,9 +55,9 @@ def main(argv: list[str]) -> int:
     if opts.repeat < 1:
         parser.error(f"--repeat {opts.repeat}: expected a positive count")
     sys.path.insert(0, str(ROOT))
-    from pytest_gpuiso.health import driver_probe
-    from pytest_gpuiso.leases import visible_env
-    from pytest_gpuiso.nvml import NvmlReader
+    from pytest_gpuiso.gpu.health import driver_probe
+    from pytest_gpuiso.gpu.leases import visible_env
+    from pytest_gpuiso.gpu.nvml import NvmlReader
 
     nvml = NvmlReader()
     if not os.environ.get(SIM_ENV) and (opts.sim or not nvml.available()):

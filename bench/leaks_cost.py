@@ -412,12 +412,12 @@ def main() -> None:
 
     import psutil
 
+    from pytest_gpuiso.gpu.nvml import NvmlReader, Sample
     from pytest_gpuiso.leaks import RunInfo
     from pytest_gpuiso.leaks.gpu_memory import GpuMemoryProbe
     from pytest_gpuiso.leaks.process import ProcessProbe
     from pytest_gpuiso.leaks.shm import ShmProbe
-    from pytest_gpuiso.nvml import NvmlReader, Sample
-    from pytest_gpuiso.shm_log import shim_path
+    from pytest_gpuiso.leaks.shm_log import shim_path
 
     mods = (RunInfo, ProcessProbe, ShmProbe, GpuMemoryProbe)
     reader = FakeReader(Sample(1 << 30, {4242: 1 << 28}))

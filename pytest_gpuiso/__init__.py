@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .call import IsolatedTimeout, IsolationError, RemoteError, run_isolated
+from .parent.call import IsolatedTimeout, IsolationError, RemoteError, run_isolated
 from .warning_types import GpuIsoLeakWarning, GpuIsoStartWarning
 
 __all__ = [

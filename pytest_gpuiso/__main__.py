@@ -12,7 +12,14 @@ import sys
 from pathlib import Path
 
 from . import __version__
-from .leases import CHOOSE_PATH, REGION_ENV, foreign_owner, open_region, region_path, status_table
+from .gpu.leases import (
+    CHOOSE_PATH,
+    REGION_ENV,
+    foreign_owner,
+    open_region,
+    region_path,
+    status_table,
+)
 
 MERGE_HELP = """\
 merge the JSON reports (--gpu-isolate-report) of CI shards into one JSON report and/or
@@ -28,7 +35,7 @@ N shards: ..." line on stderr for each such test."""
 
 
 def _merge(opts: argparse.Namespace) -> int:
-    from . import report, shards
+    from .reports import report, shards
 
     try:
         records = shards.merge(opts.reports)
@@ -60,7 +67,7 @@ def _merge(opts: argparse.Namespace) -> int:
 def _step_summary(text: str, what: str) -> None:
     """Append ``text`` to ``$GITHUB_STEP_SUMMARY`` where it is set; a CI convenience that
     cannot be written is a warning, never a failure of the command."""
-    from . import report
+    from .reports import report
 
     if report.step_summary_path():
         problem = report.append_step_summary(text)
@@ -88,7 +95,7 @@ on stderr: "error: PATH: problem") or a usage error."""
 
 
 def _compare(opts: argparse.Namespace) -> int:
-    from . import baseline, compare, findings, report, shards
+    from .reports import baseline, compare, findings, report, shards
 
     try:
         sides = [shards.load(path) for path in opts.reports]
@@ -302,10 +309,10 @@ FORCE_LOCK_WAIT = 3.0  # seconds reset --force waits for the table's lock before
 def _lift(region: object, path: str, device: str, force: bool) -> int:
     """Probe a quarantined GPU again (NVML, then the CUDA driver in a fresh process) and lift
     its quarantine when it passes, or at once with ``force``."""
-    from . import health
     from ._lease import RegionError
-    from .leases import visible_env
-    from .nvml import NvmlReader
+    from .gpu import health
+    from .gpu.leases import visible_env
+    from .gpu.nvml import NvmlReader
 
     try:
         quarantined = {q["device"]: q for q in region.snapshot()["quarantined"]}

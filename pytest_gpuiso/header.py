@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from . import ports, workers
-from .session import State, default_gpus
+from .gpu import ports, workers
+from .parent.session import State, default_gpus
 from .settings import DEFAULT_TIMEOUT, MARKER, Settings, pytest_timeout
 
 

@@ -29,7 +29,6 @@ from .settings import (
     KINDS,
     MAX_GPUS,
     MAX_SLOTS,
-    TEMPLATE_WAIT_ENV,
     Settings,
     SpecError,
     default_start,
@@ -51,6 +50,7 @@ from .settings import (
     torch_if_installed,
 )
 from .settings import DEFAULT_TOLERANCE_MIB as DEFAULT_TOLERANCE
+from .wire.environment import TEMPLATE_WAIT_ENV
 
 Parser = Callable[[Any, str], Any]  # (the value as given, where it came from) -> the field's
 

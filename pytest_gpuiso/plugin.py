@@ -15,17 +15,21 @@ from typing import Any
 
 import pytest
 
-from . import baseline, dead_sessions, header, pinning, report, runner, workdir, workers
-from .baseline import Baseline
-from .call import call_isolated
-from .leases import Leases, discover
+from . import header
+from .gpu import pinning, workers
+from .gpu.leases import Leases, discover
 from .options import add_options, read_settings
-from .plugin_names import CHILD_PLUGIN
+from .parent import runner
+from .parent.call import call_isolated
+from .parent.session import STATE, State, close, isolated, settle, start_server
+from .proc import dead_sessions, workdir
 from .recorder import Recorder
-from .session import STATE, State, close, isolated, settle, start_server
+from .reports import baseline, report
+from .reports.baseline import Baseline
+from .reports.shards import ReportError
 from .settings import DEFAULT_GRACE, MARKER_DOC, SpecError
-from .shards import ReportError
 from .warning_types import GpuIsoLeakWarning, GpuIsoStartWarning, warn_session
+from .wire.plugin_names import CHILD_PLUGIN
 
 __all__ = ["GpuIsoLeakWarning", "GpuIsoStartWarning"]
 

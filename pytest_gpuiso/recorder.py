@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from . import findings, report
-from .record import record_of
-from .session import State
+from .parent.session import State
+from .reports import findings, report
+from .reports.record import record_of
 
 
 class Recorder:

@@ -56,7 +56,6 @@ LEVELS = ("warn", "fail", "off")  # what a leak of a kind does
 # Seconds, from the template's start, that fork requests wait for it to collect (then the
 # server forks tests itself: ~50 ms a test, not ~10); bounds a template stuck in an import.
 # The test suite sets a long one, so that its fork-server runs take one path, whatever the timing.
-TEMPLATE_WAIT_ENV = "PYTEST_GPUISO_TEMPLATE_WAIT"
 TEMPLATE_WAIT_DEFAULT = 30.0
 TEMPLATE_WAIT_MAX = 240.0  # below the 300 s pytest waits for a fork's answer
 CUDA_ID = re.compile(r"^(\d+|(GPU|MIG)-[0-9A-Za-z./-]+)$")  # a CUDA_VISIBLE_DEVICES entry

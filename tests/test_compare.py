@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pytest_gpuiso.__main__ import main
-from pytest_gpuiso.record import SCHEMA_VERSION
+from pytest_gpuiso.reports.record import SCHEMA_VERSION
 
 
 def _record(nodeid: str, leaks=(), signal=None, timed_out=False, startup=0.5, peak=None, **more):

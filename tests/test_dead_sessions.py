@@ -19,8 +19,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pytest_gpuiso import dead_sessions, workdir
-from pytest_gpuiso.dead_sessions import OWNER_ENV
+from pytest_gpuiso.proc import dead_sessions, workdir
+from pytest_gpuiso.wire.environment import OWNER_ENV
 from tests.helpers import GpuIso, kill_quietly, pid_alive, wait_gone
 
 DEVICES = "--gpu-isolate-devices=0"  # one stand-in GPU, in the test's own lease table

@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pytest_gpuiso.settings import TEMPLATE_WAIT_ENV
+from pytest_gpuiso.wire.environment import TEMPLATE_WAIT_ENV
 from tests.helpers import REPORT, kill_quietly, pid_alive, wait_for_file, wait_gone
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -117,6 +117,27 @@ def test_an_xid_quarantines_and_a_test_left_without_a_healthy_gpu_says_how_to_li
     assert "QUARANTINED" not in _cli("status").stdout
 
 
+@pytest.mark.parametrize("workers", [[], ["-n", "1"]], ids=["pinned-pytest", "pinned-worker"])
+def test_an_xid_during_a_pinned_workers_test_is_seen(
+    gpuiso_spawn: GpuIso, sim: Path, monkeypatch: pytest.MonkeyPatch, workers: list[str]
+) -> None:
+    """A pinned process's tests take their GPUs from its pin, not from the lease table, and
+    are watched as every lease is: an Xid during one is seen by the probe after it, and
+    the GPU is quarantined (as without pinning)."""
+    gpuiso = gpuiso_spawn
+    monkeypatch.setenv("GPUISO_HEALTH_LOG", str(gpuiso.path / "gpus.log"))
+    monkeypatch.setenv("GPUISO_SIM_GPUS", "Sim H100,81559")
+    crash = f"{MOD}::test_xid_then_crash"
+    result = _run(gpuiso, crash, "--gpu-isolate-pin-workers", *workers)
+    result.assert_outcomes(failed=1)
+    checked = gpuiso.records()[crash]["gpu_health"]
+    assert checked == {
+        "probed": "it crashed with SIGABRT",
+        "devices": ["0"],
+        "quarantined": {"0": "Xid 79"},
+    }
+
+
 def test_always_keeps_every_test_off_a_gpu_nvml_has_lost(
     gpuiso_spawn: GpuIso, sim: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -191,14 +212,14 @@ def _failed(message: str, source: str = "") -> dict:
     ],
 )
 def test_only_a_timeout_a_crash_or_a_sticky_cuda_error_puts_a_gpu_in_doubt(outcome, why) -> None:
-    from pytest_gpuiso.health import why_probe
+    from pytest_gpuiso.gpu.health import why_probe
 
     assert why_probe(outcome) == why
 
 
 def test_a_quarantines_reason_names_the_test_first_and_fits_the_table() -> None:
-    from pytest_gpuiso.health import quarantine_reason
-    from pytest_gpuiso.leases import LABEL_LEN
+    from pytest_gpuiso.gpu.health import quarantine_reason
+    from pytest_gpuiso.gpu.leases import LABEL_LEN
 
     short = quarantine_reason("Xid 79", "t.py::test_a", "it crashed with SIGABRT")
     assert short == "after t.py::test_a (it crashed with SIGABRT): Xid 79"
@@ -226,13 +247,13 @@ class _Nvml:
 
 
 def _leases(lease_region: Path):
-    from pytest_gpuiso.leases import Devices, Leases
+    from pytest_gpuiso.gpu.leases import Devices, Leases
 
     return Leases(Devices(("0", "1"), "test"), 1, path=str(lease_region))
 
 
 def test_always_quarantines_a_gpu_that_fails_nvml_and_leases_another(lease_region: Path) -> None:
-    from pytest_gpuiso.health import Health
+    from pytest_gpuiso.gpu.health import Health
 
     leases = _leases(lease_region)
     nvml = _Nvml(lost_first=True)
@@ -248,7 +269,7 @@ def test_always_quarantines_a_gpu_that_fails_nvml_and_leases_another(lease_regio
 
 
 def test_a_quarantined_gpu_is_leased_by_no_one_until_lifted(lease_region: Path) -> None:
-    from pytest_gpuiso.leases import LeaseTimeout
+    from pytest_gpuiso.gpu.leases import LeaseTimeout
 
     leases = _leases(lease_region)
     lease = leases.acquire(1, "t::a", 5.0)
@@ -266,7 +287,7 @@ def test_a_quarantined_gpu_is_leased_by_no_one_until_lifted(lease_region: Path) 
 def test_reprobe_lifts_a_quarantined_gpu_that_passes_again(
     lease_region: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from pytest_gpuiso import health
+    from pytest_gpuiso.gpu import health
 
     leases = _leases(lease_region)
     leases.release(leases.acquire(2, "t::a", 5.0))
@@ -293,7 +314,7 @@ def test_a_request_quarantine_left_unservable_holds_no_one_back(lease_region: Pa
     leases.release(leases.acquire(2, "t::init", 5.0))
     leases.quarantine("0", "after t::init (it timed out): Xid 79")
     code = (
-        "import sys; from pytest_gpuiso.leases import Devices, Leases; "
+        "import sys; from pytest_gpuiso.gpu.leases import Devices, Leases; "
         f"leases = Leases(Devices(('0', '1'), 'test'), 1, path={str(lease_region)!r}); "
         "print('waiting', flush=True); leases.acquire(2, 't::two', 30.0)"
     )
@@ -312,8 +333,8 @@ def test_a_request_quarantine_left_unservable_holds_no_one_back(lease_region: Pa
 def test_without_a_lease_timeout_a_test_quarantines_leave_short_fails_at_once(
     lease_region: Path,
 ) -> None:
-    from pytest_gpuiso.health import Health
-    from pytest_gpuiso.leases import LeaseError
+    from pytest_gpuiso.gpu.health import Health
+    from pytest_gpuiso.gpu.leases import LeaseError
 
     leases = _leases(lease_region)
     leases.release(leases.acquire(2, "t::init", 5.0))
@@ -361,7 +382,7 @@ class _FakePynvml:
 
 
 def test_the_nvml_part_counts_what_came_since_the_lease_and_only_the_gpus_fault() -> None:
-    from pytest_gpuiso.nvml import NvmlReader
+    from pytest_gpuiso.gpu.nvml import NvmlReader
 
     fake = _FakePynvml()
     reader = NvmlReader()

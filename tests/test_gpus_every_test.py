@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pytest_gpuiso import ports
+from pytest_gpuiso.gpu import ports
 from tests.helpers import REPORT, GpuIso
 
 PROGRAM = "gpus_every_test.py"

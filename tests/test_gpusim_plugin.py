@@ -131,7 +131,7 @@ def test_escaped_gpu_holders_fail_teardown(
 
 PARENT_CHECK = """
 import os
-from pytest_gpuiso.child_plugin import CHILD_PLUGIN
+from pytest_gpuiso.child.plugin import CHILD_PLUGIN
 
 def pytest_sessionfinish(session):
     if session.config.pluginmanager.has_plugin(CHILD_PLUGIN):

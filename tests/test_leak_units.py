@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 
-from pytest_gpuiso import report
 from pytest_gpuiso.leaks import Leak, RunInfo, judge
 from pytest_gpuiso.leaks.gpu_memory import (
     BACKOFF,
@@ -23,6 +22,7 @@ from pytest_gpuiso.leaks.gpu_memory import (
     NvmlUnavailable,
     Sample,
 )
+from pytest_gpuiso.reports import report
 from pytest_gpuiso.settings import KINDS, LEVELS, SpecError, parse_allowed, parse_policy
 
 OPTION = "--gpu-isolate-leaks"

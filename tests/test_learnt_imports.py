@@ -14,7 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pytest_gpuiso import frames, imports
+from pytest_gpuiso.child import imports
+from pytest_gpuiso.wire import frames
 from tests.helpers import REPORT, GpuIso, make_gpuiso
 
 DIR = "learnt_imports"

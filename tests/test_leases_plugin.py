@@ -176,7 +176,7 @@ def _cli(*args: str, region: Path) -> subprocess.CompletedProcess:
 
 def test_status_and_reset_commands(lease_region: Path):
     """status prints the table; reset refuses while a live holder exists, --force clears."""
-    from pytest_gpuiso.leases import open_region
+    from pytest_gpuiso.gpu.leases import open_region
 
     table = open_region(str(lease_region))
     lease_id, _ = table.acquire(["0", "1"], 1, 1, "tests/test_x.py::test_held", None)

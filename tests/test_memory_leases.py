@@ -139,7 +139,7 @@ def test_bad_sizes_are_one_line_usage_errors(gpuiso_spawn: GpuIso, lease_region:
 
 
 def test_status_shows_each_holders_lease_and_the_free_memory(lease_region: Path) -> None:
-    from pytest_gpuiso.leases import Devices, Leases, status_table
+    from pytest_gpuiso.gpu.leases import Devices, Leases, status_table
     from pytest_gpuiso.settings import parse_memory
 
     leases = Leases(Devices(("0",), "test", capacities=(8 * GIB,)), 1, str(lease_region))
@@ -170,7 +170,7 @@ def _record(nodeid: str, lease: int | None, peak: int | None) -> dict:
 def test_the_markdown_summary_says_which_leases_to_right_size() -> None:
     """A peak under a quarter of the lease, or over the lease, is listed with a size that
     fits the peak (25% headroom, in quarter GiB); a fitting lease or an unknown peak is not."""
-    from pytest_gpuiso.report import markdown
+    from pytest_gpuiso.reports.report import markdown
 
     records = [
         _record("t.py::test_small", 12 * GIB, GIB),  # 8%: lease far too big

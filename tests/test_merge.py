@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from pytest_gpuiso import report
+from pytest_gpuiso.reports import report
 
 # pytest's report formats, hooks and internals: CI's lowest-versions stage runs them all
 pytestmark = pytest.mark.versions

@@ -79,7 +79,7 @@ def test_a_session_waiting_for_its_workers_gpus_holds_none(
     """GPU 1 is held elsewhere: a session of two pinned workers on GPUs 0,1 must wait
     holding nothing (else two such sessions, each with one GPU, would wait for each other
     forever), so a one-process session started after it gets GPU 0 and ends first."""
-    from pytest_gpuiso.leases import open_region
+    from pytest_gpuiso.gpu.leases import open_region
 
     table = open_region(str(lease_region))
     held, _ = table.acquire(["1"], 1, 1, "held by the test", None)

@@ -13,7 +13,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 import pytest
 
-from pytest_gpuiso import report
+from pytest_gpuiso.reports import report
 
 # Another plugin's API: the runs load it beside ours
 pytestmark = [pytest.mark.plugins("rerunfailures"), pytest.mark.versions]

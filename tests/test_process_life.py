@@ -12,7 +12,8 @@ import os
 import socket
 import struct
 
-from pytest_gpuiso import leaving
+from pytest_gpuiso.child import exiting
+from pytest_gpuiso.parent import leaving
 from tests.helpers import GpuIso
 
 PROGRAM = "process_life.py"
@@ -91,9 +92,9 @@ def test_the_linger_check_leaves_a_shared_socket_blocking():
     default = socket.getdefaulttimeout()
     socket.setdefaulttimeout(2.0)
     try:
-        assert leaving._lingers(a.fileno()) is False
+        assert exiting._lingers(a.fileno()) is False
         a.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 5))
-        assert leaving._lingers(a.fileno()) is True
+        assert exiting._lingers(a.fileno()) is True
         assert os.get_blocking(a.fileno()) and a.fileno() >= 0  # still ours, still blocking
     finally:
         socket.setdefaulttimeout(default)

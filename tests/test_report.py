@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pytest_gpuiso.report import cost_line
+from pytest_gpuiso.reports.report import cost_line
 
 # pytest's report formats, hooks and internals: CI's lowest-versions stage runs them all
 pytestmark = pytest.mark.versions

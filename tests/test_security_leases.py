@@ -26,7 +26,8 @@ import psutil
 import pytest
 from pytest_gpuiso._lease import LABEL_LEN, MAX_DEVICES, REGION_SIZE, Region, RegionError
 
-from pytest_gpuiso.leases import REGION_ENV, Devices, Leases, LeaseTimeout, open_region
+from pytest_gpuiso.gpu.leases import Devices, Leases, LeaseTimeout, open_region
+from pytest_gpuiso.wire.environment import REGION_ENV
 from tests.helpers import PROGRAMS, GpuIso
 from tests.test_lease_table import (
     MUTEX_OFFSET,

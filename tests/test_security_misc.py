@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from pytest_gpuiso import report, run_isolated
+from pytest_gpuiso import run_isolated
+from pytest_gpuiso.reports import report
 from tests.helpers import PROGRAMS
 
 USAGE_ERROR = 4

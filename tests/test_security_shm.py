@@ -28,7 +28,8 @@ from pathlib import Path
 
 import pytest
 
-from pytest_gpuiso.shm_log import LOG_ENV, dispose_created, preload_env, read_log, shim_path
+from pytest_gpuiso.leaks.shm_log import dispose_created, preload_env, read_log, shim_path
+from pytest_gpuiso.wire.environment import LOG_ENV
 from tests.helpers import REPORT, kill_quietly, make_gpuiso, pid_alive, wait_for_file
 
 SHM = Path("/dev/shm")

@@ -370,7 +370,7 @@ def test_a_fork_of_a_process_that_initialised_the_driver_counts_as_touched(
 def test_an_open_gpu_device_file_counts_as_touched(tmp_path: Path, monkeypatch) -> None:
     """cuInit and nvmlInit open /dev/nvidia*: a process holding one has touched CUDA (the
     device prefix points at a file of this test's, in this process)."""
-    from pytest_gpuiso import cuda_state
+    from pytest_gpuiso.child import cuda_state
 
     device = tmp_path / "nvidia0"
     device.write_bytes(b"")

@@ -37,8 +37,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from pytest_gpuiso.forkserver.fork import FORK_TWICE_ENV
-from pytest_gpuiso.settings import TEMPLATE_WAIT_ENV
+from pytest_gpuiso.wire.environment import FORK_TWICE_ENV, TEMPLATE_WAIT_ENV
 from tests.helpers import REPORT, GpuIso, kill_quietly, make_gpuiso, wait_gone
 from tests.test_semantics import normalized
 

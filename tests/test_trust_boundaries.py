@@ -69,7 +69,7 @@ def test_an_inherited_memory_variable_caps_no_test(
     gpuiso_spawn.pytester.makepyfile(
         test_cap="""
         import os, pytest
-        from pytest_gpuiso import memory_cap
+        from pytest_gpuiso.child import memory_cap
 
         @pytest.mark.gpu_isolated(gpus=0)
         def test_no_gpu():
@@ -157,7 +157,7 @@ def test_a_lock_word_naming_a_running_process_is_one_line_not_a_hang(lease_regio
     import mmap
     import struct
 
-    from pytest_gpuiso.leases import open_region
+    from pytest_gpuiso.gpu.leases import open_region
 
     region = open_region(str(lease_region))
     lease_id, _ = region.acquire(["0"], 1, 1, "x", None)
@@ -239,7 +239,7 @@ def test_a_forked_helper_does_not_keep_a_killed_pytests_leases_alive(lease_regio
 def test_a_session_goes_on_in_the_table_that_replaces_a_deleted_one(lease_region):
     """reset --force deletes a table whose lock is stuck (n7): the running session's next
     lease is taken in the new table, not refused with "was deleted" for every later test."""
-    from pytest_gpuiso.leases import Devices, Leases, open_region
+    from pytest_gpuiso.gpu.leases import Devices, Leases, open_region
 
     leases = Leases(Devices(("0",), "test"), 1, path=str(lease_region))
     leases.release(leases.acquire(1, "before", None))

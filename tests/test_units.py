@@ -13,9 +13,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pytest_gpuiso import frames, imports, watch, wire
-from pytest_gpuiso.results import trim_stack
+from pytest_gpuiso.child import imports
+from pytest_gpuiso.parent import watch
+from pytest_gpuiso.parent.results import trim_stack
 from pytest_gpuiso.settings import MAX_SECONDS, SpecError, parse_count, parse_seconds
+from pytest_gpuiso.wire import frames, wire
 
 
 @given(st.floats(min_value=1e-6, max_value=MAX_SECONDS, allow_nan=False))

@@ -28,8 +28,8 @@ import inspect
 from types import SimpleNamespace
 from typing import Any
 
-from .. import wire
 from ..warning_types import GpuIsoStartWarning, warn_session
+from ..wire import wire
 from . import plugin_version
 
 PLUGIN = "benchmark"  # pytest-benchmark's entry point name

@@ -32,8 +32,8 @@ from typing import Any
 import pytest
 
 from .. import _compat
-from ..plugin_names import CHILD_PLUGIN, SERVER_PLUGIN
 from ..warning_types import GpuIsoStartWarning, warn_session
+from ..wire.plugin_names import CHILD_PLUGIN, SERVER_PLUGIN
 from . import plugin_version
 
 COV_PLUGIN = "_cov"  # the name pytest-cov registers its CovPlugin under

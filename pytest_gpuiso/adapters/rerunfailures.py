@@ -29,8 +29,8 @@ from typing import Any
 import pytest
 
 from .. import _compat
-from ..plugin_names import CHILD_PLUGIN  # not child_plugin's module: kept cheap
 from ..warning_types import GpuIsoStartWarning, warn_session
+from ..wire.plugin_names import CHILD_PLUGIN  # not child_plugin's module: kept cheap
 from . import plugin_version
 
 PLUGIN = "rerunfailures"  # pytest-rerunfailures' entry point name

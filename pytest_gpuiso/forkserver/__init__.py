@@ -14,8 +14,9 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from .. import imports, wire
-from ..proctree import main_not_rerun, reap_or_kill, reap_pid, unlist
+from ..child import imports
+from ..proc.proctree import main_not_rerun, reap_or_kill, reap_pid, unlist
+from ..wire import wire
 from .fork import close_quietly, send_request
 from .server import LEARN_WEIGHT, ServerBoot, Unavailable, main, module_of
 

@@ -12,10 +12,11 @@ import os
 import signal
 import sys
 
-from .. import child_plugin, imports
-from .._linux import set_child_subreaper
-from ..proctree import live_descendants
-from ..shm_log import created_entries
+from ..child import imports
+from ..child import plugin as child_plugin
+from ..leaks.shm_log import created_entries
+from ..proc._linux import set_child_subreaper
+from ..proc.proctree import live_descendants
 from . import pools
 from .fork import unsafe_to_fork
 

@@ -36,13 +36,13 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
-from .. import cuda_state
+from ..child import cuda_state
+from ..wire.environment import FORK_TWICE_ENV
 from . import pools
 
 REPARENT_WAIT = 5.0  # seconds the test's process waits to become pytest's child
 # Set to 1 to fork twice (re-parenting) instead of fork_sibling(): an escape hatch, and
 # how the test suite covers the fallback that seccomp filters blocking clone3 force.
-FORK_TWICE_ENV = "PYTEST_GPUISO_FORK_TWICE"
 _siblings = os.environ.get(FORK_TWICE_ENV, "") in ("", "0")  # until it fails once
 
 

@@ -22,12 +22,13 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, NoReturn
 
-from .. import child, wire
 from .._compat import load_conftests, prepare_config
-from .._linux import die_with_parent
-from ..child_plugin import freeze
-from ..plugin_names import SERVER_PLUGIN
+from ..child import bootstrap as child
+from ..child.plugin import freeze
+from ..proc._linux import die_with_parent
 from ..settings import TEMPLATE_WAIT_DEFAULT
+from ..wire import wire
+from ..wire.plugin_names import SERVER_PLUGIN
 from . import pools
 from .fork import close_fds, fork_test_process, one_line, receive_request
 from .template import TemplateHandle

@@ -32,9 +32,14 @@ from typing import Any, Protocol
 
 import pytest
 
-from .. import _compat, child, child_plugin, cuda_state, frames
-from .._linux import die_with_parent, huge_page_steps, outlive_parent, set_child_subreaper
-from ..shm_log import LOG_ENV, created_entries, remove_created
+from .. import _compat
+from ..child import bootstrap as child
+from ..child import cuda_state, exiting
+from ..child import plugin as child_plugin
+from ..leaks.shm_log import created_entries, remove_created
+from ..proc._linux import die_with_parent, huge_page_steps, outlive_parent, set_child_subreaper
+from ..wire import frames, jobs
+from ..wire.environment import LOG_ENV
 from . import audit, pools
 from .fork import (
     close_fds,
@@ -48,7 +53,7 @@ from .fork import (
 )
 
 # A test's process forked from the template: its bootstrap, job and pipe ends.
-Forked = tuple[child.Bootstrap, Any, Connection, Connection]
+Forked = tuple[jobs.Bootstrap, Any, Connection, Connection]
 
 
 class Server(Protocol):
@@ -350,7 +355,7 @@ class TemplatePlugin(child_plugin.ChildPlugin):
         self.channel.wait_go()
         return True
 
-    def _take_over(self, boot: child.Bootstrap, job: Any, conn: Connection, go: Connection) -> None:
+    def _take_over(self, boot: jobs.Bootstrap, job: Any, conn: Connection, go: Connection) -> None:
         """This process is now the test's: take its job and what is its own."""
         child.bootstrap(boot, conn)
         self.job = job
@@ -396,11 +401,11 @@ def run_session(
             raise
         with contextlib.suppress(Exception):
             plugin.channel.send(frames.ERROR, child.internal_error())
-        child.flush_and_exit(1)
+        exiting.flush_and_exit(1)
     if plugin.channel is None:
-        child.flush_and_exit(status)
+        exiting.flush_and_exit(status)
     plugin.channel.send(frames.DONE, status)  # a test's process: its session is over
-    child.flush_and_exit(0, plugin.channel.conn)
+    exiting.flush_and_exit(0, plugin.channel.conn)
 
 
 def _random_states() -> list[Any]:

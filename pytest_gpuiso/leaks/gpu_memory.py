@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..nvml import NvmlUnavailable, Sample
+from ..gpu.nvml import NvmlUnavailable, Sample
 from ..settings import DEFAULT_TOLERANCE_MIB
 from . import Leak, Probe, RunInfo
 

@@ -30,7 +30,8 @@ from typing import Any
 
 import psutil
 
-from ..proctree import REAP_WAIT, STOP_ROUNDS, alive, cmdline, descendant_keys, environ
+from ..proc.proctree import REAP_WAIT, STOP_ROUNDS, alive, cmdline, descendant_keys, environ
+from ..wire.environment import MARK_ENV
 from . import Leak, Probe, RunInfo
 
 SETTLE = 1.0  # seconds a new descendant gets to exit by itself before it counts (on a
@@ -38,7 +39,6 @@ SETTLE = 1.0  # seconds a new descendant gets to exit by itself before it counts
 # as soon as they are gone, so only a test with leftovers pays it: once for them, once
 # for what they start while they are ended
 KILL_ROUNDS = 10  # stop-and-kill rounds, for what a kill woke (SIGCONT to an orphaned group)
-MARK_ENV = "PYTEST_GPUISO_CALL"  # the environment variable of a call's Mark
 
 
 @dataclass(frozen=True)

@@ -45,9 +45,10 @@ import re
 import stat
 from typing import Any
 
-from ..proctree import exists
-from ..shm_log import LOG_ENV, SHM_DIR, Logged, deepest_first, preload_env, read_log, remove_entry
+from ..proc.proctree import exists
+from ..wire.environment import LOG_ENV
 from . import Leak, Probe, RunInfo
+from .shm_log import SHM_DIR, Logged, deepest_first, preload_env, read_log, remove_entry
 
 OWN_PATTERNS = ("pytest-gpuiso-*", ".pytest-gpuiso-*")  # the lease table and its temp files
 _CREATOR = re.compile(r"^(?:sem\.)?torch_(\d+)_")  # PyTorch: torch_<pid>_<random>_<n>

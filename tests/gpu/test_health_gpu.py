@@ -7,9 +7,9 @@ from __future__ import annotations
 import statistics
 import time
 
-from pytest_gpuiso.health import driver_probe
-from pytest_gpuiso.leases import visible_env
-from pytest_gpuiso.nvml import NvmlReader
+from pytest_gpuiso.gpu.health import driver_probe
+from pytest_gpuiso.gpu.leases import visible_env
+from pytest_gpuiso.gpu.nvml import NvmlReader
 
 
 def test_a_healthy_gpu_passes_its_probe(capsys) -> None:

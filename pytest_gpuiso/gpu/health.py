@@ -1,0 +1,260 @@
+"""GPU health: a GPU a test broke is probed before anyone leases it again, and quarantined.
+
+A fresh process per test cures a poisoned CUDA context, not a poisoned device: an
+illegal memory access that left the GPU in an error state, an Xid 79 (fallen off the
+bus), an uncorrectable ECC error, a kernel that keeps running after its process died.
+After an isolated test that held GPUs crashed (a signal), timed out, or failed with a
+sticky CUDA error (``why_probe``), each of its GPUs is probed while its lease is still
+held (``checkup``):
+
+1. NVML (``nvml.NvmlReader.problems``, a few ms): the device answers, no Xid critical
+   error since the lease, no pages waiting to be retired, no new uncorrectable ECC
+   error; and the GPU memory leak check (when on) found neither the test's process
+   still on it nor its memory still in use;
+2. when that passes, the CUDA driver in a fresh process (``gpu_probe``: a context, an
+   allocation, a synchronise), bounded by ``PROBE_TIMEOUT``.
+
+A GPU that fails is quarantined in the lease table (``leases.Leases.quarantine``): no
+session of the user leases it until ``python -m pytest_gpuiso reset --device N``
+re-probes it and lifts it, or the session itself does every ``--gpu-isolate-reprobe``
+seconds. With ``--gpu-isolate-health=always`` the NVML part also runs on every lease
+(``Health.lease``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from typing import Any
+
+from ..leaks import Leak
+from ..settings import GpuMemory
+from . import rocm
+from .gpu_probe import NO_DRIVER
+from .leases import LABEL_LEN, Lease, LeaseError, Leases
+from .nvml import NvmlReader
+
+PROBE_TIMEOUT = 20.0  # seconds for the driver part: a context on a healthy GPU takes < 1 s
+KILL_WAIT = 5.0  # seconds a killed probe gets to end before it is left behind
+NODEID_KEPT = 100  # bytes of a test's name a quarantine's reason keeps (its end)
+# What a test's failure says when CUDA's error is sticky: the context (often the device)
+# is unusable until the process ends, and the device may stay so after it.
+STICKY = re.compile(
+    r"illegal memory access|an illegal instruction|misaligned address|unspecified launch "
+    r"failure|uncorrectable ECC|ECC error|device-side assert|\bXid\b|GPU is lost|fallen off "
+    r"the bus|CUDA_ERROR_(?:ILLEGAL_ADDRESS|LAUNCH_FAILED|ECC_UNCORRECTABLE|ASSERT|"
+    r"HARDWARE_STACK_ERROR|ILLEGAL_INSTRUCTION|MISALIGNED_ADDRESS|INVALID_PC)",
+    re.IGNORECASE,
+)
+
+
+def why_probe(outcome: Any) -> str | None:
+    """Why a test's GPUs are probed after its run (``outcome``): it timed out, crashed, or
+    failed with a sticky CUDA error (in its failure's message, or the errors its process
+    said); None for anything else (an ordinary failure never puts a GPU in doubt)."""
+    if outcome.timed_out:
+        return "it timed out"
+    if outcome.signal_name:
+        return f"it crashed with {outcome.signal_name}"
+    said = [*outcome.errors, *map(_failure, outcome.reports)]
+    found = STICKY.search("\n".join(said))
+    return f"a sticky CUDA error ({found.group(0)})" if found else None
+
+
+def _failure(report: dict[str, Any]) -> str:
+    """The message a failed report's exception ends with ("" for a passed or skipped one):
+    not its traceback's source lines or captured output, where such words mean nothing."""
+    if report.get("outcome") != "failed":
+        return ""
+    longrepr = report.get("longrepr")
+    if isinstance(longrepr, dict):
+        crash = longrepr.get("reprcrash")
+        return str(crash.get("message", "")) if isinstance(crash, dict) else ""
+    lines = str(longrepr or "").strip().splitlines()
+    return lines[-1] if lines else ""
+
+
+def driver_probe(env: dict[str, str], timeout: float = PROBE_TIMEOUT) -> str | None:
+    """The driver part (``gpu_probe``) in a fresh process with ``env`` (the one GPU made
+    visible); what failed, or None (also where it cannot tell: no CUDA driver, no process
+    to be had). A probe stuck in the driver past ``timeout`` is killed and, if even that
+    does not end it (a process in the kernel's uninterruptible sleep), left behind."""
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pytest_gpuiso.gpu.gpu_probe"],
+            env={**os.environ, **env},
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+    except OSError:  # out of processes: that says nothing of the GPU
+        return None
+    try:
+        said, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.communicate(timeout=KILL_WAIT)
+        return f"the CUDA driver probe did not finish within {timeout:g} s"
+    if proc.returncode in (0, NO_DRIVER):
+        return None
+    last = (said.strip().splitlines() or [""])[-1]
+    return f"the CUDA driver probe failed: {last or f'exit status {proc.returncode}'}"
+
+
+def _leaked_on(device: str, leaks: list[Leak]) -> list[str]:
+    """What the GPU memory leak check found still on ``device`` after the test's end."""
+    found = []
+    for leak in leaks:  # on a GPU shared with other tests, what it saw may be theirs
+        fields = leak.fields
+        if (
+            leak.kind == "gpu_memory"
+            and fields.get("device") == device
+            and not fields.get("shared")
+        ):
+            if leak.fields.get("holder"):
+                found.append(f"process {leak.fields['pid']} still holds it")
+            else:
+                found.append(f"{leak.fields['bytes'] >> 20} MiB still in use")
+    return found
+
+
+def probe(device: str, nvml: NvmlReader, env: dict[str, str], found: list[str] = ()) -> str:
+    """What is wrong with ``device``: NVML's part (and ``found``, what else is known of
+    it), then, only when that finds nothing, the driver part with ``env``; "" when it is
+    healthy."""
+    problems = nvml.problems(device) + list(found)
+    if not problems:
+        broken = driver_probe(env)
+        problems = [broken] if broken else []
+    return "; ".join(problems)
+
+
+def checkup(
+    devices: tuple[str, ...],
+    nvml: NvmlReader,
+    leaks: list[Leak],
+    env_of: dict[str, dict[str, str]],
+) -> dict[str, str]:
+    """Probe each of ``devices`` (``env_of``: the driver probe's environment for each);
+    what failed on each that is not healthy ({} when all are)."""
+    failed = {}
+    for device in devices:
+        problem = probe(device, nvml, env_of[device], _leaked_on(device, leaks))
+        if problem:
+            failed[device] = problem
+    return failed
+
+
+def quarantine_reason(problem: str, nodeid: str, why: str) -> str:
+    """The reason the lease table keeps (``LABEL_LEN`` bytes): after which test and why it
+    was probed, then what failed, cut to fit (a very long test name keeps its end)."""
+    if len(nodeid.encode()) > NODEID_KEPT:
+        nodeid = "..." + nodeid.encode()[-NODEID_KEPT:].decode("utf-8", "ignore")
+    text = f"after {nodeid} ({why}): {problem}".encode()
+    if len(text) > LABEL_LEN:
+        text = text[: LABEL_LEN - 3] + b"..."
+    return text.decode("utf-8", "ignore")
+
+
+class Health:
+    """The session's side of GPU health: leases taken healthy, GPUs probed after a test
+    that put them in doubt, quarantined GPUs probed again every ``reprobe`` seconds. GPUs
+    named to ROCm are not probed (the probe speaks NVML and CUDA)."""
+
+    def __init__(
+        self, leases: Leases, nvml: NvmlReader, mode: str, reprobe: float | None = None
+    ) -> None:
+        self.leases = leases
+        self.nvml = nvml
+        self.mode = mode if leases.devices.via == rocm.CUDA else "off"  # settings.HEALTH_MODES
+        self.reprobe = reprobe
+        self._tried: dict[str, float] = {}  # device -> time.monotonic() of its last re-probe
+
+    def lease(
+        self,
+        n: int,
+        label: str,
+        timeout: float | None,
+        memory: GpuMemory | None,
+        pinned: Lease | None = None,
+    ) -> Lease:
+        """The one way a test (or a call) gets GPUs: ``leases.acquire``, or ``pinned``, the
+        part of its pinned worker's lease it runs under; then the GPUs are watched (Xid
+        events, ECC counts: ``after`` says what came since). With mode "always", a GPU
+        whose NVML part fails is quarantined first and the lease taken again, among the
+        others (a pinned worker's test fails instead: its GPUs are its worker's). Without a
+        lease timeout, a test that needs more GPUs than quarantines leave fails at once (it
+        would wait forever)."""
+        if self.mode != "off" and pinned is None:
+            self._reprobe()
+            if timeout is None:
+                self._never_enough(n)
+        while True:
+            lease = pinned or self.leases.acquire(n, label, timeout, memory)
+            failed = self._admit(lease)
+            if not failed:
+                return lease
+            for device, problem in failed.items():
+                reason = quarantine_reason(problem, label, "before its lease")
+                self.leases.quarantine(device, reason)
+            if pinned is not None:
+                found = "; ".join(f"GPU {d}: {p}" for d, p in failed.items())
+                raise LeaseError(f"its pinned worker's GPUs failed NVML's check ({found})")
+            self.leases.release(lease)
+            if timeout is None:
+                self._never_enough(n)
+
+    def _admit(self, lease: Lease) -> dict[str, str]:
+        """Watch the lease's GPUs from now on; with mode "always", what NVML finds wrong
+        with each of them now (device -> problem)."""
+        if self.mode == "off":
+            return {}
+        for device in lease.devices:
+            self.nvml.watch(device)
+        checked = lease.devices if self.mode == "always" else ()
+        return {d: "; ".join(p) for d in checked if (p := self.nvml.problems(d))}
+
+    def _never_enough(self, n: int) -> None:
+        names = self.leases.devices.names
+        quarantined = self.leases.quarantined()
+        if quarantined and len(names) - len(quarantined) < n:
+            healthy = len(names) - len(quarantined)
+            raise LeaseError(
+                f"{n} GPU{'s' if n != 1 else ''} wanted, {healthy} of {len(names)} healthy"
+                + self.leases.quarantine_text()
+            )
+
+    def after(self, nodeid: str, lease: Lease, outcome: Any) -> dict[str, Any] | None:
+        """Probe the test's GPUs when its run put them in doubt, and quarantine those that
+        fail (before its lease is released); what was probed and why (None: not probed)."""
+        why = None if self.mode == "off" else why_probe(outcome)
+        if why is None:
+            return None
+        env_of = {device: self.leases.visible((device,)) for device in lease.devices}
+        failed = checkup(lease.devices, self.nvml, outcome.leaks, env_of)
+        for device, problem in failed.items():
+            refused = self.leases.quarantine(device, quarantine_reason(problem, nodeid, why))
+            if refused:
+                failed[device] = f"{problem} (not quarantined: {refused})"
+        return {"probed": why, "devices": list(lease.devices), "quarantined": failed}
+
+    def _reprobe(self) -> None:
+        """Probe again the quarantined GPUs whose last probe is ``reprobe`` seconds old, and
+        lift those that pass."""
+        if self.reprobe is None:
+            return
+        now = time.monotonic()
+        for device, entry in self.leases.quarantined().items():
+            age = time.time() - entry["since_ns"] / 1e9
+            if min(age, now - self._tried.get(device, -math.inf)) < self.reprobe:
+                continue
+            self._tried[device] = now
+            if not probe(device, self.nvml, self.leases.visible((device,))):
+                self.leases.lift(device)

@@ -1,0 +1,168 @@
+"""The /dev/shm shim's log: where a test's processes record the entries they CREATE.
+
+``native/gpuiso_shmtrace.c``, preloaded into a test's processes (``preload_env``), appends
+one line per entry they create under /dev/shm (not one they only open with O_CREAT):
+the creator's pid, the inode the entry got and its name. The launcher gives each
+process its log at its start (``LOG_ENV``); the leak check (``leaks.shm``) reads it
+after the test, the launcher for a process discarded before its turn, and the fork
+server's template for what it created itself. Only an entry that still holds the logged
+inode and is ours is ever deleted (``remove_created``), and only on request.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.machinery
+import os
+import re
+import stat
+from pathlib import Path
+from typing import NamedTuple
+
+SHM_DIR = "/dev/shm"
+_ESCAPED = re.compile(rb"%([0-9A-Fa-f]{2})")  # the shim's escape of bytes <= 0x20, % and 0x7f
+_ASAN_ORDER = "verify_asan_link_order"
+
+
+@functools.cache
+def shim_path() -> str | None:
+    """The built ``gpuiso_shmtrace`` library, if ``pip install`` built it."""
+    here = Path(__file__).resolve().parent.parent  # the package's folder: setup.py's place
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        candidate = here / f"_shmtrace{suffix}"
+        if candidate.is_file():
+            return str(candidate)
+    return None
+
+
+def preload_env() -> dict[str, str]:
+    """What a process must be started with for the shim to trace it (empty: no shim).
+
+    The user's own LD_PRELOAD entries come first: AddressSanitizer's runtime must be
+    the first library of a process (a preloaded libasan stays so). A program linked
+    with ASan and run by a test finds the shim ahead of its runtime and would abort
+    ("ASan runtime does not come first"), so ``verify_asan_link_order=0`` joins
+    ASAN_OPTIONS, unless the user set that key themselves.
+    """
+    shim = shim_path()
+    if shim is None:
+        return {}
+    user = os.environ.get("LD_PRELOAD", "")
+    env = {"LD_PRELOAD": " ".join(p for p in (user, shim) if p)}
+    asan = os.environ.get("ASAN_OPTIONS", "")
+    keys = {part.split("=", 1)[0].strip() for part in re.split(r"[:\s,]+", asan)}
+    if _ASAN_ORDER not in keys:
+        env["ASAN_OPTIONS"] = ":".join(p for p in (asan, f"{_ASAN_ORDER}=0") if p)
+    return env
+
+
+class Logged(NamedTuple):
+    """One creation the shim logged: who made the entry, and which inode it got."""
+
+    pid: int
+    inode: int
+
+
+def read_log(path: str) -> dict[str, Logged]:
+    """name (relative to /dev/shm, "dir/name" in a subdirectory) -> its creation, from the
+    shim's log; the last creation of a name wins."""
+    created: dict[str, Logged] = {}
+    with contextlib.suppress(OSError), open(path, "rb") as f:
+        for line in f:
+            parts = line.rstrip(b"\n").split(b" ", 2)
+            if len(parts) != 3:
+                continue
+            pid, inode, name = parts
+            if pid.isdigit() and inode.isdigit() and name:
+                text = os.fsdecode(_ESCAPED.sub(lambda m: bytes([int(m[1], 16)]), name))
+                created[text] = Logged(int(pid), int(inode))
+    return created
+
+
+def _walk(directory: str, name: str) -> tuple[int, str]:
+    """A descriptor of the directory that holds ``name`` (under ``directory``) and its last
+    component, reached without following a symlink; the caller closes it."""
+    *dirs, last = name.split("/")
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in dirs:
+            flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+            inner = os.open(part, flags, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+    except OSError:
+        os.close(fd)
+        raise
+    return fd, last
+
+
+def _same_entry(directory: str, name: str, inode: int, uid: int, remove: bool = False) -> bool:
+    """Whether ``name`` still holds ``inode`` and is ours (no symlink followed on the way);
+    ``remove``: then delete it too (a directory only when empty), and say whether it went."""
+    try:
+        fd, last = _walk(directory, name)
+    except OSError:
+        return False
+    try:
+        st = os.stat(last, dir_fd=fd, follow_symlinks=False)
+        if st.st_ino != inode or st.st_uid != uid or st.st_dev != os.fstat(fd).st_dev:
+            return False
+        if remove and stat.S_ISDIR(st.st_mode):
+            os.rmdir(last, dir_fd=fd)
+        elif remove:
+            os.unlink(last, dir_fd=fd)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _still_created(directory: str, name: str, logged: Logged, uid: int) -> bool:
+    return _same_entry(directory, name, logged.inode, uid)
+
+
+def remove_entry(directory: str, name: str, inode: int, uid: int) -> bool:
+    return _same_entry(directory, name, inode, uid, remove=True)
+
+
+def deepest_first(names: list[str]) -> list[str]:
+    """A directory's entries before the directory."""
+    return sorted(names, key=lambda name: (-name.count("/"), name))
+
+
+def created_entries(log: str, directory: str = SHM_DIR) -> list[str]:
+    """The entries the shim logged in ``log`` as created that are still there, as the
+    same inode, and ours (deepest first)."""
+    uid = os.getuid()
+    logged = read_log(log)
+    return deepest_first(
+        [name for name, entry in logged.items() if _still_created(directory, name, entry, uid)]
+    )
+
+
+def remove_created(log: str, directory: str = SHM_DIR) -> list[str]:
+    """Delete what ``created_entries`` lists (for a process whose test never ran, under
+    ``--gpu-isolate-cleanup``); the names deleted."""
+    uid = os.getuid()
+    logged = read_log(log)
+    return [
+        name
+        for name in deepest_first(list(logged))
+        if remove_entry(directory, name, logged[name].inode, uid)
+    ]
+
+
+def dispose_created(log: str, cleanup: bool) -> str:
+    """What a process whose test never ran created (its log): deleted with ``cleanup``
+    (``remove_created``), else left; then "created /dev/shm/X ...; left in place" for a
+    notice, else ""."""
+    if cleanup:
+        remove_created(log)
+        return ""
+    left = created_entries(log)
+    if not left:
+        return ""
+    more = f" and {len(left) - 1} more" if left[1:] else ""
+    return f"created /dev/shm/{left[0]}{more}; left in place (--gpu-isolate-cleanup deletes it)"

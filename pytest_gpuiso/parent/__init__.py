@@ -1,0 +1,9 @@
+"""One isolated test's life, as pytest's process lives it (the xdist worker's under xdist).
+
+Runs in pytest's process only. ``runner`` takes a test down one straight path: its plan
+(``jobs``), its GPU lease, its process started (``launcher``, ``started``, ``prewarm``)
+and watched to its end (``supervisor``, ``watch``, ``leaving``), what it sent decoded
+(``outcome``, ``results``) and replayed into pytest (``replay``); ``session`` holds the
+session's side of isolation and ``call`` runs a function isolated (``run_isolated``).
+Owns the tests' processes and the leases they hold; never creates a CUDA context.
+"""

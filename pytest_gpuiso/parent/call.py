@@ -1,0 +1,183 @@
+"""``run_isolated``: call a picklable function in a fresh spawned process.
+
+For isolated phases inside one test (load a model, measure, tear down) or any
+script that needs a clean CUDA context per step. The function and its arguments
+must be picklable; functions are pickled by reference, so define them at module
+level in an importable module.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import pickle
+import secrets
+from collections.abc import Callable
+from typing import Any
+
+from ..gpu.health import Health
+from ..gpu.leases import Leases, discover, held_lease, visible_env
+from ..gpu.nvml import NvmlReader
+from ..leaks.process import Mark
+from ..proc import workdir
+from ..settings import DEFAULT_GRACE, DEFAULT_STARTUP_TIMEOUT, parse_count, parse_seconds
+from ..wire.jobs import CallJob
+from .launcher import Launcher
+from .outcome import Outcome
+from .supervisor import Supervisor
+from .watch import Bounds
+
+_CALLS = itertools.count(1)
+
+
+class IsolationError(RuntimeError):
+    """The isolated call did not return: it timed out, crashed or exited early."""
+
+    def __init__(self, message: str, outcome: Outcome | None = None) -> None:
+        super().__init__(message)
+        self.outcome = outcome
+
+
+class IsolatedTimeout(IsolationError, TimeoutError):
+    """The isolated call exceeded its timeout and was killed."""
+
+
+class RemoteError(IsolationError):
+    """The call raised an exception that could not be pickled; its text is kept."""
+
+    def __init__(self, type_name: str, message: str, remote_traceback: str) -> None:
+        super().__init__(f"{type_name}: {message}\n\nRemote traceback:\n{remote_traceback}")
+        self.type_name = type_name
+        self.remote_traceback = remote_traceback
+
+
+class RemoteTraceback(Exception):
+    """Carries the child's traceback text as the ``__cause__`` of a re-raised exception."""
+
+    def __str__(self) -> str:
+        return f"\n\nRemote traceback (isolated process):\n{self.args[0]}"
+
+
+def run_isolated(
+    func: Callable[..., Any],
+    *args: Any,
+    timeout: float | None = None,
+    gpus: int = 0,
+    grace: float = DEFAULT_GRACE,
+    **kwargs: Any,
+) -> Any:
+    """Run ``func(*args, **kwargs)`` in a fresh spawned process and return its value.
+
+    An exception raised remotely is re-raised here (with the remote traceback as
+    its cause); one that cannot be pickled becomes ``RemoteError`` with its text.
+    ``timeout`` (seconds) kills the process tree and raises ``IsolatedTimeout``;
+    a crash raises ``IsolationError`` naming the signal. ``gpus`` is the number
+    of GPUs to lease for the call; the process sees exactly those.
+    """
+    return call_isolated(func, args, kwargs, timeout=timeout, gpus=gpus, grace=grace)
+
+
+def call_isolated(
+    func: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    timeout: float | None,
+    gpus: int,
+    grace: float,
+    leases: Leases | None = None,
+) -> Any:
+    """``run_isolated`` with the session's lease table (the fixture passes it)."""
+    if timeout is not None:
+        timeout = parse_seconds(timeout, "run_isolated argument timeout", allow_zero=False)
+    grace = parse_seconds(grace, "run_isolated argument grace", allow_zero=True)
+    parse_count(gpus, "run_isolated argument gpus")
+    name = _label(func)
+    lease, env = None, {}
+    have = held_lease(os.environ)
+    if have is not None:  # inside an isolated test: use the GPUs it holds
+        if gpus > len(have):
+            raise IsolationError(
+                f"run_isolated({name}) needs {gpus} GPUs, its test holds {len(have)}"
+            )
+        env = visible_env(have[:gpus])
+    elif gpus > 0:
+        devices = leases.devices if leases is not None else discover(None, "auto")
+        missing = devices.shortfall(gpus)
+        if missing is not None:
+            raise IsolationError(f"run_isolated({name}) needs {missing}")
+        if leases is None:
+            leases = Leases(devices, 1)
+        label = f"run_isolated({name}) in pid {os.getpid()}"
+        lease = Health(leases, NvmlReader(), "off").lease(gpus, label, None, None)
+        env = leases.child_env(lease)
+    try:
+        # Its sweep takes only the call's own processes, not what the caller starts
+        # meanwhile (a helper, from a thread) or the session's (fork server, prewarmed).
+        mark = Mark(f"{os.getpid()}-{next(_CALLS)}-{secrets.token_hex(4)}")
+        launcher = Launcher(workdir.process_dir(), mark=mark)
+        started = launcher.start(CallJob(func, args, kwargs), env)
+        bounds = Bounds(timeout, DEFAULT_STARTUP_TIMEOUT, grace)
+        outcome = Supervisor(launcher).go(started, env, (), bounds).wait()
+    except Exception as exc:
+        raise IsolationError(f"run_isolated({name}): {exc}") from None
+    finally:
+        if lease is not None and leases is not None:
+            leases.release(lease)
+    return _unwrap(func, outcome, timeout)
+
+
+def _label(func: Callable[..., Any]) -> str:
+    return getattr(func, "__qualname__", None) or repr(func)
+
+
+def _unwrap(func: Callable[..., Any], outcome: Outcome, timeout: float | None) -> Any:
+    results = outcome.results
+    if results:  # the value the caller asked for, pickled by the function's process
+        try:
+            return pickle.loads(results[0])
+        except Exception as exc:
+            raise IsolationError(
+                f"run_isolated({_label(func)}): its return value cannot be rebuilt in this "
+                f"process: {exc!r}",
+                outcome,
+            ) from None
+    exceptions = outcome.exceptions
+    if exceptions:
+        info = exceptions[0]
+        exc = None
+        if info["pickled"] is not None:
+            try:
+                exc = pickle.loads(info["pickled"])
+            except Exception:
+                exc = None
+        if isinstance(exc, BaseException):
+            if hasattr(exc, "add_note"):
+                exc.add_note(f"(raised in an isolated process, pid {outcome.pid})")
+            raise exc from RemoteTraceback(info["traceback"])
+        raise RemoteError(info["type"], info["message"], info["traceback"])
+    name = _label(func)
+    detail = "\n\n".join(
+        part
+        for part in (
+            "\n".join(outcome.errors),
+            f"Stack at the timeout:\n{outcome.stack}" if outcome.stack else "",
+            f"Last output:\n{outcome.output_tail}" if outcome.output_tail else "",
+        )
+        if part
+    )
+    suffix = f"\n\n{detail}" if detail else ""
+    if outcome.timed_out:
+        raise IsolatedTimeout(
+            f"run_isolated({name}) timed out after {timeout:g} s{suffix}", outcome
+        )
+    how = (
+        f"crashed with {outcome.signal_name}"
+        if outcome.signal_name
+        else f"exited with code {outcome.exitcode}"
+    )
+    raise IsolationError(
+        f"run_isolated({name}): the isolated process {how} (exit code {outcome.exitcode}) "
+        f"without returning{suffix}",
+        outcome,
+    )

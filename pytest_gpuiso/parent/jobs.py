@@ -1,0 +1,95 @@
+"""One test's plan, resolved once: its spec, its GPUs, its job, its start environment.
+
+The plan is made the first time it is needed (prewarming the test, or its run) and
+kept on the item until its run takes it (``PLAN``): the marker is parsed, the
+temporary directory made and the job built once per test, whoever asks first.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from .. import _compat
+from ..settings import IsolationSpec, Settings, SpecError, spec_for_item
+from ..wire.jobs import ItemJob
+from . import replay
+from .prewarm import HIDDEN_GPUS
+from .session import STATE, State, child_options, gpus_wanted
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One test's isolation, resolved once (kept on the item until its run takes it):
+    its spec, the GPUs it leases, and the job its process runs; or why it runs none."""
+
+    spec: IsolationSpec | None
+    error: str | None = None  # a bad marker: the test's setup error
+    gpus: int = 0
+    missing: str | None = None  # what it needs that there is not: it is skipped
+    job: ItemJob | None = None
+    warm_env: dict[str, str] = field(default_factory=dict)  # its process's, ahead of its turn
+
+    @property
+    def runs(self) -> bool:
+        """It runs in a process of its own."""
+        return self.job is not None
+
+
+PLAN = pytest.StashKey[Plan]()
+
+
+def plan_for(item: pytest.Item, state: State) -> Plan:
+    """The test's plan, made once: by its prewarming, or by its run."""
+    plan = item.stash.get(PLAN, None)
+    if plan is None:
+        plan = item.stash[PLAN] = _plan(item, state)
+    return plan
+
+
+def _plan(item: pytest.Item, state: State) -> Plan:
+    try:
+        spec = spec_for_item(item, state.settings)
+    except SpecError as exc:
+        return Plan(None, error=str(exc))
+    n = gpus_wanted(spec, state)
+    missing = state.devices.shortfall(n, spec.gpu_memory)
+    if missing is not None:
+        return Plan(spec, gpus=n, missing=missing)
+    env: dict[str, str] = {}
+    if state.leases is not None:
+        env = state.leases.child_env(None) if n == 0 else dict(HIDDEN_GPUS)
+    return Plan(spec, gpus=n, job=item_job(item, state.settings), warm_env=env)
+
+
+def item_job(item: pytest.Item, settings: Settings) -> ItemJob:
+    config = item.config
+    parent = _compat.basetemp(config) or Path(tempfile.gettempdir())
+    xml = replay.junit_xml(config)
+    return ItemJob(
+        nodeid=item.nodeid,
+        collect_arg=collect_arg(item),
+        args=tuple(config.invocation_params.args),
+        invocation_dir=str(config.invocation_params.dir),
+        basetemp=tempfile.mkdtemp(prefix="isolated-", dir=parent),
+        junit_family=getattr(xml, "family", None),
+        torch_check=settings.torch_check,
+        options=child_options(config, config.stash[STATE]),
+    )
+
+
+def collect_arg(item: pytest.Item) -> str:
+    """Narrow the child's collection to the test function when its name allows it.
+
+    Parameter ids may hold ``::``, ``[`` or spaces, so the ``[...]`` part is never
+    passed; the child picks the exact node id among what it collected.
+    """
+    path = str(item.path)
+    _, sep, rest = item.nodeid.partition("::")
+    names = rest.split("[", 1)[0]
+    if sep and names and all(part.isidentifier() for part in names.split("::")):
+        return f"{path}::{names}"
+    return path

@@ -1,0 +1,389 @@
+"""How an isolated test's process starts: spawn or the fork server, and its life until its run.
+
+The ``Launcher`` owns every process it starts until that process's run has ended
+(``finished``), and everything about how processes start:
+
+* the start method: ``spawn``, or forks from a ``forkserver.ForkServer`` (started on
+  first use); when the server cannot serve, the launcher falls back to ``spawn`` for
+  good and says why once (``notices``, read by the plugin through ``news``);
+* the fork server's answers, read in order and only when needed (``_settle``), so a
+  prewarm fork costs the running test nothing;
+* processes started ahead of their turn (``warm``), which import the preload modules
+  and may collect their test's module before their go (``collect_ahead``), until one
+  shows it cannot take its GPUs (``replaced``);
+* discarding a process that will not run, the processes that are ours but no test's
+  (``spare``), those left to the kernel's teardown (``leave``, ``reap_ending``), and
+  closing it all at the session's end.
+
+Nothing outside this module writes a launcher's state: the runner and the supervisor
+ask it through these methods.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import itertools
+import multiprocessing
+import os
+import signal
+import time
+from multiprocessing.connection import wait
+from pathlib import Path
+from typing import Any
+
+from ..child import bootstrap as child
+from ..child import imports
+from ..forkserver import LEARN_WEIGHT, ForkServer, ServerBoot, Unavailable, module_of
+from ..leaks.process import Mark
+from ..leaks.shm_log import dispose_created
+from ..proc.proctree import (
+    REAP_WAIT,
+    Child,
+    ensure_resource_tracker,
+    exec_environment,
+    kill_tree,
+    main_not_rerun,
+    reap,
+    signal_group,
+    unlist,
+)
+from ..proc.workdir import describe, private_file, remove
+from ..wire import frames, jobs
+from ..wire.environment import LOG_ENV, OWNER_ENV
+from . import leaving
+from .started import Started
+from .watch import STACK_SIGNAL
+
+_SERVER_WAIT = 300.0  # seconds the first fork may wait for the server to import everything
+_RUNS = itertools.count(1)  # unique file tags within this process, whatever the Launcher
+
+
+class StartError(RuntimeError):
+    """The child could not be started (e.g. the job could not be pickled)."""
+
+
+class Launcher:
+    """Starts jobs' processes, with files under ``workdir``, and keeps them until run."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        capture_output: bool = True,
+        start: str = "spawn",
+        subreaper: bool = True,
+        exec_env: dict[str, str] | None = None,
+        server_boot: ServerBoot | None = None,
+        shm_cleanup: bool = False,
+        mark: Mark | None = None,
+    ) -> None:
+        """``subreaper``: this process is a child subreaper (the fork server relies on it);
+        ``mark``: a call's (``run_isolated``): its processes carry it, and its sweep takes
+        only them."""
+        self.workdir = workdir
+        self.capture_output = capture_output
+        self.method = start
+        self.mark = mark
+        self.exec_env = dict(exec_env or {})  # must be there at exec (LD_PRELOAD of a probe)
+        # In all it starts, and all they start: ended by the next session if this one dies
+        self.owner = {OWNER_ENV: workdir.name}
+        self.server_boot = server_boot  # None: no fork server (spawn only)
+        # imported by the fork server, and by spawned processes started ahead of their turn
+        self.preload = server_boot.preload if server_boot is not None else ()
+        self.server: ForkServer | None = None
+        self.notices: list[str] = []  # start-method problems, for the plugin to show once
+        self._told = 0  # how many of the notices ``news`` has handed out
+        self.shm_cleanup = shm_cleanup  # what a discarded process created: deleted, else said
+        self._told_shm_left = False
+        # Why a prewarmed child had to be replaced, once seen (``child.Channel._stale``):
+        # its plugins or conftests touched CUDA (prewarming is turned off) ...
+        self.stale: str | None = None
+        # ... or its test module did: prewarmed processes then stop collecting ahead.
+        self.collect_ahead = True
+        self._taught: str | None = None  # see ``taught``
+        self.live: dict[int, Started] = {}  # started children not yet run, by id()
+        self.ending = leaving.Ending()  # tests' processes left while past their exit
+        self._awaiting: collections.deque[Started] = collections.deque()  # fork answers due
+        self._ctx = multiprocessing.get_context("spawn")
+        if start == "forkserver" and not subreaper:
+            self._fall_back("the fork server needs PR_SET_CHILD_SUBREAPER (Linux)")
+
+    # ------------------------------------------------------------------ start method
+
+    def start_server(self) -> None:
+        """Start the fork server now (it loads while pytest collects)."""
+        if self.method == "forkserver" and self.server is None and self.server_boot:
+            try:
+                os.close(os.pidfd_open(os.getpid()))
+            except (AttributeError, OSError) as exc:
+                self._fall_back(f"the fork server needs pidfd_open (Linux 5.3+): {exc}")
+                return
+            log = private_file(self.workdir, f"forkserver-{next(_RUNS)}.log")
+            boot = dataclasses.replace(self.server_boot, log=str(log))
+            ensure_resource_tracker()
+            try:
+                with exec_environment({**self.exec_env, **self.owner}):  # its forks' too
+                    self.server = ForkServer(self._ctx, boot)
+            except Exception as exc:
+                self._fall_back(f"the fork server could not be started: {exc}")
+
+    def collect(self, directories: list[str], modules: list[str]) -> None:
+        """Have the fork server load the conftests of ``directories`` and collect
+        ``modules`` (its template's session), when there is a server."""
+        if self.server is not None:
+            self.server.collect(directories, modules)
+
+    def _fall_back(self, reason: str) -> None:
+        if self.method != "spawn":
+            self.notices.append(
+                f"{reason}; isolated tests are started with spawn instead "
+                "(--gpu-isolate-start=spawn chooses it from the start)"
+            )
+        self.method = "spawn"
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+
+    def notice(self, text: str) -> None:
+        """A problem of the session's starts, for the plugin to show once."""
+        self.notices.append(text)
+
+    def news(self) -> list[str]:
+        """The notices not handed out yet."""
+        fresh, self._told = self.notices[self._told :], len(self.notices)
+        return fresh
+
+    def replaced(self, why: dict[str, Any]) -> None:
+        """A prewarmed child could not take its GPUs (``why``: ``child.Channel._stale``):
+        say so once, and stop prewarming (plugins, conftests) or collecting ahead."""
+        if why["module"] is None:
+            if self.stale is None:
+                self.stale = why["cuda"] or why["read"]  # the runner turns prewarming off
+                self.notices.append(child.stale_notice(why))
+        elif self.collect_ahead:
+            self.collect_ahead = False
+            self.notices.append(child.stale_notice(why))
+
+    def learn(self, imported: list[dict[str, Any]], nodeid: str, took: float) -> None:
+        """What a forked test (``nodeid``, its process ran ``took`` seconds) imported: the
+        template imports it for the next ones; once that is worth a successor of its own,
+        the module's next tests are forked from that successor (``taught``)."""
+        if self.server is not None:
+            for learnt in imported:
+                sent = self.server.learn(learnt["names"], learnt["modules"], nodeid, took)
+                if sent and learnt["modules"] >= LEARN_WEIGHT:
+                    self._taught = module_of(nodeid)
+
+    def taught(self) -> str | None:
+        """The module (path) of the last test that taught the template enough to start a
+        successor since this was asked: the processes started ahead for its next tests
+        are better started again (``Prewarmer.restart``): the server holds them until
+        the successor has imported what they will most likely import too."""
+        taught, self._taught = self._taught, None
+        return taught
+
+    # ------------------------------------------------------------------ processes
+
+    def start(self, job: Any, env: dict[str, str] | None = None, *, warm: bool = False) -> Started:
+        """Start ``job``'s process; it runs up to its go and waits.
+
+        ``env`` is applied first thing in the child. A ``warm`` child (prewarmed
+        ahead of its turn) also imports the preload modules while it waits (the
+        fork server has them already), and its fork may still be under way.
+        ``StartError`` (one line) when it cannot: the job does not pickle, or a resource
+        ran out (processes, descriptors, disk), which fails only the test that needed it.
+        """
+        tag = f"{os.getpid()}-{next(_RUNS)}"
+        made: list[Any] = []  # files and pipes to undo if the start fails
+        try:
+            started = self._start(job, dict(env or {}), warm, tag, made)
+        except Exception as exc:
+            remove(*[thing for thing in made if isinstance(thing, Path)])
+            for conn in (thing for thing in made if not isinstance(thing, Path)):
+                conn.close()  # a Connection or a Reader: closing it twice is harmless
+            detail = describe(exc) if isinstance(exc, OSError) else str(exc)
+            raise StartError(f"could not start the isolated process: {detail}") from exc
+        self.live[id(started)] = started
+        if not warm:
+            self._settle(started)
+            if started.failed is not None:  # refused: we use spawn from now on
+                self.discard(started)
+                return self.start(job, env)
+        return started
+
+    def ready(self, started: Started | None, job: Any, env: dict[str, str]) -> Started:
+        """The process that runs ``job``: ``started`` (prewarmed) once its fork is in and it
+        still waits; else a fresh one. The fork server could not fork it after all, or it
+        died while it waited (killed by someone who cleans up processes): started afresh."""
+        if started is not None:
+            self._settle(started)
+            if started.failed is None and not wait([started.sentinel], 0):
+                return started
+            self.discard(started)
+        return self.start(job, env)
+
+    def finished(self, started: Started, left: bool) -> None:
+        """``started``'s run is over: reaped, or ``left`` to the kernel's teardown past its
+        exit (its pidfd is then the launcher's, reaped later: ``reap_ending``)."""
+        self.live.pop(id(started), None)
+        if left:
+            self.ending.add(started.proc.pid, started.sentinel)
+            started.sentinel = None
+        else:
+            reap(started.proc, started.sentinel)
+
+    def reap_ending(self, patience: float = REAP_WAIT) -> None:
+        """Reap the processes left past their exit that are gone by now."""
+        self.ending.reap(patience)
+
+    def discard(self, started: Started) -> None:
+        """Kill a child that will not run (its test is not next after all), reap it, tidy up."""
+        if self.live.pop(id(started), None) is None:
+            return  # already run or discarded: its pid may belong to someone else by now
+        self._settle(started)
+        if started.proc is not None:
+            kill_tree(started.proc.pid)  # with the daemons it started (its subreaper's)
+            signal_group(started.proc.pid, signal.SIGKILL)
+            reap(started.proc, started.sentinel)
+        started.close()
+        shm_log = Path(started.shm_log) if started.shm_log else None
+        left = dispose_created(str(shm_log), self.shm_cleanup) if shm_log else ""
+        if left and not self._told_shm_left:  # what it created before its turn
+            self._told_shm_left = True
+            self.notices.append(f"a process started ahead of its test and not used {left}")
+        remove(started.output, started.stack_file, shm_log, *started.capture_files())
+
+    def close(self) -> None:
+        """Discard children that never got their go, and stop the fork server."""
+        for started in list(self.live.values()):
+            self.discard(started)
+        if self.server is not None:
+            self.server.close()  # it kills its template on its way out, and reaps both
+            self.server = None
+        self.ending.reap(REAP_WAIT)
+
+    def spare(self, *, settle: bool = False) -> frozenset[int]:
+        """Our processes that are not a test's leftovers: the server and waiting children.
+
+        ``settle``: wait for pending fork answers first, so that every child counts.
+        """
+        self._settle(everything=settle)
+        pids = {s.pid for s in self.live.values() if s.proc is not None} | self.ending.reap()
+        if self.server is not None:
+            pids.add(self.server.pid)
+            if self.server.template_pid is not None:
+                pids.add(self.server.template_pid)
+        return frozenset(pids)
+
+    def _settle(self, until: Started | None = None, *, everything: bool = False) -> None:
+        """Read the fork server's answers that are in (or due: up to ``until``, or all)."""
+        while self._awaiting:
+            first = self._awaiting[0]
+            server = self.server
+            must = everything or (until is not None and until in self._awaiting)
+            if server is not None and not must and not server.conn.poll(0):
+                return
+            self._awaiting.popleft()  # first: an interrupted read must not shift the answers
+            if server is None:
+                kind, payload = "failed", "the fork server is gone"
+            else:
+                kind, payload = server.answer(_SERVER_WAIT)
+            if kind == "forked":
+                pid, source, first.uncollected = payload
+                first.attach(Child(pid))
+                first.collected = source == "template"
+            else:
+                first.failed = payload
+                self._fall_back(payload)
+
+    def _preload(self, job: Any) -> tuple[str, ...]:
+        """The preload modules a spawned process started ahead of ``job`` imports: those
+        its test's module or its conftests import (a call's: all)."""
+        if not isinstance(job, jobs.ItemJob):
+            return self.preload
+        module = Path(job.invocation_dir, job.collect_arg.split("::", 1)[0])
+        return imports.needed(self.preload, module)
+
+    def _start(
+        self, job: Any, env: dict[str, str], warm: bool, tag: str, made: list[Any]
+    ) -> Started:
+        """``start``'s work; what it makes goes into ``made`` first, for ``start`` to undo."""
+
+        def private(name: str) -> Path:
+            path = private_file(self.workdir, name)
+            made.append(path)
+            return path
+
+        output = private(f"out-{tag}.log") if self.capture_output else None
+        stack_file = private(f"stack-{tag}.txt")
+        capture_prefix = self.workdir / f"cap-{tag}-"
+        if self.method == "forkserver":
+            self.start_server()
+        method = "forkserver" if self.server is not None else "spawn"
+        shm_log = None
+        if self.exec_env:  # the shim is preloaded: it logs from the process's start on
+            shm_log = str(private(f"shm-{tag}.log"))
+            env[LOG_ENV] = shm_log
+        exec_env = {**self.exec_env, **self.owner}
+        env.update(self.owner)
+        if self.mark is not None:  # in the block it is exec'd with, which its forks share
+            exec_env.update(self.mark.env)
+            env.update(self.mark.env)  # a forked child's os.environ: what its execs inherit
+        boot = jobs.Bootstrap(
+            parent_pid=os.getpid(),
+            output=str(output) if output else None,
+            stack_file=str(stack_file),
+            stack_signal=STACK_SIGNAL,
+            spill_prefix=str(self.workdir / f"spill-{tag}-"),
+            capture_prefix=str(capture_prefix),
+            env=tuple(sorted(env.items())),
+            preload=self._preload(job) if warm and method == "spawn" else (),
+            collect_ahead=warm and method == "spawn" and self.collect_ahead,
+        )
+        pipe, writer = self._ctx.Pipe(duplex=False)
+        made += [pipe, writer]
+        reader = frames.Reader(pipe, self.workdir, f"spill-{tag}-")
+        made.append(reader)
+        go_reader, go_writer = self._ctx.Pipe(duplex=False)
+        made += [go_reader, go_writer]
+        started = Started(
+            job=job,
+            reader=reader,
+            go=go_writer,
+            method=method,
+            output=output,
+            stack_file=stack_file,
+            capture_prefix=capture_prefix,
+            created=time.time(),
+            shm_log=shm_log,
+            warm=warm,
+        )
+        # The tracker is a long-lived helper of ours, not something the test left behind.
+        ensure_resource_tracker()
+        try:
+            if self.server is not None:
+                try:
+                    fds = [writer.fileno(), go_reader.fileno()]
+                    self.server.request_fork(boot, job, fds, _SERVER_WAIT)
+                    self._awaiting.append(started)
+                except Unavailable as exc:
+                    self._fall_back(str(exc))
+                    started.method = "spawn"
+            if started.method == "spawn":
+                proc = self._ctx.Process(
+                    target=child.main, args=(boot, job, writer, go_reader), daemon=False
+                )
+                # A test needs nothing of pytest's __main__; run_isolated's function may
+                # live there (a script's), so only a call re-runs it, as multiprocessing does.
+                keep_main = isinstance(job, jobs.CallJob)
+                main = contextlib.nullcontext() if keep_main else main_not_rerun()
+                with exec_environment(exec_env), main:
+                    proc.start()
+                unlist(proc)
+                started.attach(proc)
+        finally:
+            writer.close()
+            go_reader.close()
+        return started

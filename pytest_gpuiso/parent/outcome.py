@@ -1,0 +1,167 @@
+"""What one isolated run produced: the frames, how the process ended, what it left."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..leaks import Leak
+from ..proc.workdir import read_end
+from ..wire import frames
+
+OUTPUT_TAIL_LINES = 60  # lines of the process's own output shown with a failure
+OUTPUT_TAIL_BYTES = 8192  # of a captured output file, read after a crash
+OUTPUT_KEEP_BYTES = 1 << 20  # of what the child wrote outside pytest's capture
+
+
+@dataclass
+class Outcome:
+    """What one isolated run produced and how the child ended (data only).
+
+    The frames the process sent are decoded once, by ``decode``, into the fields
+    below; nothing else reads frames. After a timeout only what arrived before the
+    deadline counts (``cutoff``), except what says how far its start-up got.
+    """
+
+    pid: int
+    exitcode: int | None
+    # The bound that ran out, after which the process was stopped: "startup" (its test
+    # never began), "test" (the test's timeout) or "exit" (it did not end after its
+    # test); None: none did.
+    expired: str | None
+    duration: float  # seconds from the go to the process's end
+    began: float | None = None  # seconds from the go to the test's start (None: never)
+    stack: str = ""
+    output: str = ""  # what the child wrote to fds 1/2 outside pytest's capture
+    leaks: list[Leak] = field(default_factory=list)  # process leaks first, then the probes'
+    captured: list[str] = field(default_factory=list)  # tails of the test's captured output
+    method: str = "spawn"  # how the process was started: spawn or forkserver
+    prewarmed: bool = False  # started ahead of its turn (prewarm)
+    collected: bool = False  # forked from the fork server's collected session
+    uncollected: str | None = None  # why the fork server had no collected session to fork
+    # Decoded from its frames (``decode``): at any time ...
+    bootstrapped: bool = False  # it finished its bootstrap (and could answer a stack-dump request)
+    phase: str = ""  # what it said it was doing last while it started
+    ahead: bool = False  # it collected its test's module before its go
+    # ... and before the deadline
+    done: bool = False  # it said its job finished
+    stale: dict[str, Any] | None = None  # it could not take its GPUs (``child.Channel``)
+    reports: list[dict[str, Any]] = field(default_factory=list)  # serialized pytest reports
+    warnings: list[dict[str, Any]] = field(default_factory=list)
+    junit: list[tuple[str, str | None, str, str]] = field(default_factory=list)
+    torch_leaks: list[dict[str, Any]] = field(default_factory=list)
+    driver: list[str] = field(default_factory=list)  # CUDA libraries loaded with no GPU
+    imported: list[dict[str, Any]] = field(default_factory=list)  # learnable imports
+    exits: list[dict[str, Any]] = field(default_factory=list)  # pytest.exit() or Ctrl-C
+    errors: list[str] = field(default_factory=list)
+    results: list[bytes] = field(default_factory=list)  # run_isolated: the value, pickled
+    exceptions: list[dict[str, Any]] = field(default_factory=list)  # run_isolated's raise
+    payloads: list[dict[str, Any]] = field(default_factory=list)  # other plugins' data
+
+    def decode(self, received: list[tuple[str, Any]], cutoff: int | None = None) -> Outcome:
+        """Take in the frames the process sent (``cutoff``: how many had arrived by the
+        deadline); every kind has its handler here, and a kind without one is an error."""
+        for at, (kind, payload) in enumerate(received):
+            handler = _HANDLERS.get(kind)
+            if handler is None:
+                raise frames.FrameError(f"unknown frame kind {kind!r}")
+            always, take = handler
+            if always or cutoff is None or at < cutoff:
+                take(self, payload)
+        return self
+
+    @property
+    def timed_out(self) -> bool:
+        """A bound ran out (start-up, test or exit) and the process was stopped for it."""
+        return self.expired is not None
+
+    @property
+    def escaped(self) -> list[dict[str, Any]]:
+        """Descendants still running after the test's process ended (then killed)."""
+        return [
+            {"pid": leak.fields["pid"], "cmdline": leak.fields["cmdline"]}
+            for leak in self.leaks
+            if leak.kind == "process"
+        ]
+
+    @property
+    def output_tail(self) -> str:
+        return "\n".join(self.output.splitlines()[-OUTPUT_TAIL_LINES:])
+
+    @property
+    def finished(self) -> bool:
+        """The child said it was done, in time, and exited normally."""
+        return not self.timed_out and self.exitcode == 0 and self.done
+
+    @property
+    def signal_name(self) -> str | None:
+        if self.exitcode is None or self.exitcode >= 0:
+            return None
+        try:
+            return signal.Signals(-self.exitcode).name
+        except ValueError:
+            return f"signal {-self.exitcode}"
+
+    @property
+    def interrupted(self) -> bool:
+        """Ctrl-C (or a ``KeyboardInterrupt`` the test raised) ended the session in this test."""
+        return any(stop.get("interrupt") for stop in self.exits)
+
+
+def _set(name: str, value: Any = None) -> Callable[[Outcome, Any], None]:
+    """A handler that sets a field: to ``value``, or to the payload."""
+    return lambda outcome, payload: setattr(outcome, name, payload if value is None else value)
+
+
+def _first(name: str) -> Callable[[Outcome, Any], None]:
+    """A handler that keeps the first payload of its kind."""
+    return lambda outcome, payload: getattr(outcome, name) or setattr(outcome, name, payload)
+
+
+def _add(name: str) -> Callable[[Outcome, Any], None]:
+    return lambda outcome, payload: getattr(outcome, name).append(payload)
+
+
+def _ignore(outcome: Outcome, payload: Any) -> None:
+    """Heeded while the process runs (``watch``): its bounds' marks."""
+
+
+# kind -> (taken after the deadline too, handler): the one dispatcher of the parent side
+_HANDLERS: dict[str, tuple[bool, Callable[[Outcome, Any], None]]] = {
+    frames.READY: (True, _set("bootstrapped", True)),
+    frames.PHASE: (True, _set("phase")),
+    frames.AHEAD: (True, _set("ahead", True)),
+    frames.BEGIN: (True, _ignore),
+    frames.END: (True, _ignore),
+    frames.EXITING: (True, _ignore),
+    frames.DONE: (False, _set("done", True)),
+    frames.STALE: (False, _first("stale")),
+    frames.REPORT: (False, _add("reports")),
+    frames.WARNING: (False, _add("warnings")),
+    frames.JUNIT: (False, _add("junit")),
+    frames.TORCH_LEAK: (False, _add("torch_leaks")),
+    frames.DRIVER: (False, _first("driver")),
+    frames.IMPORTED: (False, _add("imported")),
+    frames.EXIT: (False, _add("exits")),
+    frames.ERROR: (False, _add("errors")),
+    frames.RESULT: (False, _add("results")),
+    frames.EXCEPTION: (False, _add("exceptions")),
+    frames.PAYLOAD: (False, _add("payloads")),
+}
+
+
+def read_output(path: Path) -> str:
+    """What the child wrote outside capture; only the last ``OUTPUT_KEEP_BYTES`` if more."""
+    text, size = read_end(path, OUTPUT_KEEP_BYTES)
+    if size > OUTPUT_KEEP_BYTES:
+        text = f"[{size - OUTPUT_KEEP_BYTES} earlier bytes not kept]\n" + text
+    return text
+
+
+def captured_tail(path: Path) -> str:
+    """The last lines of the child's captured stdout/stderr."""
+    text, _ = read_end(path, OUTPUT_TAIL_BYTES)
+    return "\n".join(text.splitlines()[-OUTPUT_TAIL_LINES:])

@@ -1,0 +1,116 @@
+"""Each isolated test's JSON record, built once, after every report of the test is final,
+and put on its last report (``reports.record`` reads it)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from ..leaks import Verdict
+from ..reports.record import RECORD_ATTR
+from ..settings import IsolationSpec
+from .outcome import Outcome
+
+
+def final_outcome(reports: list[pytest.TestReport]) -> str:
+    """The test's one-word outcome, by one rule for every path.
+
+    A failed call is ``failed``; any other failed phase (setup, teardown: the test's
+    own or the parent's, a leak that fails the test) is ``error``, as pytest counts
+    it; otherwise what the call (or a skipped setup) says.
+    """
+    by_phase = {r.when: r for r in reports}
+    call = by_phase.get("call")
+    if call is not None and call.failed:
+        return "failed"
+    if any(r.failed for r in reports):
+        return "error"
+    if call is not None:
+        if hasattr(call, "wasxfail"):
+            return "xfailed" if call.skipped else "xpassed"
+        if call.skipped:
+            return "skipped"
+    setup = by_phase.get("setup")
+    if setup is not None and setup.skipped:
+        return "xfailed" if hasattr(setup, "wasxfail") else "skipped"
+    return "passed"
+
+
+def build_record(
+    nodeid: str,
+    reports: list[pytest.TestReport],
+    outcome: Outcome | None = None,
+    spec: IsolationSpec | None = None,
+    lease: Any = None,
+    verdict: Verdict | None = None,
+    attempt: int = 1,
+    rerun: bool = False,
+    peak: int | None = None,
+    port: int | None = None,
+    health: dict[str, Any] | None = None,
+    location: tuple[str, int | None, str] | None = None,
+    leak_checks: tuple[str, ...] = (),
+) -> dict[str, Any]:
+    """One test's entry in the JSON report (schema version 1): one per attempt.
+
+    ``outcome`` is None when no process ran (a bad marker, a lease timeout, a skip).
+    ``attempt`` counts a test's runs from 1 (pytest-rerunfailures: a fresh process
+    each); ``rerun``: this attempt failed and the test ran again (outcome "rerun").
+    """
+    # Interrupted before its call was reported: it neither passed nor failed.
+    stopped = outcome is not None and outcome.interrupted and all(r.when != "call" for r in reports)
+    result = "rerun" if rerun else "interrupted" if stopped else final_outcome(reports)
+    record: dict[str, Any] = {
+        "nodeid": nodeid,
+        "outcome": result,
+        "attempt": attempt,
+        # What the test ran (setup, call, teardown), as pytest and junit count it; a
+        # timeout or crash counts until the process was stopped or ended.
+        "duration": round(sum(r.duration for r in reports), 6) if outcome else 0.0,
+        # Seconds from the test's turn until its protocol began (start-up; None: never),
+        # and until its process had ended.
+        "startup": None if outcome is None or outcome.began is None else round(outcome.began, 6),
+        "wall": round(outcome.duration, 6) if outcome else 0.0,
+        "pid": outcome.pid if outcome else None,
+        "timeout": spec.timeout if spec and outcome else None,
+        "startup_timeout": spec.startup_timeout if spec and outcome else None,
+        "exit": {
+            "code": outcome.exitcode if outcome else None,
+            "signal": outcome.signal_name if outcome else None,
+            "timed_out": outcome.timed_out if outcome else False,
+            # which bound stopped it: "startup", "test" (its timeout) or "exit"; None
+            "expired": outcome.expired if outcome else None,
+        },
+        "escaped": list(outcome.escaped) if outcome else [],
+        "leaks": verdict.records if verdict is not None else [],
+        "leak_checks": list(leak_checks),  # the kinds checked after it (none: no check ran)
+        "start": {
+            "method": outcome.method if outcome else None,
+            "prewarmed": outcome.prewarmed if outcome else False,
+            "collected": outcome.collected if outcome else False,
+            "uncollected": outcome.uncollected if outcome else None,
+        },
+    }
+    if location is not None and location[1] is not None:  # a file and line: where it is
+        record["location"] = {"file": location[0], "line": location[1] + 1}
+    if outcome is not None and outcome.driver:  # it leased no GPU (there were GPUs)
+        record["cuda_without_gpu"] = outcome.driver  # and loaded CUDA's driver or NVML
+    if port is not None:
+        record["master_port"] = port  # leased for the test (MASTER_ADDR=127.0.0.1)
+    if lease is not None:
+        record["gpus"] = list(lease.devices)
+        record["lease_wait"] = round(lease.waited, 6)
+        # Bytes it leased on each GPU (None: the GPUs' size is unknown), and the most its
+        # processes held on one of them (NVML, sampled; None: unknown)
+        record["gpu_memory"] = lease.memory or None
+        record["gpu_memory_peak"] = peak
+    if health is not None:  # its GPUs were probed after it: {probed, devices, quarantined}
+        record["gpu_health"] = health
+    return record
+
+
+def attach_record(reports: list[pytest.TestReport], record: dict[str, Any]) -> None:
+    """Put the record on the test's last report (none: pytest.exit() before any report)."""
+    if reports:
+        setattr(reports[-1], RECORD_ATTR, record)

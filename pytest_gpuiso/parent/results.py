@@ -1,0 +1,260 @@
+"""Turn one isolated run's ``Outcome`` into pytest reports.
+
+The child's own reports are used as they are. When the child did not deliver a
+complete set (timeout, crash, early exit), the missing phase becomes a failure
+whose text says what happened, with the stack at the timeout and the tail of the
+child's output, and the protocol is closed with a teardown report so terminal,
+junitxml and xdist see a normal test.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from .._compat import evaluate_xfail_marks
+from ..leaks import Verdict
+from ..settings import IsolationSpec
+from ..wire import frames
+from .outcome import Outcome
+
+LEAK_SECTION = "gpu-isolate leaks"
+LEAK_PROPERTY = "gpu_isolate_leak"  # junit <property> name of each leak
+
+
+def item_reports(
+    item: pytest.Item, spec: IsolationSpec, outcome: Outcome, verdict: Verdict | None = None
+) -> list[pytest.TestReport]:
+    """The child's reports, completed where it did not deliver them all, with its leaks."""
+    config = item.config
+    reports: list[pytest.TestReport] = []
+    unreadable: list[str] = []  # reports pytest could not rebuild: the test's error
+    for data in outcome.reports:
+        try:
+            rep = config.hook.pytest_report_from_serializable(config=config, data=data)
+        except Exception as exc:  # noqa: BLE001 - whatever the test's process sent
+            unreadable.append(f"{frames.UNREADABLE}a report pytest cannot rebuild ({exc!r})"[:500])
+            continue
+        if isinstance(rep, pytest.TestReport):
+            reports.append(rep)
+    stopped = bool(outcome.exits)  # pytest.exit(): reported as in-process, no more
+    complete = outcome.finished and any(r.when == "teardown" for r in reports)
+    if (not complete or unreadable) and not stopped:
+        # The time the child's reports do not account for (up to the kill, or the crash)
+        # goes to the failure, so that junit and --durations show what it took.
+        ran = outcome.duration - (outcome.began or 0.0)
+        unreported = max(0.0, ran - sum(r.duration for r in reports))
+
+        def problem(phase: str) -> str:
+            return describe_problem(outcome, spec, phase, unreadable)
+
+        _close_with_failure(item, reports, problem, unreported)
+    if reports and verdict is not None and verdict.records:
+        _attach_leaks(item, reports, verdict)
+    return reports
+
+
+def _attach_leaks(item: pytest.Item, reports: list[pytest.TestReport], verdict: Verdict) -> None:
+    """Show a test's leaks in its teardown report; ``fail`` leaks make teardown an error.
+
+    The section is printed with the test's other sections (-rP, failures); each
+    leak also becomes a junit ``<property>`` through the report's user properties.
+    """
+    last = reports[-1]
+    lines = [
+        f"{r['kind']}: {r['detail']}"
+        + (" (allowed)" if r.get("allowed") else " (known)" if r.get("level") == "known" else "")
+        for r in verdict.records
+    ]
+    if verdict.failing and not last.failed:
+        problem = (
+            f"gpu-isolate: the test left {len(verdict.failing)} leak"
+            f"{'s' if len(verdict.failing) != 1 else ''} behind "
+            f"(--gpu-isolate-leaks {verdict.policy_text}):\n"
+            + "\n".join(f"  {leak.kind}: {leak.detail}" for leak in verdict.failing)
+        )
+        failed = synthetic_report(item, "teardown", problem)
+        failed.sections = list(last.sections)
+        failed.user_properties = list(last.user_properties)
+        failed.duration = last.duration
+        reports[-1] = last = failed
+    last.sections.append((LEAK_SECTION, "\n".join(lines)))
+    last.user_properties = [
+        *last.user_properties,
+        *((LEAK_PROPERTY, line) for line in lines),
+    ]
+
+
+def setup_error_reports(item: pytest.Item, message: str) -> list[pytest.TestReport]:
+    """An error in setup, before anything ran (a bad marker argument, a lease timeout)."""
+    reports: list[pytest.TestReport] = []
+    _close_with_failure(item, reports, lambda phase: f"gpu-isolate: {message}")
+    return reports
+
+
+def skip_reports(item: pytest.Item, reason: str) -> list[pytest.TestReport]:
+    """Skipped in setup (e.g. it needs more GPUs than exist); nothing was run."""
+    path, lineno, _ = item.location
+    setup = synthetic_report(item, "setup", None)
+    setup.outcome = "skipped"
+    setup.longrepr = (str(item.path), (lineno or 0) + 1, f"Skipped: {reason}")
+    return [setup, synthetic_report(item, "teardown", None)]
+
+
+def _close_with_failure(item: pytest.Item, reports: list, problem, duration: float = 0.0) -> None:
+    """Fail the first phase that has no report and end with a teardown report.
+
+    ``duration``: the seconds the failure took that no report of the child counts.
+    """
+    if reports and reports[-1].when == "teardown":
+        last = reports.pop()
+        failed = synthetic_report(item, "teardown", problem("teardown"))
+        failed.sections = list(last.sections)
+        failed.duration = last.duration + duration
+        reports.append(failed)
+        return
+    if not reports:
+        phase = "setup"
+    elif reports[-1].when == "setup" and reports[-1].passed:
+        phase = "call"
+    else:
+        phase = "teardown"
+    failed = synthetic_report(item, phase, problem(phase))
+    failed.duration = duration
+    reports.append(failed)
+    if phase != "teardown":
+        reports.append(synthetic_report(item, "teardown", None))
+
+
+def synthetic_report(item: pytest.Item, when: str, problem: str | None) -> pytest.TestReport:
+    now = time.time()
+    rep = pytest.TestReport(
+        nodeid=item.nodeid,
+        location=item.location,
+        keywords={name: 1 for name in item.keywords},
+        outcome="passed" if problem is None else "failed",
+        longrepr=problem,
+        when=when,
+        start=now,
+        stop=now,
+        user_properties=list(item.user_properties),
+    )
+    if problem is not None and when == "call":
+        apply_xfail(item, rep)
+    return rep
+
+
+def apply_xfail(
+    item: pytest.Item, rep: pytest.TestReport, exc: BaseException | None = None
+) -> None:
+    """Make a failed report of an xfail test an expected failure, as pytest's skipping
+    plugin does in-process (which needs state only a run's setup gives it): a crash or
+    timeout when ``raises`` is not given, an exception ``exc`` that matches it."""
+    if item.config.option.runxfail or not rep.failed or hasattr(rep, "wasxfail"):
+        return
+    try:
+        xfailed = evaluate_xfail_marks(item)
+    except Exception:
+        return
+    if xfailed is None:
+        return
+    if xfailed.raises is None or (exc is not None and isinstance(exc, xfailed.raises)):
+        rep.outcome = "skipped"
+        rep.wasxfail = xfailed.reason
+
+
+def describe_problem(
+    outcome: Outcome, spec: IsolationSpec, phase: str, unreadable: list[str] | None = None
+) -> str:
+    """What went wrong in ``phase``, for its failure report (``unreadable``: the reports
+    the test's process sent that pytest could not rebuild)."""
+    code = outcome.exitcode
+    errors = [*outcome.errors, *(unreadable or ())]
+    if outcome.timed_out:
+        ended = f"; it was ended by {outcome.signal_name}" if outcome.signal_name else ""
+        escalation = f"(escalation: stack dump, SIGTERM, {spec.grace:g} s grace, SIGKILL)"
+        if outcome.expired == "startup":
+            doing = outcome.phase or (
+                "bootstrapping" if outcome.bootstrapped else "starting the interpreter"
+            )
+            head = (
+                f"Start-up timeout: the test process did not finish starting ({doing}) "
+                f"within {spec.startup_timeout:g} s{ended} {escalation}; the test did not run"
+            )
+        elif outcome.expired == "exit":
+            head = (
+                f"Exit timeout: the test process did not exit within "
+                f"{spec.startup_timeout:g} s after its test ended{ended} {escalation}"
+            )
+        else:
+            head = (
+                f"Timeout: the isolated test timed out after {spec.timeout:g} s "
+                f"(timeout from {spec.timeout_source}) during {phase}{ended} {escalation}"
+            )
+    elif outcome.signal_name:
+        head = (
+            f"Crashed: the isolated test process crashed with {outcome.signal_name} "
+            f"(exit code {code}) during {phase}"
+        )
+    elif any(error.startswith(frames.UNREADABLE) for error in errors):
+        head = (
+            f"The isolated test process sent pytest a message it cannot take during {phase} "
+            f"(exit code {code}); what it sent after it was not read, so its result is unknown"
+        )
+    elif outcome.errors and not outcome.reports:
+        head = f"The isolated test process could not run the test (exit code {code})"
+    else:
+        head = (
+            f"The isolated test process exited with code {code} during {phase} "
+            "before reporting a complete result"
+        )
+    parts = [head, *errors]
+    if outcome.timed_out:
+        if not outcome.bootstrapped:
+            missing = "(no stack dump: the process was still starting up)"
+        else:
+            missing = "(no stack dump: the process did not answer)"
+        parts.append(
+            f"Stack of the test process (pid {outcome.pid}) at the timeout:\n"
+            + (trim_stack(outcome.stack) or missing)
+        )
+    for n, text in enumerate(outcome.captured, 1):
+        parts.append(f"Output the test wrote before it ended (captured stream {n}):\n{text}")
+    if outcome.output_tail:
+        parts.append(
+            f"Last output of the test process (pid {outcome.pid}):\n"
+            + trim_stack(outcome.output_tail)
+        )
+    return "\n\n".join(parts)
+
+
+_INTERNAL = ("/_pytest/", "/pluggy/", "/multiprocessing/", "/pytest_gpuiso/", '"<string>"')
+
+
+def trim_stack(dump: str) -> str:
+    """Keep each thread's frames down to where pytest's own machinery starts.
+
+    faulthandler lists the most recent call first, so the test's frames come
+    first and the 30-odd frames of pytest, pluggy and our bootstrap follow.
+    """
+    out: list[str] = []
+    hidden = 0
+    in_internals = False
+    for line in dump.splitlines():
+        is_frame = line.startswith("  File ")
+        if not is_frame:
+            if hidden:
+                out.append(f"  ... {hidden} frames of pytest and pytest-gpuiso internals")
+            hidden, in_internals = 0, False
+            out.append(line)
+            continue
+        user_seen = bool(out) and out[-1].startswith("  File ")
+        if in_internals or (user_seen and any(marker in line for marker in _INTERNAL)):
+            in_internals = True
+            hidden += 1
+        else:
+            out.append(line)
+    if hidden:
+        out.append(f"  ... {hidden} frames of pytest and pytest-gpuiso internals")
+    return "\n".join(out).strip()

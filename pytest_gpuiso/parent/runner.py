@@ -1,0 +1,382 @@
+"""One isolated test, parent side: its GPUs, its lease, its probes, its run, its verdict.
+
+``run_item`` runs one attempt, from the test's turn to its reports; ``finish_item``
+makes the last attempt's reports final (``mark_rerun`` an attempt run again):
+
+1. take the test's plan (``jobs``: its ``IsolationSpec``, its GPUs, its job; a bad
+   marker is the test's setup error, missing GPUs its skip);
+2. lease its GPUs and port (in this process: a child that crashes can never strand
+   a GPU), and take its process: prewarmed, or started now (``launcher``);
+3. give it its go with the leak probes of the session's policy (``Supervisor.go``);
+4. while it runs, start the next tests' processes (``prewarm``);
+5. wait for its outcome (``Running.wait``), give back its lease and port, judge the
+   leaks, replay the child's warnings and junit properties, echo what it wrote
+   outside capture, and turn the ``Outcome`` into pytest reports (``results``);
+6. after the last attempt, tear down the parent's own fixtures that ``nextitem``
+   no longer needs, as in-process; attach each attempt's JSON record to its last
+   report.
+
+Each of ``launcher``, ``supervisor`` and ``prewarm`` is called from here, downward;
+none calls back. The session-wide side lives in ``session.State``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from .. import _compat
+from ..gpu import pinning, ports
+from ..gpu.leases import Lease, LeaseError
+from ..gpu.ports import PortLease
+from ..leaks import Probe, Verdict, judge
+from ..leaks import torch as torch_check
+from ..leaks.gpu_memory import GpuMemoryProbe
+from ..leaks.shm import ShmProbe
+from ..proc import workdir
+from ..settings import KINDS, IsolationSpec
+from ..warning_types import GpuIsoStartWarning, warn_session
+from ..wire.environment import MEMORY_ENV
+from . import replay
+from .jobs import PLAN, Plan, plan_for
+from .launcher import StartError
+from .outcome import Outcome
+from .prewarm import HIDDEN_GPUS, WarmJob
+from .recording import attach_record, build_record
+from .results import apply_xfail, item_reports, setup_error_reports, skip_reports
+from .session import STATE, State, health, isolated, launcher, settle
+from .started import Started
+from .supervisor import Running
+from .watch import Bounds
+
+
+@dataclass
+class Ran:
+    """What became of one isolated test: its reports and what its record is made of."""
+
+    reports: list[pytest.TestReport]
+    spec: IsolationSpec | None = None
+    outcome: Outcome | None = None  # None: no process ran
+    lease: Lease | None = None
+    verdict: Verdict | None = None
+    stop: dict[str, Any] | None = None  # pytest.exit() or Ctrl-C in the test: end the session
+    payload: dict[str, Any] = field(default_factory=dict)  # pytest_gpuiso_child_payload's
+    peak: int | None = None  # most GPU memory its processes held on one GPU (NVML)
+    port: int | None = None  # its MASTER_PORT (None: the user's own, or none leased)
+    health: dict[str, Any] | None = None  # its GPUs' probe after it (None: not probed)
+    leak_checks: tuple[str, ...] = ()  # the leak kinds checked after it
+    folded: int = 0  # its warnings an earlier test's process gave (not replayed again)
+
+    @property
+    def complete(self) -> bool:
+        """No process ran, or it finished: it neither crashed nor timed out."""
+        return self.outcome is None or self.outcome.finished
+
+    def record(self, item: pytest.Item, attempt: int = 1, rerun: bool = False) -> dict[str, Any]:
+        record = build_record(
+            item.nodeid,
+            self.reports,
+            self.outcome,
+            self.spec,
+            self.lease,
+            self.verdict,
+            attempt,
+            rerun,
+            self.peak,
+            self.port,
+            self.health,
+            item.location,
+            self.leak_checks,
+        )
+        if self.folded:
+            record["warnings_folded"] = self.folded
+        return record
+
+
+@dataclass
+class Turn:
+    """What one test's run holds until it ends: its process (started, then running), its
+    lease (unless its pinned worker's) and its port. ``release`` gives back what is left,
+    its process first: killed and reaped if its run never got to ``wait``."""
+
+    started: Started | None = None
+    running: Running | None = None
+    lease: Lease | None = None
+    owned: bool = True  # the lease is the test's own (not its pinned worker's)
+    port: PortLease | None = None
+    probes: tuple[Probe, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)  # its process's, with its go
+
+    def go(self, state: State, bounds: Bounds) -> Running:
+        """Give its process its go: from now on the process is its run's."""
+        self.running = state.supervisor.go(self.started, self.env, self.probes, bounds)
+        self.started = None
+        return self.running
+
+    def release(self, state: State) -> None:
+        if self.running is not None and not self.running.waited:
+            state.launcher.discard(self.running.started)  # before its lease goes
+        self.running = None
+        if self.started is not None:
+            state.launcher.discard(self.started)
+            self.started = None
+        if self.lease is not None and self.owned:
+            state.leases.release(self.lease)
+            self.owned = False
+        if self.port is not None:
+            self.port.release()
+            self.port = None
+
+
+def run_item(item: pytest.Item, nextitem: pytest.Item | None) -> Ran:
+    """Run one attempt of an isolated test (its turn has come); ``finish_item`` or
+    ``mark_rerun`` then make its reports final.
+
+    In one line: its plan, its lease, its process (prewarmed, or started now), the go,
+    the next tests' processes started while it runs, the wait, the verdict."""
+    state = item.config.stash[STATE]
+    turn = Turn(state.prewarmer.take(item.nodeid) if state.prewarmer is not None else None)
+    warmed = False
+    spec = None
+    try:
+        plan = plan_for(item, state)  # its temporary directory may fail to be made
+        del item.stash[PLAN]  # another attempt plans afresh (a new basetemp)
+        spec = plan.spec
+        if plan.error is not None:
+            ran = Ran(setup_error_reports(item, plan.error))
+        elif plan.missing is not None:
+            ran = Ran(skip_reports(item, f"gpu-isolate: test needs {plan.missing}"))
+        else:
+            running = _go(item, plan, state, turn)
+            if isinstance(running, Ran):
+                ran = running
+            else:
+                _prewarm_safely(item, nextitem, state)
+                warmed = True
+                ran = _finish(item, plan, state, turn, running)
+                # the next tests of a module that taught the template: from its successor
+                taught = state.launcher.taught()
+                if taught is not None and state.prewarmer is not None:
+                    state.prewarmer.restart(taught)
+    except (StartError, workdir.WorkdirError) as exc:  # out of processes, files: this
+        ran = Ran(setup_error_reports(item, str(exc)), spec)  # test fails, the session
+    except OSError as exc:  # goes on
+        if exc.errno not in workdir.EXHAUSTED:
+            raise
+        why = f"could not watch the isolated process: {workdir.describe(exc)}"
+        ran = Ran(setup_error_reports(item, why), spec)
+    finally:
+        turn.release(state)
+    if ran.stop is None and not warmed:
+        _prewarm(item, nextitem, state)
+    return ran
+
+
+def finish_item(item: pytest.Item, nextitem: pytest.Item | None, ran: Ran, attempt: int) -> None:
+    """The test's last attempt: tear down the parent's fixtures ``nextitem`` no longer
+    needs (an error there fails this test's teardown), then attach the record."""
+    if ran.stop is None:
+        _teardown_parent_stack(item, nextitem, ran.reports)
+    attach_record(ran.reports, ran.record(item, attempt))  # once every report is final
+
+
+def mark_rerun(item: pytest.Item, ran: Ran, attempt: int) -> None:
+    """An attempt that runs again in a fresh process: its failed reports become "rerun"
+    (as pytest-rerunfailures logs them) and its record says so."""
+    record = ran.record(item, attempt, rerun=True)
+    for report in ran.reports:
+        if report.failed:
+            report.outcome = "rerun"  # type: ignore[assignment] - pytest-rerunfailures' word
+    attach_record(ran.reports, record)
+
+
+def stop_session(stop: dict[str, Any]) -> None:
+    """End the session as the test's ``pytest.exit()`` or Ctrl-C did in its process."""
+    if stop["interrupt"]:
+        raise KeyboardInterrupt(stop["message"])
+    pytest.exit(stop["message"], returncode=stop["returncode"])
+
+
+def _go(item: pytest.Item, plan: Plan, state: State, turn: Turn) -> Running | Ran:
+    """Lease the test's GPUs (in this process) and port, and give its process its go;
+    the ``Ran`` of a test that cannot get them."""
+    spec = plan.spec
+    launcher(item.config, state)
+    n = plan.gpus
+    if n > 0 and state.leases is not None:
+        pinned = pinning.within(state.pin, n, spec.gpu_memory, state.devices)
+        turn.owned = pinned is None
+        never = pinning.never_granted(state.leases, state.pin, n) if turn.owned else None
+        if never is not None:
+            return Ran(setup_error_reports(item, never), spec)
+        if turn.started is None and turn.owned:  # start its process while it waits: the
+            turn.started = _warm_while_waiting(plan, state)  # lease is used from its first ms
+        try:
+            turn.lease = turn.lease or health(state).lease(
+                n, item.nodeid, state.settings.lease_timeout, spec.gpu_memory, pinned
+            )
+        except LeaseError as exc:  # a timeout, a slot-count conflict, a stuck table
+            return Ran(setup_error_reports(item, str(exc)))
+    env = state.leases.child_env(turn.lease) if state.leases is not None else {}
+    env.setdefault(MEMORY_ENV, "")  # no lease of memory: never one inherited from our env
+    if state.master_port:
+        try:
+            turn.port = ports.lease()
+        except ports.PortError as exc:
+            return Ran(setup_error_reports(item, str(exc)), spec)
+        except OSError as exc:  # out of descriptors: starting its process fails too,
+            if exc.errno not in workdir.EXHAUSTED:  # and says why
+                raise
+        if turn.port is not None:
+            env.update(turn.port.env())
+    turn.env = env
+    turn.started = state.launcher.ready(turn.started, plan.job, env)
+    turn.probes = _probes(spec, state, turn.lease)
+    return turn.go(state, Bounds(spec.timeout, spec.startup_timeout, spec.grace))
+
+
+def _finish(item: pytest.Item, plan: Plan, state: State, turn: Turn, running: Running) -> Ran:
+    """Wait for the test's process, give back its lease and port, and judge what it did."""
+    spec = plan.spec
+    outcome = running.wait()
+    if outcome.stale is not None:  # it initialised CUDA before it knew its GPUs: run a fresh one
+        state.launcher.replaced(outcome.stale)
+        turn.started = state.launcher.start(plan.job, dict(turn.env))
+        turn.probes = _probes(spec, state, turn.lease)
+        outcome = turn.go(state, running.bounds).wait()
+        outcome.prewarmed = False
+    lease = turn.lease
+    checked = None  # its GPUs probed, before anyone else may lease them
+    checks = health(state)
+    if lease is not None and checks is not None:
+        checked = checks.after(item.nodeid, lease, outcome)
+    number = turn.port.port if turn.port is not None else None
+    turn.release(state)
+    start_error = _tell_start_problems(item, state)
+    leaks = outcome.leaks + [torch_check.leak(data) for data in outcome.torch_leaks]
+    known = state.baseline.kinds(item.nodeid) if state.baseline is not None else frozenset()
+    verdict = judge(leaks, dict(state.settings.leaks), spec.allow_leaks, known)
+    seen = state.warned if state.settings.warnings == "once" else None
+    folded = replay.replay_warnings(item.config, outcome.warnings, seen)
+    verdict = replay.warn_leaks(item, verdict)
+    replay.replay_junit(item.config, outcome.junit)
+    replay.warn_cuda_without_gpu(item, spec.gpus == 0, outcome.driver)
+    if outcome.finished and outcome.output:
+        replay.echo(item.config, outcome.output)
+    stop = outcome.exits or start_error
+    reports = item_reports(item, spec, outcome, verdict)
+    payload: dict[str, Any] = {}
+    for sent in outcome.payloads:  # one, unless a plugin misbehaved
+        payload.update(sent)
+        item.config.hook.pytest_gpuiso_parent_payload(item=item, payload=sent, reports=reports)
+    peak = next((p.peak for p in turn.probes if isinstance(p, GpuMemoryProbe)), None)
+    stopped = stop[0] if stop else None
+    kinds = {p.kind for p in turn.probes} | {"process"}  # the sweep always runs
+    ran = [k for k in KINDS if k in kinds and state.settings.leak_level(k) != "off"]
+    checks = () if outcome.interrupted else tuple(ran)
+    return Ran(
+        reports,
+        spec,
+        outcome,
+        lease,
+        verdict,
+        stopped,
+        payload,
+        peak,
+        number,
+        checked,
+        checks,
+        folded,
+    )
+
+
+def _warm_while_waiting(plan: Plan, state: State) -> Started | None:
+    """Start a test's process ahead of its lease, as prewarming does (seeing no GPU until
+    its go); None when prewarming is off for the session."""
+    if state.prewarmer is None or state.prewarmer.disabled is not None:
+        return None
+    try:
+        return state.launcher.start(plan.job, dict(HIDDEN_GPUS), warm=True)
+    except StartError:
+        return None  # its run starts it again, and reports why it cannot
+
+
+def _probes(spec: IsolationSpec, state: State, lease: Lease | None) -> tuple[Probe, ...]:
+    """The leak probes of one test, besides the process sweep (which always runs)."""
+    s = state.settings
+    probes: list[Probe] = []
+    if s.leak_level("shm") != "off":
+        cleanup = s.cleanup and "shm" not in spec.allow_leaks
+        probes.append(ShmProbe(s.shm_ignore, cleanup=cleanup, alone=not state.parallel))
+    if lease is not None and s.leak_level("gpu_memory") != "off" and state.nvml.available():
+        shared = s.slots > 1 or spec.gpu_memory is not None  # other tests may share its GPUs
+        probes.append(GpuMemoryProbe(state.nvml, lease.devices, s.gpu_tolerance_mib, shared=shared))
+    return tuple(probes)
+
+
+def _prewarm_safely(item: pytest.Item, nextitem: pytest.Item | None, state: State) -> None:
+    """``_prewarm`` while the test runs: a failure there must not cost the test."""
+    try:
+        _prewarm(item, nextitem, state)
+    except Exception as exc:
+        state.launcher.notice(f"prewarming failed: {exc}")
+
+
+def _prewarm(item: pytest.Item, nextitem: pytest.Item | None, state: State) -> None:
+    """Have the processes of the next isolated tests started (see ``prewarm``): the
+    first ``depth`` isolated tests past this one, those that run in a process."""
+    try:
+        launcher(item.config, state)
+    except workdir.WorkdirError:
+        return  # each test's own start says why
+    prewarmer = state.prewarmer
+    if prewarmer is None or prewarmer.disabled is not None:
+        return
+    candidates = prewarmer.following(item.session.items, nextitem, state.parallel)
+    upcoming = list({c.nodeid: c for c in candidates if isolated(c)}.values())
+    jobs = []
+    for candidate in upcoming[: prewarmer.depth]:
+        try:
+            plan = plan_for(candidate, state)
+        except OSError:  # its temporary directory: its own run says why
+            continue
+        if plan.runs:
+            jobs.append(WarmJob(candidate.nodeid, plan.job, plan.warm_env))
+    prewarmer.refill(jobs)
+
+
+def _tell_start_problems(item: pytest.Item, state: State) -> list[dict]:
+    """Say once (as a warning of the session) that the fork server or prewarming is not
+    used, and why. A filter that makes ``GpuIsoStartWarning`` an error ends the session
+    after this test, as a usage error (returned as the stop of ``Ran``)."""
+    messages = state.launcher.news()
+    prewarmer, stale = state.prewarmer, state.launcher.stale
+    if stale and prewarmer is not None and prewarmer.disabled is None:
+        prewarmer.disable(stale)  # the notices say why
+    for text in messages:  # the session's, not this test's: no test location
+        if not warn_session(item.config, GpuIsoStartWarning(f"gpu-isolate: {text}")):
+            message = f"gpu-isolate: {text} (GpuIsoStartWarning is an error by -W/filterwarnings)"
+            return [dict(interrupt=False, message=message, returncode=pytest.ExitCode.USAGE_ERROR)]
+    return []
+
+
+def _teardown_parent_stack(item: pytest.Item, nextitem: pytest.Item | None, reports: list) -> None:
+    """Tear down fixtures that earlier in-process tests left up and ``nextitem`` no longer needs.
+
+    In-process, this teardown would belong to the test run just before
+    ``nextitem``, so an error in it fails this test's teardown (an expected failure
+    of an xfail test, as pytest's skipping plugin makes it in-process).
+    """
+    setupstate = _compat.setup_state(item.session)
+    if setupstate is None or not setupstate.stack:
+        return
+    settle(item.config)  # pytest's own code runs: see settle
+    call = pytest.CallInfo.from_call(lambda: setupstate.teardown_exact(nextitem), when="teardown")
+    if call.excinfo is None or not reports or reports[-1].when != "teardown":
+        return
+    failed = item.ihook.pytest_runtest_makereport(item=item, call=call)
+    apply_xfail(item, failed, call.excinfo.value)
+    failed.sections = list(reports[-1].sections) + list(failed.sections)
+    reports[-1] = failed

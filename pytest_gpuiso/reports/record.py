@@ -1,0 +1,60 @@
+"""The JSON record of one isolated test, read: its schema's helpers.
+
+Records ride on the test's last report (``RECORD_ATTR``), so under xdist the
+controller receives every worker's records test by test, even from a worker that
+later crashes. ``parent.recording`` builds them; ``report`` writes them out (JSON,
+Markdown, terminal).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+SCHEMA_VERSION = 1
+RECORD_ATTR = "gpu_isolate"  # attribute of the last report; survives xdist serialization
+
+
+def is_number(value: Any) -> bool:
+    """A record's number field holds one (JSON's true and false are not numbers here)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def last_attempts(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each test's last attempt (pytest-rerunfailures: a record per attempt), by node id."""
+    found: dict[str, dict[str, Any]] = {}
+    for record in records:
+        attempt = record.get("attempt") if is_number(record.get("attempt")) else 1
+        kept = found.get(record["nodeid"])
+        if kept is None or attempt >= (kept.get("attempt") or 1):
+            found[record["nodeid"]] = record
+    return found
+
+
+def counted_leaks(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """The record's leaks that count: not allowed by its marker, not known (the baseline)."""
+    return [
+        leak
+        for leak in record.get("leaks", [])
+        if not leak.get("allowed") and leak.get("level") != "known"
+    ]
+
+
+def known_count(records: list[dict[str, Any]]) -> int:
+    """How many reported leaks the leak baseline knew (not counted)."""
+    return sum(1 for r in records for leak in r.get("leaks", []) if leak.get("level") == "known")
+
+
+def leak_kinds(record: dict[str, Any]) -> dict[str, str]:
+    """Leak kind -> the first such leak's detail, of the record's leaks its marker did not
+    allow (known ones included)."""
+    kinds: dict[str, str] = {}
+    for leak in record.get("leaks", []):
+        if not leak.get("allowed"):
+            kinds.setdefault(leak["kind"], leak["detail"])
+    return kinds
+
+
+def record_of(report: Any) -> dict[str, Any] | None:
+    """The record a report carries, if it is a test's last report."""
+    record = getattr(report, RECORD_ATTR, None)
+    return record if isinstance(record, dict) else None

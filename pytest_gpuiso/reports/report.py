@@ -1,0 +1,486 @@
+"""Reports of the isolated tests: JSON, terminal summary, Markdown (``shards`` merges them).
+
+Every report is made from the same records (schema version 1; one per isolated test
+and attempt: a test rerun by pytest-rerunfailures counts once), so a merged report
+of CI shards reads exactly like one session's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import stat
+import tempfile
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from ..settings import KINDS, SpecError, size_text
+from .baseline import baseline_lines, fixed_table
+from .mdtext import cell as _cell
+from .mdtext import code_cell as _code_cell
+from .mdtext import kind_cell as _kind
+from .record import SCHEMA_VERSION, counted_leaks, is_number, known_count
+
+STEP_SUMMARY_ENV = "GITHUB_STEP_SUMMARY"  # GitHub Actions' file for a step's Markdown
+MARKDOWN_ROWS = 200  # leak rows in the Markdown table; GitHub truncates huge summaries
+WORST = 5  # tests listed as worst offenders in the terminal
+# A name that is not UTF-8 (a /dev/shm entry's) is a lone surrogate in our text: written
+# as its escape (valid in JSON strings), never an error that loses the report.
+UNENCODABLE = "backslashreplace"
+
+
+def write_json(
+    path: Path, records: list[dict[str, Any]], baseline: dict[str, Any] | None = None
+) -> None:
+    """Write the report atomically (a reader never sees half a file); ``baseline``: what
+    the session made of its leak baseline (``Baseline.summary``)."""
+    document: dict[str, Any] = {"version": SCHEMA_VERSION, "tests": records}
+    if baseline is not None:
+        document["baseline"] = baseline
+    _write_atomic(path, json.dumps(document, indent=2, ensure_ascii=False) + "\n")
+
+
+def check_output(value: str, what: str, base: str) -> None:
+    """Fail now, not at the session's end, when a report cannot be written at ``value``
+    (relative to ``base``): its folder (or the nearest one that exists: the writer makes
+    the rest) must be a directory in which a file can be created."""
+    path = os.path.normpath(os.path.join(base, value))
+    problem = f"invalid value {value!r} for {what}"
+    if os.path.isdir(path):
+        raise SpecError(f"{problem}: {path} is a directory")
+    if written_in_place(path):  # /dev/null, /dev/stdout, a FIFO: appended to
+        if not os.access(path, os.W_OK):
+            raise SpecError(f"{problem}: {path} cannot be written")
+        return  # its folder needs no room
+    path = os.path.realpath(path)  # a link to a file: the file is replaced, in its folder
+    folder = os.path.dirname(path)
+    while not os.path.lexists(folder):
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        raise SpecError(f"{problem}: {folder} is not a directory")
+    try:  # os.access() says yes to root, even where nothing can be created (/proc)
+        fd, probe = tempfile.mkstemp(prefix=".gpuiso-check-", dir=folder)
+    except OSError as exc:
+        raise SpecError(f"{problem}: cannot write in {folder} ({exc.strerror or exc})") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+def written_in_place(path: str | os.PathLike) -> bool:
+    """Whether an output file at ``path`` must be written into, not replaced: a device, a
+    FIFO, a socket, or one of a process's descriptors (``/dev/stdout`` links to
+    ``/proc/self/fd/1``, which may be the file pytest's output is redirected to).
+    Renaming a new file over any of those would replace the node (or the ``/dev`` link)
+    itself. False for a path that does not exist, a regular file, or a link to one."""
+    current = os.fspath(path)
+    for _ in range(40):  # the kernel's own limit on links followed
+        try:
+            st = os.lstat(current)
+        except OSError:
+            return False
+        if not stat.S_ISLNK(st.st_mode):
+            return not stat.S_ISREG(st.st_mode)
+        try:
+            target = os.readlink(current)
+        except OSError:
+            return False
+        current = os.path.normpath(os.path.join(os.path.dirname(current), target))
+        if current == "/proc" or current.startswith("/proc/"):
+            return True
+    return False
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all (a temporary file renamed over it).
+
+    A device, a FIFO or a descriptor (``/dev/null``, ``/dev/stdout``) is appended to
+    instead (``written_in_place``); for a link to a regular file, the file is
+    replaced and the link kept.
+    """
+    if written_in_place(path):
+        with open(path, "a", encoding="utf-8", errors=UNENCODABLE) as f:
+            f.write(text)
+        return
+    path = Path(os.path.realpath(path))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:  # a file where the folder should be: say that, not "File exists"
+        raise NotADirectoryError(
+            errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path.parent)
+        ) from None
+    fd, tmp = tempfile.mkstemp(prefix=".gpuiso-", suffix=path.suffix, dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", errors=UNENCODABLE) as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, Ctrl-C: leave no temporary file behind
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _ended(record: dict[str, Any]) -> str | None:
+    """'timed out' / 'crashed' text of a record, None for a process that ended normally."""
+    exit_ = record["exit"]
+    if exit_["timed_out"]:
+        how = f", ended by {exit_['signal']}" if exit_["signal"] else ""
+        return f"{bound(record)}{how}"
+    if record["outcome"] == "interrupted":  # Ctrl-C: pytest stopped it, it did not crash
+        return "interrupted"
+    if exit_["signal"]:
+        return f"crashed with {exit_['signal']}"
+    return None
+
+
+def bound(record: dict[str, Any], test: str = "timed out after") -> str:
+    """Which bound a timed-out test ran past: "timed out after 2 s" (``test`` names the
+    test's own timeout), "did not finish starting within 300 s", "did not exit within
+    300 s after its test"."""
+    expired = record["exit"].get("expired") or "test"  # records before it had only tests
+    seconds = record.get("startup_timeout")
+    within = f" within {seconds:g} s" if is_number(seconds) else ""
+    if expired == "startup":
+        return f"did not finish starting{within}"
+    if expired == "exit":
+        return f"did not exit{within} after its test"
+    return f"{test} {record['timeout']:g} s"
+
+
+def leak_counts(records: list[dict[str, Any]]) -> Counter[str]:
+    return Counter(leak["kind"] for r in records for leak in counted_leaks(r))
+
+
+def _tests(records: list[dict[str, Any]]) -> int:
+    """How many tests the records are of (a rerun test has one record per attempt)."""
+    return len({r["nodeid"] for r in records})
+
+
+def _attempt(record: dict[str, Any]) -> str:
+    """The attempt of a rerun test's record, as " (attempt 2)"; "" for other records."""
+    attempt = record.get("attempt", 1)
+    return f" (attempt {attempt})" if record["outcome"] == "rerun" or attempt != 1 else ""
+
+
+def terminal_summary(
+    tr: Any,
+    records: list[dict[str, Any]],
+    path: Path | None,
+    baseline: dict[str, Any] | None = None,
+) -> None:
+    timed_out = [r for r in records if r["exit"]["timed_out"]]
+    crashed = [
+        r
+        for r in records
+        if r["exit"]["signal"] and not r["exit"]["timed_out"] and r["outcome"] != "interrupted"
+    ]
+    escaped = sum(len(r.get("escaped", [])) for r in records)
+    reruns = sum(1 for r in records if r["outcome"] == "rerun")
+    tr.write_sep("-", "gpu-isolate")
+    parts = [f"{_tests(records)} isolated"] + ([f"{reruns} rerun"] if reruns else [])
+    parts += [f"{len(timed_out)} timed out", f"{len(crashed)} crashed"]
+    if escaped:
+        parts.append(f"{escaped} escaped processes killed")
+    tr.write_line("gpu-isolate: " + ", ".join(parts))
+    starts = start_counts(records)
+    if starts:
+        tr.write_line("gpu-isolate: started " + starts)
+    cost = cost_line(records)
+    if cost:
+        tr.write_line("gpu-isolate: " + cost)
+    folded = sum(r["warnings_folded"] for r in records if is_number(r.get("warnings_folded")))
+    if folded:
+        tr.write_line(
+            f"gpu-isolate: {folded:,} warning{'s' if folded != 1 else ''} repeated by later "
+            "tests' processes shown once (--gpu-isolate-warnings=each shows each)"
+        )
+    for r in timed_out:
+        tr.write_line(f"  TIMEOUT {r['nodeid']}{_attempt(r)} ({bound(r, test='after')})")
+    for r in crashed:
+        tr.write_line(f"  CRASHED {r['nodeid']}{_attempt(r)} ({r['exit']['signal']})")
+    for nodeid, device, problem, _ in quarantines(records):
+        tr.write_line(f"  QUARANTINED GPU {device} after {nodeid}: {problem}")
+    if path is not None:
+        tr.write_line(f"gpu-isolate: JSON report written to {path}")
+    leaky = [r for r in records if r.get("leaks")]
+    if leaky:
+        leak_summary(tr, records)
+    if baseline is not None:
+        for line in baseline_lines(baseline, WORST):
+            tr.write_line(line)
+
+
+def notable(records: list[dict[str, Any]]) -> bool:
+    """Whether the records hold something to look at: a timeout, a crash, an escaped
+    process or a reported leak (``-qq`` shows the gpu-isolate summary only then)."""
+    return bool(quarantines(records)) or any(
+        r["exit"]["timed_out"] or r["exit"]["signal"] or r.get("escaped") or counted_leaks(r)
+        for r in records
+    )
+
+
+def quarantines(records: list[dict[str, Any]]) -> list[tuple[str, str, str, str]]:
+    """(test, GPU, what failed, why it was probed) for each GPU a test's run left unfit
+    and that was quarantined after it (``health``)."""
+    found = []
+    for r in records:
+        checked = r.get("gpu_health")
+        if isinstance(checked, dict) and isinstance(checked.get("quarantined"), dict):
+            for device, problem in sorted(checked["quarantined"].items()):
+                found.append((r["nodeid"], str(device), str(problem), str(checked.get("probed"))))
+    return found
+
+
+def startup_durations(tr: Any, records: list[dict[str, Any]], config: Any) -> None:
+    """With ``--durations``: each isolated test's start-up (its turn until it began: the
+    process, plugins, the module's import), which the durations table (setup, call,
+    teardown, the test's own time) leaves out; slowest first, with its wall time."""
+    count, minimum = config.option.durations, config.option.durations_min
+    if minimum is None:
+        minimum = 0.005 if config.get_verbosity() < 2 else 0.0
+    timed = [r for r in records if is_number(r.get("startup"))]
+    timed.sort(key=lambda r: -r["startup"])
+    if count > 0:
+        timed = timed[:count]
+    tr.write_sep("=", f"slowest {count or ''} isolated start-ups".replace("  ", " "))
+    for n, r in enumerate(timed):
+        if r["startup"] < minimum:
+            tr.write_line(f"({len(timed) - n} start-ups < {minimum:g}s hidden.)")
+            break
+        tr.write_line(f"{r['startup']:.2f}s startup {r['nodeid']} (wall {r['wall']:.2f}s)")
+
+
+def cost_line(records: list[dict[str, Any]]) -> str:
+    """What isolation cost the session, from each record: the time each test's process
+    took beyond the test's own setup, call and teardown (``wall - duration``: its start
+    from its turn, and its exit), and apart from it the time tests waited for GPUs
+    (``lease_wait``: contention, not isolation). "" when no isolated process ran."""
+    ran = [r for r in records if is_number(r.get("startup")) and is_number(r.get("wall"))]
+    if not ran:
+        return ""
+    total = sum(max(0.0, r["wall"] - (r.get("duration") or 0.0)) for r in ran)
+    each = total / len(ran)
+    line = (
+        f"isolation cost {_seconds(total)} over {len(ran):,} test{'s' if len(ran) != 1 else ''}"
+        f" (~{each * 1000:.0f} ms a test) beyond their own setup, call and teardown"
+    )
+    waited = sum(r["lease_wait"] for r in records if is_number(r.get("lease_wait")))
+    if waited >= 0.05:
+        line += f"; {_seconds(waited)} waiting for GPUs"
+    return line
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.1f} s" if value < 100 else f"{value:,.0f} s"
+
+
+def start_counts(records: list[dict[str, Any]]) -> str:
+    """How the isolated processes started, e.g. "38 forkserver, 2 spawn; 39 prewarmed".
+
+    With the fork server, or prewarmed processes that collected ahead, also how many
+    had their module collected before their turn, and why the others were not when
+    the fork server gave up on collecting.
+    """
+    methods: dict[str, int] = {}
+    prewarmed = collected = 0
+    why = ""
+    for r in records:
+        start = r.get("start") or {}
+        if start.get("method"):
+            methods[start["method"]] = methods.get(start["method"], 0) + 1
+            prewarmed += bool(start.get("prewarmed"))
+            collected += bool(start.get("collected"))
+            why = why or start.get("uncollected") or ""
+    text = ", ".join(f"{n} {method}" for method, n in sorted(methods.items()))
+    if not text:
+        return ""
+    text += f"; {prewarmed} prewarmed"
+    if "forkserver" in methods or collected:
+        text += f"; {collected} pre-collected" + (f" ({why})" if why else "")
+    return text
+
+
+def leak_summary(tr: Any, records: list[dict[str, Any]]) -> None:
+    """The ``gpu-isolate leak summary`` section: counts per kind, the worst tests."""
+    counts = leak_counts(records)
+    allowed = sum(1 for r in records for leak in r.get("leaks", []) if leak.get("allowed"))
+    tr.write_sep("-", "gpu-isolate leak summary")
+    by_test: dict[str, list[dict[str, Any]]] = {}  # every attempt's leaks, a test once
+    for r in records:
+        if counted_leaks(r):
+            by_test.setdefault(r["nodeid"], []).extend(counted_leaks(r))
+    line = ", ".join(f"{counts[kind]} {kind}" for kind in KINDS)
+    tr.write_line(f"gpu-isolate: {sum(counts.values())} leaks in {len(by_test)} tests ({line})")
+    if allowed:
+        tr.write_line(f"gpu-isolate: {allowed} more allowed by allow_leaks markers")
+    known = known_count(records)
+    if known:
+        tr.write_line(f"gpu-isolate: {known} more known from the leak baseline")
+    worst = sorted(by_test.items(), key=lambda test: -len(test[1]))
+    for nodeid, leaks in worst[:WORST]:
+        kinds = Counter(leak["kind"] for leak in leaks)
+        what = ", ".join(f"{n} {kind}" for kind, n in kinds.items())
+        tr.write_line(f"  {nodeid}: {what}")
+        for leak in leaks[:3]:
+            tr.write_line(f"    {leak['kind']}: {leak['detail']}")
+        if len(leaks) > 3:
+            tr.write_line(f"    ... {len(leaks) - 3} more in the JSON report")
+    if len(worst) > WORST:
+        tr.write_line(f"  ... {len(worst) - WORST} more tests with leaks")
+
+
+def markdown(
+    records: list[dict[str, Any]],
+    title: str = "pytest-gpuiso",
+    baseline: dict[str, Any] | None = None,
+) -> str:
+    """A summary for PR checks: totals, a test x kind x detail table, timeouts and crashes.
+
+    Each table lists at most ``MARKDOWN_ROWS`` rows; the rest are counted.
+    """
+    counts = leak_counts(records)
+    outcomes = Counter(r["outcome"] for r in records)
+    ended = [(r, how) for r in records if (how := _ended(r))]
+    leaky = [r for r in records if counted_leaks(r)]
+    allowed = sum(1 for r in records for leak in r.get("leaks", []) if leak.get("allowed"))
+    lines = [f"## {title}", ""]
+    outcome_text = ", ".join(f"{n} {_cell(o)}" for o, n in sorted(outcomes.items()))
+    lines.append(f"**{_tests(records)} isolated tests** ({outcome_text or 'none'})")
+    lines.append("")
+    lines.append("| leaks | " + " | ".join(KINDS) + " | timeouts | crashes |")
+    lines.append("|---" * (len(KINDS) + 3) + "|")
+    timeouts = sum(1 for r in records if r["exit"]["timed_out"])
+    crashes = len(ended) - timeouts
+    lines.append(
+        f"| {sum(counts.values())} in {_tests(leaky)} tests | "
+        + " | ".join(str(counts[k]) for k in KINDS)
+        + f" | {timeouts} | {crashes} |"
+    )
+    if allowed:
+        leaks = f"{allowed} leak{'s' if allowed != 1 else ''}"
+        lines += ["", f"Not counted: {leaks} allowed by `allow_leaks` markers."]
+    known = known_count(records)
+    if known:
+        leaks = f"{known} leak{'s' if known != 1 else ''}"
+        lines += ["", f"Not counted: {leaks} known from the leak baseline."]
+    if leaky:
+        lines += ["", "### Leaks", "", "| test | kind | detail |", "|---|---|---|"]
+        rows = [(r["nodeid"], leak) for r in leaky for leak in counted_leaks(r)]
+        for nodeid, leak in rows[:MARKDOWN_ROWS]:
+            lines.append(
+                f"| {_code_cell(nodeid)} | {_kind(leak['kind'])} | {_cell(leak['detail'])} |"
+            )
+        if len(rows) > MARKDOWN_ROWS:
+            more = len(rows) - MARKDOWN_ROWS
+            lines += [
+                "",
+                f"{more} more {'leak is' if more == 1 else 'leaks are'} in the JSON report.",
+            ]
+    if ended:
+        lines += ["", "### Timeouts and crashes", "", "| test | outcome | how it ended |"]
+        lines.append("|---|---|---|")
+        for r, how in ended[:MARKDOWN_ROWS]:
+            lines.append(f"| {_code_cell(r['nodeid'])} | {_cell(r['outcome'])} | {_cell(how)} |")
+        if len(ended) > MARKDOWN_ROWS:
+            more = len(ended) - MARKDOWN_ROWS
+            what = "timeout or crash is" if more == 1 else "timeouts and crashes are"
+            lines += ["", f"{more} more {what} in the JSON report."]
+    if not leaky and not ended:
+        lines += ["", "No leaks, timeouts or crashes."]
+    more = _health(records) + fixed_table(baseline, MARKDOWN_ROWS) + _right_size(records)
+    return "\n".join(lines + more) + "\n"
+
+
+def _health(records: list[dict[str, Any]]) -> list[str]:
+    """The "GPU health" part: each GPU quarantined after a test, what failed and why."""
+    found = quarantines(records)
+    if not found:
+        return []
+    lines = ["", "### GPU health", ""]
+    lines += ["Quarantined for every session of the user until `python -m pytest_gpuiso reset"]
+    lines += ["--device N` re-probes and lifts it.", ""]
+    lines += ["| GPU | after test | probed because | what failed |", "|---|---|---|---|"]
+    for nodeid, device, problem, why in found[:MARKDOWN_ROWS]:
+        lines.append(
+            f"| {_cell(device)} | {_code_cell(nodeid)} | {_cell(why)} | {_cell(problem)} |"
+        )
+    return lines
+
+
+LEASE_LOW = 0.25  # a peak below this share of the lease: the lease could shrink
+
+
+def _right_size(records: list[dict[str, Any]]) -> list[str]:
+    """The "right-size your leases" table: tests whose GPU memory peak (NVML) was far below
+    their lease (others could have run beside them) or above it (not enforced: CUDA
+    used outside torch's allocator), with a gpu_memory= that fits the peak."""
+    peaks: dict[str, tuple[int, int]] = {}
+    for r in records:
+        lease, peak = r.get("gpu_memory"), r.get("gpu_memory_peak")
+        if is_number(lease) and is_number(peak) and lease > 0:
+            peaks[r["nodeid"]] = (lease, max(peak, peaks.get(r["nodeid"], (0, 0))[1]))
+    rows = [
+        (n, lease, peak) for n, (lease, peak) in peaks.items() if not LEASE_LOW <= peak / lease <= 1
+    ]
+    if not rows:
+        return []
+    lines = ["", "### Right-size your leases", ""]
+    lines += ["GPU memory peak (NVML, sampled) far below or above the test's lease.", ""]
+    lines += ["| test | lease | peak | try |", "|---|---|---|---|"]
+    for nodeid, lease, peak in sorted(rows, key=lambda row: row[2] - row[1])[:MARKDOWN_ROWS]:
+        fit = -(-int(peak * 1.25) // (1 << 28)) / 4  # 25% headroom, in quarters of a GiB
+        try_ = f'`gpu_memory="{max(fit, 0.25):g}GiB"`'
+        cells = f"{size_text(lease, '.2f')} | {size_text(peak, '.2f')}"
+        lines.append(f"| {_code_cell(nodeid)} | {cells} | {try_} |")
+    if len(rows) > MARKDOWN_ROWS:
+        lines += ["", f"{len(rows) - MARKDOWN_ROWS} more in the JSON report."]
+    return lines
+
+
+def write_markdown(
+    path: Path | None, records: list[dict[str, Any]], baseline: dict[str, Any] | None = None
+) -> list[str]:
+    """Write the Markdown summary to ``path`` and append it to ``$GITHUB_STEP_SUMMARY``.
+
+    Returns where it went. A step summary that cannot be written is skipped with
+    its reason (a CI convenience must never fail the session).
+    """
+    text = markdown(records, baseline=baseline)
+    written = []
+    if path is not None:
+        write_text(path, text)
+        written.append(str(path))
+    if step_summary_path():
+        problem = append_step_summary(text)
+        step = f"${STEP_SUMMARY_ENV}"
+        written.append(f"not {step} ({problem})" if problem else step)
+    return written
+
+
+def write_text(path: Path, text: str) -> None:
+    """Write a text file atomically, like the JSON report."""
+    _write_atomic(path, text)
+
+
+def step_summary_path() -> str | None:
+    """The file of ``$GITHUB_STEP_SUMMARY`` (GitHub Actions), None where it is not set."""
+    return os.environ.get(STEP_SUMMARY_ENV) or None
+
+
+def append_step_summary(text: str) -> str | None:
+    """Append ``text`` to ``$GITHUB_STEP_SUMMARY`` when it is set.
+
+    Returns None when done (or not set), else why not, naming the file.
+    """
+    step = step_summary_path()
+    if step is None:
+        return None
+    try:
+        with open(step, "a", encoding="utf-8", errors=UNENCODABLE) as f:
+            f.write(text)
+    except OSError as exc:
+        return f"{exc.strerror}: {step}"
+    return None

@@ -1,0 +1,164 @@
+"""Shard reports read back and merged (``python -m pytest_gpuiso merge``).
+
+Each JSON report is checked before anything is written: a regular file of bounded
+size, JSON, our schema version, and every record usable by the reports; problems are
+one ``ReportError`` line naming the file. Merged records name their shard.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import stat
+from typing import Any
+
+from ..settings import KINDS
+from .record import SCHEMA_VERSION, is_number
+
+# The largest report ``merge`` reads: a record is about 1 KiB, so a million tests.
+MAX_REPORT_BYTES = 1 << 30
+
+
+class ReportError(ValueError):
+    """A report file that cannot be read or merged; the message names the file."""
+
+
+MAX_INT = (1 << 63) - 1  # no field of ours holds more (bytes, ports, counts)
+
+
+def _bad_number(value: Any, where: str) -> str | None:
+    """The first number in ``value`` (at ``where``) that no record of ours can hold: NaN,
+    an infinity (JSON has neither, Python's json reads both) or an int beyond 63 bits."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"{where!r} is {value!r}, not a finite number"
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
+        return f"{where!r} is an integer of {len(str(abs(value)))} digits, beyond 64 bits"
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found = _bad_number(item, f"{where}.{key}" if where else str(key))
+            if found:
+                return found
+    if isinstance(value, list):
+        for n, item in enumerate(value):
+            found = _bad_number(item, f"{where}[{n}]")
+            if found:
+                return found
+    return None
+
+
+def _record_problem(record: Any) -> str | None:
+    """What makes a test record unusable for the reports, None if nothing does."""
+    if not isinstance(record, dict):
+        return "not an object"
+    bad = _bad_number(record, "")
+    if bad:
+        return bad
+    for key in ("nodeid", "outcome"):
+        if not isinstance(record.get(key), str):
+            return f"{key!r} is not a string"
+    exit_ = record.get("exit")
+    if not isinstance(exit_, dict):
+        return "'exit' is not an object"
+    if not isinstance(exit_.get("timed_out"), bool):
+        return "'exit.timed_out' is not true or false"
+    if not (exit_.get("signal") is None or isinstance(exit_["signal"], str)):
+        return "'exit.signal' is not a string or null"
+    timeout = record.get("timeout")
+    if not (is_number(timeout) or (timeout is None and not exit_["timed_out"])):
+        return "'timeout' is not a number"
+    for key in ("leaks", "escaped"):
+        if not isinstance(record.get(key, []), list):
+            return f"{key!r} is not a list"
+    for n, leak in enumerate(record.get("leaks", [])):
+        if not isinstance(leak, dict) or not isinstance(leak.get("detail"), str):
+            return f"leak {n} has no 'detail' string"
+        if leak.get("kind") not in KINDS:
+            return f"leak {n} has kind {leak.get('kind')!r}, expected one of {', '.join(KINDS)}"
+    return None
+
+
+def _read_report(path: str) -> bytes:
+    """A report file's bytes: a regular file of at most ``MAX_REPORT_BYTES``.
+
+    Opened without blocking (a FIFO would wait for a writer) and checked before it is
+    read (``/dev/zero`` would be read forever).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ReportError(f"{path}: cannot read: {exc.strerror}") from None
+    st = os.fstat(fd)
+    problem = None
+    if stat.S_ISDIR(st.st_mode):
+        problem = "cannot read: Is a directory"
+    elif not stat.S_ISREG(st.st_mode):
+        problem = "not a regular file"
+    elif st.st_size > MAX_REPORT_BYTES:
+        problem = f"{st.st_size} bytes, more than a report can be ({MAX_REPORT_BYTES} at most)"
+    if problem is not None:
+        os.close(fd)
+        raise ReportError(f"{path}: {problem}")
+    with os.fdopen(fd, "rb") as f:
+        try:
+            data = f.read(MAX_REPORT_BYTES + 1)
+        except OSError as exc:
+            raise ReportError(f"{path}: cannot read: {exc.strerror}") from None
+    if len(data) > MAX_REPORT_BYTES:  # it grew while we read it
+        raise ReportError(f"{path}: more than {MAX_REPORT_BYTES} bytes")
+    return data
+
+
+def load(path: str) -> list[dict[str, Any]]:
+    """The records of one JSON report; ``ReportError`` names the file and the problem."""
+    document = read_json(path)
+    if not isinstance(document, dict) or not isinstance(document.get("tests"), list):
+        raise ReportError(f"{path}: not a pytest-gpuiso report (no 'tests' list)")
+    return records_of(path, document)
+
+
+def read_json(path: str) -> Any:
+    """A JSON file's document (a report, a leak baseline); ``ReportError`` says why not."""
+    data = _read_report(path)
+    if not data.strip():
+        raise ReportError(f"{path}: empty file")
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
+        raise ReportError(f"{path}: not JSON (truncated?): {exc}") from None
+
+
+def records_of(path: str, document: dict[str, Any]) -> list[dict[str, Any]]:
+    """The checked records of a report's document (``{"version": 1, "tests": [...]}``)."""
+    version = document.get("version")
+    if not is_number(version) or version != SCHEMA_VERSION:
+        raise ReportError(f"{path}: report version {version!r}, expected {SCHEMA_VERSION}")
+    for n, record in enumerate(document["tests"]):
+        problem = _record_problem(record)
+        if problem:
+            raise ReportError(f"{path}: test record {n} is malformed: {problem}")
+    return document["tests"]
+
+
+def duplicates(records: list[dict[str, Any]]) -> list[str]:
+    """One line for each test found in more than one shard (sharding that overlaps)."""
+    shards: dict[str, list[str]] = {}
+    for r in records:
+        seen = shards.setdefault(r["nodeid"], [])
+        if r.get("shard") not in seen:
+            seen.append(r.get("shard"))
+    return [
+        f"{nodeid} is in {len(found)} shards: {', '.join(map(str, found))}"
+        for nodeid, found in shards.items()
+        if len(found) > 1
+    ]
+
+
+def merge(paths: list[str]) -> list[dict[str, Any]]:
+    """The records of several shard reports, in order; each record names its shard
+    (the path it was read from, unless it already names one: a merge of merges)."""
+    merged = []
+    for path in paths:
+        for record in load(path):
+            merged.append({**record, "shard": record.get("shard", path)})
+    return merged

@@ -1,0 +1,44 @@
+"""Every ``PYTEST_GPUISO_*`` environment variable that crosses from one process to another.
+
+Each name is written here once; the modules that set or read it import it from here.
+"""
+
+from __future__ import annotations
+
+# Set by pytest's process (``parent.runner``) in a test's process: the GPUs its test
+# holds, the lease they are held under, and the variable they are named in when it is
+# not CUDA_VISIBLE_DEVICES (ROCm's). Read by the test's plugin (``child.plugin``) and by
+# a nested session's ``gpu.leases``, which then leases nothing of its own.
+LEASED_ENV = "PYTEST_GPUISO_LEASED"
+LEASE_ID_ENV = "PYTEST_GPUISO_LEASE_ID"
+VIA_ENV = "PYTEST_GPUISO_LEASED_VIA"
+
+# Set by pytest's process in a test's process: the bytes of its GPU memory lease on each
+# GPU. Read by ``child.memory_cap`` (torch's allocator) and by a nested ``gpu.leases``.
+MEMORY_ENV = "PYTEST_GPUISO_GPU_MEMORY"
+
+# Set by the user or a test suite: another path for the lease table (tests, or a table
+# shared across users). Read by ``gpu.leases`` (and named in the native table's errors).
+REGION_ENV = "PYTEST_GPUISO_LEASE_REGION"
+
+# Set by ``parent.launcher`` in every process it starts (and so in all they start): the
+# session that owns them. Read by ``proc.dead_sessions`` in the next session, which ends
+# what a dead session left running.
+OWNER_ENV = "PYTEST_GPUISO_OWNER"
+
+# Set by ``parent.call`` in a ``run_isolated`` call's process: the call's mark. Read by
+# ``leaks.process``, whose sweep then takes only that call's processes.
+MARK_ENV = "PYTEST_GPUISO_CALL"
+
+# Set by pytest's process and the fork server's template in a test's process: the file
+# the /dev/shm shim (native/gpuiso_shmtrace.c, LD_PRELOAD) logs created entries to. Read
+# by the shim; ``leaks.shm_log`` reads the file.
+LOG_ENV = "PYTEST_GPUISO_SHM_LOG"
+
+# Set by a test suite (not "" or "0"): the fork server forks each test's process twice
+# instead of as its template's sibling. Read by ``forkserver.fork``.
+FORK_TWICE_ENV = "PYTEST_GPUISO_FORK_TWICE"
+
+# Set by a test suite: how long pytest waits for the fork server's template (seconds).
+# Read by ``options`` (``settings.parse_template_wait``).
+TEMPLATE_WAIT_ENV = "PYTEST_GPUISO_TEMPLATE_WAIT"
