@@ -118,3 +118,64 @@ def test_terminal_summary_lists_timeouts_and_crashes(gpuiso_spawn):
             "  CRASHED test_crashes.py::test_segfault (SIGSEGV)",
         ]
     )
+
+
+def _ended_record(timed_out: bool, signal: str | None, outcome: str, expired=None) -> dict:
+    exit_ = {"code": None, "signal": signal, "timed_out": timed_out, "expired": expired}
+    return {"nodeid": "t.py::t", "outcome": outcome, "exit": exit_, "timeout": 5.0}
+
+
+@pytest.mark.parametrize(
+    ("record", "kind", "compared", "finding", "text", "through"),
+    [
+        (_ended_record(False, None, "passed"), "normal", None, None, None, True),
+        (_ended_record(False, None, "skipped"), "normal", None, None, None, False),
+        (
+            _ended_record(False, "SIGSEGV", "failed"),
+            "crash",
+            "crash",
+            "crash",
+            "crashed with SIGSEGV",
+            False,
+        ),
+        (
+            _ended_record(True, "SIGKILL", "failed", "test"),
+            "timeout",
+            "timeout",
+            "timeout",
+            "timed out after 5 s, ended by SIGKILL",
+            False,
+        ),
+        (
+            _ended_record(True, None, "failed", "startup"),
+            "timeout",
+            "timeout",
+            "startup-timeout",
+            "did not finish starting",
+            False,
+        ),
+        (
+            _ended_record(False, "SIGINT", "interrupted"),
+            "interrupted",
+            None,
+            None,
+            "interrupted",
+            False,
+        ),
+    ],
+    ids=["passed", "skipped", "crash", "timeout", "startup", "interrupted"],
+)
+def test_how_a_process_ended_is_read_once_for_every_report(
+    record, kind, compared, finding, text, through
+) -> None:
+    """``ending`` decides how a test's process ended; the terminal text, ``compare``,
+    the findings (annotations) and the leak baseline all say what it decided."""
+    from pytest_gpuiso.reports import baseline, compare, findings, report
+    from pytest_gpuiso.reports.record import ending
+
+    assert ending(record).kind == kind
+    assert compare._ended(record) == compared
+    found = findings._ending(record)
+    assert (found[0] if found else None) == finding
+    assert report._ended(record) == text
+    assert baseline._ran_through(record) is through

@@ -22,7 +22,7 @@ from typing import Any
 
 from ..settings import KINDS
 from .mdtext import code_cell, kind_cell
-from .record import known_count, last_attempts, leak_kinds
+from .record import ending, known_count, last_attempts, leak_kinds
 from .shards import ReportError, read_json, records_of
 
 FORMAT = "pytest-gpuiso leak baseline"
@@ -77,9 +77,7 @@ class Baseline:
 def _ran_through(record: dict[str, Any]) -> bool:
     """Whether the test ran as far as it goes: a leak it no longer reports is gone, not
     skipped over."""
-    exit_ = record.get("exit") or {}
-    stopped = exit_.get("timed_out") or exit_.get("signal")
-    return not stopped and record.get("outcome") not in ("skipped", "interrupted", "rerun")
+    return ending(record).kind == "normal" and record.get("outcome") not in ("skipped", "rerun")
 
 
 def load(path: str) -> Baseline:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .mdtext import cell, code_cell
-from .record import is_number, last_attempts, leak_kinds
+from .record import ending, is_number, last_attempts, leak_kinds
 
 STARTUP_GROWTH = 2.0  # seconds more of start-up that count as a regression
 PEAK_GROWTH = 512 << 20  # bytes more of GPU memory peak that count as a regression
@@ -43,12 +43,8 @@ class Comparison:
 
 def _ended(record: dict[str, Any]) -> str | None:
     """ "timeout", "crash" or None: how its process ended, when not as it should."""
-    exit_ = record["exit"]
-    if exit_["timed_out"]:
-        return "timeout"
-    if exit_["signal"] and record["outcome"] != "interrupted":
-        return "crash"
-    return None
+    ended = ending(record)
+    return ended.kind if ended.abnormal else None
 
 
 def _grew(base: Any, head: Any, by: float) -> bool:

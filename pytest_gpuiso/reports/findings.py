@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .record import last_attempts
+from .record import ending, last_attempts
 from .report import bound
 
 GITHUB_ENV = "GITHUB_ACTIONS"  # "true" on GitHub Actions' runners
@@ -94,14 +94,13 @@ def _where(record: dict[str, Any]) -> tuple[str | None, int | None]:
 
 def _ending(record: dict[str, Any]) -> tuple[str, str, str] | None:
     """(check, title, what happened) of a process that timed out or crashed; None else."""
-    exit_ = record["exit"]
-    signal = exit_.get("signal")
-    if exit_["timed_out"]:
-        check, title, more = TIMEOUTS[exit_.get("expired") or "test"]
-        by = f", and was ended by {signal}" if signal else ""
+    ended = ending(record)
+    if ended.kind == "timeout":
+        check, title, more = TIMEOUTS[ended.expired or "test"]
+        by = f", and was ended by {ended.signal}" if ended.signal else ""
         return check, title, f"{bound(record)}{more}{by}" + (STACK if check == "timeout" else "")
-    if signal and record["outcome"] != "interrupted":
-        return "crash", "test process crashed", f"its process was killed by {signal}"
+    if ended.kind == "crash":
+        return "crash", "test process crashed", f"its process was killed by {ended.signal}"
     return None
 
 

@@ -8,6 +8,7 @@ Markdown, terminal).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 SCHEMA_VERSION = 1
@@ -28,6 +29,34 @@ def last_attempts(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         if kept is None or attempt >= (kept.get("attempt") or 1):
             found[record["nodeid"]] = record
     return found
+
+
+@dataclass(frozen=True)
+class Ending:
+    """How a test's process ended, read once from its record (``ending``)."""
+
+    kind: str  # "timeout", "crash", "interrupted" (Ctrl-C, pytest.exit) or "normal"
+    signal: str | None  # the signal that ended it, if one did
+    expired: str | None = None  # a timeout's bound: "test", "startup" or "exit"
+
+    @property
+    def abnormal(self) -> bool:
+        """It timed out or crashed: what reports, findings and ``compare`` name."""
+        return self.kind in ("timeout", "crash")
+
+
+def ending(record: dict[str, Any]) -> Ending:
+    """How the record's process ended: a timeout first (a bound ran out, whatever ended
+    it), then an interrupted test (pytest stopped it: no crash), then a signal (a crash)."""
+    exit_ = record.get("exit") or {}
+    signal = exit_.get("signal") or None
+    if exit_.get("timed_out"):
+        return Ending("timeout", signal, exit_.get("expired") or "test")  # old records: test
+    if record.get("outcome") == "interrupted":
+        return Ending("interrupted", signal)
+    if signal:
+        return Ending("crash", signal)
+    return Ending("normal", None)
 
 
 def counted_leaks(record: dict[str, Any]) -> list[dict[str, Any]]:

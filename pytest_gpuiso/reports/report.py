@@ -22,7 +22,7 @@ from .baseline import baseline_lines, fixed_table
 from .mdtext import cell as _cell
 from .mdtext import code_cell as _code_cell
 from .mdtext import kind_cell as _kind
-from .record import SCHEMA_VERSION, counted_leaks, is_number, known_count
+from .record import SCHEMA_VERSION, counted_leaks, ending, is_number, known_count
 
 STEP_SUMMARY_ENV = "GITHUB_STEP_SUMMARY"  # GitHub Actions' file for a step's Markdown
 MARKDOWN_ROWS = 200  # leak rows in the Markdown table; GitHub truncates huge summaries
@@ -125,15 +125,12 @@ def _write_atomic(path: Path, text: str) -> None:
 
 def _ended(record: dict[str, Any]) -> str | None:
     """'timed out' / 'crashed' text of a record, None for a process that ended normally."""
-    exit_ = record["exit"]
-    if exit_["timed_out"]:
-        how = f", ended by {exit_['signal']}" if exit_["signal"] else ""
-        return f"{bound(record)}{how}"
-    if record["outcome"] == "interrupted":  # Ctrl-C: pytest stopped it, it did not crash
+    ended = ending(record)
+    if ended.kind == "timeout":
+        return bound(record) + (f", ended by {ended.signal}" if ended.signal else "")
+    if ended.kind == "interrupted":  # Ctrl-C: pytest stopped it, it did not crash
         return "interrupted"
-    if exit_["signal"]:
-        return f"crashed with {exit_['signal']}"
-    return None
+    return f"crashed with {ended.signal}" if ended.kind == "crash" else None
 
 
 def bound(record: dict[str, Any], test: str = "timed out after") -> str:
@@ -171,12 +168,8 @@ def terminal_summary(
     path: Path | None,
     baseline: dict[str, Any] | None = None,
 ) -> None:
-    timed_out = [r for r in records if r["exit"]["timed_out"]]
-    crashed = [
-        r
-        for r in records
-        if r["exit"]["signal"] and not r["exit"]["timed_out"] and r["outcome"] != "interrupted"
-    ]
+    timed_out = [r for r in records if ending(r).kind == "timeout"]
+    crashed = [r for r in records if ending(r).kind == "crash"]
     escaped = sum(len(r.get("escaped", [])) for r in records)
     reruns = sum(1 for r in records if r["outcome"] == "rerun")
     tr.write_sep("-", "gpu-isolate")
@@ -352,7 +345,7 @@ def markdown(
     lines.append("")
     lines.append("| leaks | " + " | ".join(KINDS) + " | timeouts | crashes |")
     lines.append("|---" * (len(KINDS) + 3) + "|")
-    timeouts = sum(1 for r in records if r["exit"]["timed_out"])
+    timeouts = sum(1 for r in records if ending(r).kind == "timeout")
     crashes = len(ended) - timeouts
     lines.append(
         f"| {sum(counts.values())} in {_tests(leaky)} tests | "
