@@ -3,7 +3,7 @@ and put on its last report (``reports.record`` reads it)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import pytest
 
@@ -37,27 +37,41 @@ def final_outcome(reports: list[pytest.TestReport]) -> str:
     return "passed"
 
 
+class Run(Protocol):
+    """What a record is made of: one attempt of a test (``runner.Ran``)."""
+
+    reports: list[pytest.TestReport]
+    spec: IsolationSpec | None
+    outcome: Outcome | None  # None: no process ran (a bad marker, a lease timeout, a skip)
+    lease: Any
+    verdict: Verdict | None
+    peak: int | None  # the most GPU memory its processes held on one GPU (NVML)
+    port: int | None  # its MASTER_PORT
+    health: dict[str, Any] | None  # its GPUs' probe after it (None: not probed)
+    leak_checks: tuple[str, ...]
+    folded: int  # its warnings an earlier test's process gave (not replayed again)
+
+
 def build_record(
     nodeid: str,
-    reports: list[pytest.TestReport],
-    outcome: Outcome | None = None,
-    spec: IsolationSpec | None = None,
-    lease: Any = None,
-    verdict: Verdict | None = None,
+    location: tuple[str, int | None, str] | None,
+    run: Run,
     attempt: int = 1,
     rerun: bool = False,
-    peak: int | None = None,
-    port: int | None = None,
-    health: dict[str, Any] | None = None,
-    location: tuple[str, int | None, str] | None = None,
-    leak_checks: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """One test's entry in the JSON report (schema version 1): one per attempt.
 
-    ``outcome`` is None when no process ran (a bad marker, a lease timeout, a skip).
     ``attempt`` counts a test's runs from 1 (pytest-rerunfailures: a fresh process
     each); ``rerun``: this attempt failed and the test ran again (outcome "rerun").
     """
+    reports, outcome, spec, lease, verdict = (
+        run.reports,
+        run.outcome,
+        run.spec,
+        run.lease,
+        run.verdict,
+    )
+    peak, port, health = run.peak, run.port, run.health
     # Interrupted before its call was reported: it neither passed nor failed.
     stopped = outcome is not None and outcome.interrupted and all(r.when != "call" for r in reports)
     result = "rerun" if rerun else "interrupted" if stopped else final_outcome(reports)
@@ -84,7 +98,7 @@ def build_record(
         },
         "escaped": list(outcome.escaped) if outcome else [],
         "leaks": verdict.records if verdict is not None else [],
-        "leak_checks": list(leak_checks),  # the kinds checked after it (none: no check ran)
+        "leak_checks": list(run.leak_checks),  # the kinds checked after it (none: no check ran)
         "start": {
             "method": outcome.method if outcome else None,
             "prewarmed": outcome.prewarmed if outcome else False,
@@ -107,6 +121,8 @@ def build_record(
         record["gpu_memory_peak"] = peak
     if health is not None:  # its GPUs were probed after it: {probed, devices, quarantined}
         record["gpu_health"] = health
+    if run.folded:
+        record["warnings_folded"] = run.folded
     return record
 
 

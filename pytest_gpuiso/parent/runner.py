@@ -75,24 +75,7 @@ class Ran:
         return self.outcome is None or self.outcome.finished
 
     def record(self, item: pytest.Item, attempt: int = 1, rerun: bool = False) -> dict[str, Any]:
-        record = build_record(
-            item.nodeid,
-            self.reports,
-            self.outcome,
-            self.spec,
-            self.lease,
-            self.verdict,
-            attempt,
-            rerun,
-            self.peak,
-            self.port,
-            self.health,
-            item.location,
-            self.leak_checks,
-        )
-        if self.folded:
-            record["warnings_folded"] = self.folded
-        return record
+        return build_record(item.nodeid, item.location, self, attempt, rerun)
 
 
 @dataclass
