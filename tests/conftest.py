@@ -1,4 +1,4 @@
-"""Fixtures shared by the project's tests; the helpers themselves live in tests/helpers.py.
+"""Fixtures shared by the project's tests; helpers live in tests/helpers/.
 
 The suite runs under pytest-xdist (the root conftest.py). ``--sample I/N`` (CI's wheel and
 lowest-versions stages, see .ci/run) keeps share I of N of the tests, by a stable hash of
@@ -11,11 +11,14 @@ import os
 import shutil
 import subprocess
 import zlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from pytest_gpuiso._lease import Region
 
 from tests.helpers import GPUSIM, PROGRAMS, GpuIso, make_gpuiso
+from tests.helpers.lease_table import Client
 
 # The markers that say why a test must run in a CI stage that runs a sample of the suite.
 STAGE_MARKERS = {
@@ -193,3 +196,38 @@ def fake_libcuda(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def fake_libnvml(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A fake NVIDIA management library (libnvidia-ml.so.1)."""
     return _fake_library(tmp_path_factory, "libnvidia-ml.so.1")
+
+
+# ----------------------------------------------------------------- the lease table's
+
+
+@pytest.fixture
+def region_path(tmp_path: Path) -> str:
+    """The test's own lease table (never the user's); a module may put it elsewhere."""
+    return str(tmp_path / "leases")
+
+
+@pytest.fixture
+def region(region_path: str) -> Region:
+    """The test's own attachment (the driver's view) to a fresh table."""
+    return Region(region_path)
+
+
+@pytest.fixture
+def clients(region_path: str) -> Iterator[Callable[..., Client]]:
+    """Start lease clients on the test's table; all are SIGKILLed and reaped at the end."""
+    started: list[Client] = []
+
+    def start(context: str = "fork") -> Client:
+        client = Client(context, region_path)
+        started.append(client)
+        client.wait_ready()
+        return client
+
+    try:
+        yield start
+    finally:
+        for client in started:
+            client.kill()
+        for client in started:
+            client.process.join(10)

@@ -616,3 +616,30 @@ def test_the_roles_of_one_run_stay_their_size() -> None:
         m: len(modules[f"pytest_gpuiso.parent.{m}"].read_text().splitlines()) for m in ROLE_LIMITS
     }
     assert {m: n for m, n in sizes.items() if n > ROLE_LIMITS[m]} == {}
+
+
+def _test_imports(source: str) -> list[str]:
+    """The test modules ``source`` imports (``tests.test_x``, ``tests.gpu.test_y``, ``.test_z``)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = ("." * node.level) + (node.module or "")
+            dot = "" if base.endswith(".") else "."
+            names = [base] + [f"{base}{dot}{alias.name}" for alias in node.names]
+        found += [n for n in names if n.rpartition(".")[2].startswith("test_")]
+    return found
+
+
+def test_no_test_module_imports_another() -> None:
+    """Shared code lives in tests/helpers/, shared fixtures in a conftest.py."""
+    imports = {
+        str(path.relative_to(ROOT)): found
+        for path in sorted((ROOT / "tests").rglob("*.py"))
+        if (found := _test_imports(path.read_text()))
+    }
+    assert imports == {}
+    planted = "from tests.test_lease_table import wait_until\nfrom . import test_units"
+    assert _test_imports(planted) == ["tests.test_lease_table", ".test_units"]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import GPUSIM, REPORT, GpuIso
-from tests.test_lease_table import wait_until
+from tests.helpers.lease_table import wait_until
 
 pytestmark = [pytest.mark.installation, pytest.mark.versions]
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import GPUSIM
-from tests.test_lease_table import wait_until
+from tests.helpers.lease_table import wait_until
 
 # nvidia-ml-py's version decides which NVML functions it calls; the installed wheel finds
 # NVML as users' do: CI's wheel and lowest-versions stages run these whole.

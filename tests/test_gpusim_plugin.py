@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from tests.helpers import GPUSIM, REPORT, GpuIso, kill_quietly, make_gpuiso, wait_gone
-from tests.test_lease_table import max_overlap, wait_until
+from tests.helpers.lease_table import max_overlap, wait_until
 
 # nvidia-ml-py's version decides which NVML functions it calls; the installed wheel finds
 # NVML as users' do: CI's wheel and lowest-versions stages run these whole.

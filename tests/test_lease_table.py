@@ -19,21 +19,18 @@ Each bug the native code had is kept here as a regression test.
 
 from __future__ import annotations
 
-import ctypes
 import itertools
-import mmap
 import multiprocessing
 import os
 import random
 import re
-import resource
 import signal
 import stat
 import struct
 import sys
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -54,196 +51,22 @@ from pytest_gpuiso._lease import (
     RegionError,
 )
 
-CONTEXTS = ["fork", "spawn"]
-GIB = 1 << 30
-START_TIMEOUT = 60.0  # a spawned interpreter on a loaded 2-core machine
-PROMPT = 2.0  # "at once", with room for a loaded CI machine; the design target is 0.1 s
-
-# Private layout of region_t (x86_64, glibc's 40-byte pthread_mutex_t), used only by
-# the tests that forge or lock entries directly; they skip if the layout moved.
-MUTEX_OFFSET = 24  # magic u64, abi u32, size u32, bell u64
-ABI_OFFSET = 8
-NDEVICES_OFFSET = 80  # ... lock, next_ticket u64, next_lease u64
-DEV_OFFSET = 96  # ... ndevices u32, generation u32, next_key u32, pad u32
-SLOT_OFFSET = 72  # name[64], capacity u64
-SLOT_SIZE = 240  # owner {pid i32, key u32, start u64, ns u64}, lease u64, amount u64,
-# since_ns i64, label[192]
-DEVICE_SIZE = SLOT_OFFSET + MAX_SLOTS * SLOT_SIZE + 8 + 192  # quarantined_ns i64, why[192]
-WAITER_SIZE = 256
-LAYOUT_KNOWN = REGION_SIZE == DEV_OFFSET + MAX_DEVICES * DEVICE_SIZE + 256 * WAITER_SIZE
-needs_layout = pytest.mark.skipif(
-    not LAYOUT_KNOWN, reason="region_t layout changed; update the offsets in this test"
+from tests.helpers.lease_table import (
+    ABI_OFFSET,
+    CONTEXTS,
+    GIB,
+    PROMPT,
+    START_TIMEOUT,
+    Client,
+    cpu_seconds,
+    held_by,
+    lock_table_mutex_and_sleep,
+    max_overlap,
+    needs_layout,
+    slot_offset,
+    wait_until,
+    waiting_pids,
 )
-
-
-# ----------------------------------------------------------------------------- helpers
-
-
-def wait_until(predicate: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    """Poll `predicate` every 5 ms; fail naming `what` after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"gave up after {timeout} s waiting for {what}")
-        time.sleep(0.005)
-
-
-def waiting_pids(region: Region) -> set[int]:
-    return {w["pid"] for w in region.snapshot()["waiters"]}
-
-
-def held_by(snapshot: dict[str, Any], pid: int) -> list[str]:
-    """Devices on which `pid` holds a slot in `snapshot`."""
-    return sorted(h["device"] for h in snapshot["holders"] if h["pid"] == pid)
-
-
-def cpu_seconds(pid: int) -> float:
-    times = psutil.Process(pid).cpu_times()
-    return times.user + times.system
-
-
-class Interrupted(Exception):
-    """Raised by a client's SIGUSR1 handler, to interrupt a blocked acquire."""
-
-
-def _raise_interrupted(signum: int, frame: object) -> None:
-    raise Interrupted(f"signal {signum}")
-
-
-def _client_main(path: str, conn: Connection) -> None:
-    """A process that attaches to the table at `path` and runs lease calls on command."""
-    signal.signal(signal.SIGUSR1, _raise_interrupted)
-    region = Region(path)
-    fds: list[int] = []
-    conn.send(("ready", os.getpid()))
-    while True:
-        try:
-            op, *args = conn.recv()
-        except EOFError:
-            return
-        if op == "acquire":
-            devices, slots, n, label, timeout, memory = args
-            called = time.monotonic()
-            try:
-                got = region.acquire(devices, slots, n, label, timeout, **memory)
-            except Exception as exc:
-                conn.send(("error", f"{type(exc).__name__}: {exc}", called, time.monotonic()))
-            else:
-                conn.send(("acquired", got, called, time.monotonic()))
-        elif op == "release":
-            conn.send(("released", region.release(args[0])))
-        elif op == "exhaust_fds":
-            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-            resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 128), hard))
-            try:
-                while True:
-                    fds.append(os.open("/dev/null", os.O_RDONLY))
-            except OSError as exc:
-                conn.send(("exhausted", exc.errno))
-        elif op == "exit_without_release":
-            os._exit(0)
-
-
-class Client:
-    """Drives one `_client_main` process through a pipe."""
-
-    def __init__(self, context: str, path: str) -> None:
-        ctx = multiprocessing.get_context(context)
-        self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_client_main, args=(path, child), daemon=True)
-        self.process.start()
-        child.close()
-
-    @property
-    def pid(self) -> int:
-        assert self.process.pid is not None
-        return self.process.pid
-
-    def wait_ready(self) -> None:
-        assert self.reply(START_TIMEOUT) == ("ready", self.pid)
-
-    def send(self, *msg: Any) -> None:
-        self.conn.send(msg)
-
-    def reply(self, timeout: float = 10.0) -> tuple[Any, ...]:
-        if not self.conn.poll(timeout):
-            raise AssertionError(f"client {self.pid} did not answer within {timeout} s")
-        return self.conn.recv()
-
-    def answered(self, within: float) -> bool:
-        return self.conn.poll(within)
-
-    def start_acquire(
-        self,
-        devices: list[str],
-        slots: int,
-        n: int,
-        label: str,
-        timeout: float | None = None,
-        **memory: Any,
-    ) -> None:
-        """``memory``: Region.acquire's amount= and capacities=."""
-        self.send("acquire", devices, slots, n, label, timeout, memory)
-
-    def acquire(
-        self,
-        devices: list[str],
-        slots: int,
-        n: int,
-        label: str,
-        timeout: float | None = None,
-        **memory: Any,
-    ) -> tuple[int, list[str]] | None:
-        """Acquire and return what Region.acquire returned (fails on an exception)."""
-        self.start_acquire(devices, slots, n, label, timeout, **memory)
-        return self.granted(timeout=(timeout or 10.0) + 10.0)
-
-    def granted(self, timeout: float = 10.0) -> tuple[int, list[str]] | None:
-        kind, result, *_ = self.reply(timeout)
-        assert kind == "acquired", result
-        return None if result is None else (result[0], list(result[1]))
-
-    def release(self, lease: int) -> int:
-        self.send("release", lease)
-        kind, freed = self.reply()
-        assert kind == "released"
-        return freed
-
-    def kill(self) -> None:
-        """SIGKILL (never a reaped pid: multiprocessing checks that it has not reaped it)."""
-        if self.process.exitcode is None:
-            self.process.kill()
-
-
-@pytest.fixture
-def region_path(tmp_path: Path) -> str:
-    return str(tmp_path / "leases")
-
-
-@pytest.fixture
-def region(region_path: str) -> Region:
-    """The test's own attachment (the driver's view) to a fresh table."""
-    return Region(region_path)
-
-
-@pytest.fixture
-def clients(region_path: str) -> Iterator[Callable[..., Client]]:
-    """Start lease clients on the test's table; all are SIGKILLed and reaped at the end."""
-    started: list[Client] = []
-
-    def start(context: str = "fork") -> Client:
-        client = Client(context, region_path)
-        started.append(client)
-        client.wait_ready()
-        return client
-
-    try:
-        yield start
-    finally:
-        for client in started:
-            client.kill()
-        for client in started:
-            client.process.join(10)
 
 
 def run_in_child(target: Callable[..., None], *args: Any, timeout: float = 20.0) -> Any:
@@ -414,18 +237,6 @@ def check_snapshot(
     waiting = {w["pid"] for w in snap["waiters"] if w["alive"] and w["pid"] not in killed}
     assert not waiting & set(leases_of_pid), f"waiting while holding: {snap}"
     assert waiting <= set(pids), snap
-
-
-def max_overlap(intervals: list[tuple[float, float, int]]) -> int:
-    """The most weight open at one instant (an end and a start at the same time don't meet)."""
-    edges = sorted(
-        [(s, w) for s, e, w in intervals if e > s] + [(e, -w) for s, e, w in intervals if e > s]
-    )
-    depth = most = 0
-    for _, delta in edges:
-        depth += delta
-        most = max(most, depth)
-    return most
 
 
 _example_ids = itertools.count()
@@ -801,10 +612,6 @@ def test_holder_that_exits_without_releasing_is_reaped(
     assert {h["pid"] for h in snap["holders"]} == {os.getpid()}
 
 
-def _slot_offset(row: int, slot: int) -> int:
-    return DEV_OFFSET + row * DEVICE_SIZE + SLOT_OFFSET + slot * SLOT_SIZE
-
-
 @needs_layout
 def test_live_pid_with_another_start_time_is_not_the_owner(
     clients: Callable[..., Client], region: Region, region_path: str
@@ -816,7 +623,7 @@ def test_live_pid_with_another_start_time_is_not_the_owner(
     holder = clients()
     assert holder.acquire(["0"], 1, 1, "original") is not None
     [entry] = region.snapshot()["holders"]
-    offset = _slot_offset(0, entry["slot"])
+    offset = slot_offset(0, entry["slot"])
     fd = os.open(region_path, os.O_RDWR)
     try:
         pid, _, start = struct.unpack("<iIQ", os.pread(fd, 16, offset))
@@ -831,15 +638,6 @@ def test_live_pid_with_another_start_time_is_not_the_owner(
     assert [h["pid"] for h in region.snapshot()["holders"]] == [os.getpid()]
 
 
-def _lock_table_mutex_and_sleep(path: str, conn: Connection) -> None:
-    fd = os.open(path, os.O_RDWR)
-    mapping = mmap.mmap(fd, REGION_SIZE)
-    mutex = ctypes.c_char.from_buffer(mapping, MUTEX_OFFSET)
-    libc = ctypes.CDLL(None, use_errno=True)
-    conn.send(libc.pthread_mutex_lock(ctypes.c_void_p(ctypes.addressof(mutex))))
-    time.sleep(120)
-
-
 @needs_layout
 def test_process_killed_inside_the_table_lock_does_not_wedge_it(
     clients: Callable[..., Client], region: Region, region_path: str
@@ -852,7 +650,7 @@ def test_process_killed_inside_the_table_lock_does_not_wedge_it(
     region.clear()
     ctx = multiprocessing.get_context("fork")
     parent, child = ctx.Pipe()
-    locker = ctx.Process(target=_lock_table_mutex_and_sleep, args=(region_path, child), daemon=True)
+    locker = ctx.Process(target=lock_table_mutex_and_sleep, args=(region_path, child), daemon=True)
     locker.start()
     try:
         assert parent.poll(10) and parent.recv() == 0

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import GpuIso
-from tests.test_lease_table import max_overlap
+from tests.helpers.lease_table import max_overlap
 
 GIB = 1 << 30
 DEVICE = "--gpu-isolate-devices=0:8GiB"

@@ -5,7 +5,7 @@ writing the ``random.random()`` it sees and its process's seed. Without ``--rand
 pytest makes one; every test's process (the fork server's template included, which
 configures once for all its forks) must use it: the values equal those of an in-process
 run with that seed given explicitly, and the cache keeps the seed the header printed.
-These runs load pytest-randomly, which the rest of the suite turns off (helpers.py).
+These runs load pytest-randomly, which the rest of the suite turns off (tests/helpers/).
 """
 
 from __future__ import annotations

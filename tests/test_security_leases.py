@@ -9,8 +9,6 @@ permitted.
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 import multiprocessing
 import os
 import shutil
@@ -24,15 +22,15 @@ from pathlib import Path
 
 import psutil
 import pytest
-from pytest_gpuiso._lease import LABEL_LEN, MAX_DEVICES, REGION_SIZE, Region, RegionError
+from pytest_gpuiso._lease import LABEL_LEN, MAX_DEVICES, Region, RegionError
 
 from pytest_gpuiso.gpu.leases import Devices, Leases, LeaseTimeout, open_region
 from pytest_gpuiso.wire.environment import REGION_ENV
 from tests.helpers import PROGRAMS, GpuIso
-from tests.test_lease_table import (
-    MUTEX_OFFSET,
+from tests.helpers.lease_table import (
     Client,
-    _lock_table_mutex_and_sleep,
+    lock_table_mutex,
+    lock_table_mutex_and_sleep,
     needs_layout,
     wait_until,
     waiting_pids,
@@ -51,22 +49,9 @@ def table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 @pytest.fixture
-def clients(table: Path) -> Iterator[Callable[[], Client]]:
-    """Lease clients (tests/test_lease_table.py) on the test's table; killed at the end."""
-    started: list[Client] = []
-
-    def start() -> Client:
-        client = Client("fork", str(table))
-        started.append(client)
-        client.wait_ready()
-        return client
-
-    try:
-        yield start
-    finally:
-        for client in started:
-            client.kill()
-            client.process.join(10)
+def region_path(table: Path) -> str:
+    """The lease clients' table (tests/conftest.py's ``clients``) is the test's ``table``."""
+    return str(table)
 
 
 def _cli(table: Path, *args: str, user: int | None = None) -> subprocess.CompletedProcess:
@@ -218,12 +203,12 @@ def test_a_label_with_broken_utf8_written_by_anyone_never_crashes_a_reader(
 ) -> None:
     """A table written by another version (or by hand) whose label ends inside a UTF-8
     character: snapshots decode it with a replacement character; status works."""
-    from tests.test_lease_table import _slot_offset
+    from tests.helpers.lease_table import slot_offset
 
     holder = clients()
     assert holder.acquire(["0"], 1, 1, "x") is not None
     with open(table, "r+b") as f:
-        f.seek(_slot_offset(0, 0) + 48)  # the label, after owner (24), lease, amount, since_ns
+        f.seek(slot_offset(0, 0) + 48)  # the label, after owner (24), lease, amount, since_ns
         f.write(b"tests/test_\xc3\0")
     [entry] = Region(str(table)).snapshot()["holders"]
     assert entry["label"] == "tests/test_\ufffd"
@@ -306,11 +291,7 @@ def test_a_stopped_waiter_does_not_hold_back_the_waiters_behind_it(
 
 def _lock_table_mutex_and_stop(path: str, conn: Connection) -> None:
     """Hold the table's mutex and stop, as a process stopped inside the critical section."""
-    fd = os.open(path, os.O_RDWR)
-    mapping = mmap.mmap(fd, REGION_SIZE)
-    mutex = ctypes.c_char.from_buffer(mapping, MUTEX_OFFSET)
-    libc = ctypes.CDLL(None, use_errno=True)
-    conn.send(libc.pthread_mutex_lock(ctypes.c_void_p(ctypes.addressof(mutex))))
+    lock_table_mutex(path, conn)
     os.kill(os.getpid(), signal.SIGSTOP)
     signal.pause()
 
@@ -367,7 +348,7 @@ def test_ctrl_c_reaches_a_process_waiting_for_the_table_lock(
 ) -> None:
     """A process waits for the mutex that another (running, not stopped) process holds:
     a signal whose handler raises gets it out of acquire(), as Ctrl-C does."""
-    locker(_lock_table_mutex_and_sleep)
+    locker(lock_table_mutex_and_sleep)
     client = clients()
     client.start_acquire(["0"], 1, 1, "behind the lock")
     assert not client.answered(0.5), "acquire went through a locked table"

@@ -20,6 +20,7 @@ import pytest
 
 from pytest_gpuiso.settings import MARKER_KWARGS
 from tests.helpers import GpuIso
+from tests.helpers.output import normalized
 
 # pytest's report formats, hooks and internals: CI's lowest-versions stage runs them all
 pytestmark = pytest.mark.versions
@@ -67,8 +68,6 @@ OUTCOMES_RECORDS = {
 
 ODD_IDS = ["a/b", "c::d", "e[f]", "with space", "ünïcødé", "日本"]
 
-_DURATION = re.compile(r" in \d+(\.\d+)?s( \([^)]*\))? (=+)$")
-
 
 class IsolationDivergence(AssertionError):
     """The isolated run differs from the in-process run (a plugin bug)."""
@@ -82,19 +81,6 @@ def isolated_side() -> Iterator[None]:
         yield
     except (AssertionError, pytest.fail.Exception) as exc:
         raise IsolationDivergence(str(exc)) from exc
-
-
-def normalized(result: pytest.RunResult) -> list[str]:
-    """The terminal output minus what legitimately differs: gpu-isolate lines,
-    the junitxml path, and the session duration (and the width it takes)."""
-    lines = []
-    for line in result.outlines:
-        if "gpu-isolate" in line or "generated xml file" in line:
-            continue
-        if _DURATION.search(line):
-            line = _DURATION.sub("", line).strip("= ")
-        lines.append(line)
-    return lines
 
 
 def summary_lines(result: pytest.RunResult) -> list[str]:

@@ -39,7 +39,7 @@ import pytest
 
 from pytest_gpuiso.wire.environment import FORK_TWICE_ENV, TEMPLATE_WAIT_ENV
 from tests.helpers import REPORT, GpuIso, kill_quietly, make_gpuiso, wait_gone
-from tests.test_semantics import normalized
+from tests.helpers.output import normalized
 
 # pytest's report formats, hooks and internals: CI's lowest-versions stage runs them all
 pytestmark = pytest.mark.versions

@@ -17,7 +17,7 @@ import pytest
 
 from pytest_gpuiso.wire.environment import REGION_ENV, TEMPLATE_WAIT_ENV
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # tests/helpers/__init__.py -> the checkout
 PROGRAMS = ROOT / "fixtures" / "programs"
 GPUSIM = ROOT / "fixtures" / "gpusim"  # the simulated GPU: stand-in libcuda and NVML
 # The JSON report of a run, read back by GpuIso.report() and records()
