@@ -32,7 +32,7 @@ def _report(path: Path, *records: dict) -> str:
     return str(path)
 
 
-SHM = ("shm", "segment /dev/shm/psm_1 (1048576 bytes) left in /dev/shm")
+SHM_LEAK = ("shm", "segment /dev/shm/psm_1 (1048576 bytes) left in /dev/shm")
 PROC = ("process", "process 12 still running after the test ended (killed): sleep 60")
 
 
@@ -42,7 +42,7 @@ def pair(tmp_path: Path) -> tuple[str, str]:
     and a GPU memory peak that grew; a test removed and one added; an allowed leak."""
     base = _report(
         tmp_path / "base.json",
-        _record("t.py::test_known", leaks=[SHM]),
+        _record("t.py::test_known", leaks=[SHM_LEAK]),
         _record("t.py::test_fixed", leaks=[PROC]),
         _record("t.py::test_clean"),
         _record("t.py::test_crash"),
@@ -50,12 +50,12 @@ def pair(tmp_path: Path) -> tuple[str, str]:
         _record("t.py::test_removed"),
         _record("t.py::test_allowed"),
     )
-    allowed = {"kind": "shm", "detail": SHM[1], "allowed": True}
+    allowed = {"kind": "shm", "detail": SHM_LEAK[1], "allowed": True}
     head = _report(
         tmp_path / "head.json",
-        _record("t.py::test_known", leaks=[SHM]),
+        _record("t.py::test_known", leaks=[SHM_LEAK]),
         _record("t.py::test_fixed"),
-        _record("t.py::test_clean", leaks=[SHM]),
+        _record("t.py::test_clean", leaks=[SHM_LEAK]),
         _record("t.py::test_crash", signal="SIGSEGV"),
         _record("t.py::test_slow", startup=4.5, peak=2 << 30),
         _record("t.py::test_added", leaks=[PROC]),
@@ -69,7 +69,7 @@ def test_a_pull_request_shaped_pair(pair, tmp_path: Path, capsys) -> None:
     markdown = tmp_path / "compare.md"
     assert main(["compare", base, head, "--markdown", str(markdown)]) == 1
     assert capsys.readouterr().out.splitlines() == [
-        f"NEW    t.py::test_clean: leak shm: {SHM[1]}",
+        f"NEW    t.py::test_clean: leak shm: {SHM_LEAK[1]}",
         "NEW    t.py::test_crash: crash: ended by SIGSEGV",
         "NEW    t.py::test_slow: start-up: 1.00 s -> 4.50 s",
         "NEW    t.py::test_slow: GPU memory peak: 1024 MiB -> 2048 MiB",

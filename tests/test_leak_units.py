@@ -118,7 +118,7 @@ def test_allowed_kinds(value, kinds):
         (["gpu"], "unknown kind 'gpu'"),
         ("gpu", "unknown kind 'gpu'"),
         ("shm,process", "unknown kind 'shm,process'"),
-        (["shm", "SHM"], "unknown kind 'SHM'"),
+        (["shm", "SHM_LEAK"], "unknown kind 'SHM_LEAK'"),
         (["all", "gpu"], "unknown kind 'gpu'"),  # "all" does not hide a typo
         ("", "unknown kind ''"),
         (["shm", 1], "expected a list of kinds"),
@@ -142,14 +142,14 @@ def test_bad_allowed_values_name_the_value_and_the_marker(value, why):
 
 # --------------------------------------------------------------------------- judge
 
-SHM = Leak("shm", "segment /dev/shm/psm_1 (4 KiB) left behind", {"path": "/dev/shm/psm_1"})
+SHM_LEAK = Leak("shm", "segment /dev/shm/psm_1 (4 KiB) left behind", {"path": "/dev/shm/psm_1"})
 PROC = Leak("process", "process 4242 (sleep 100) still running, killed", {"pid": 4242})
 GPU = Leak("gpu_memory", "GPU 0: 512 MiB more in use", {"device": "0", "bytes": 512 * MIB})
 
 
 def test_off_kinds_vanish_and_fail_and_warn_are_split():
     policy = {"shm": "off", "process": "fail", "gpu_memory": "warn"}
-    verdict = judge([SHM, PROC, GPU, SHM], policy, frozenset())
+    verdict = judge([SHM_LEAK, PROC, GPU, SHM_LEAK], policy, frozenset())
     assert verdict.records == [
         {"kind": "process", "detail": PROC.detail, "pid": 4242, "level": "fail"},
         {
@@ -168,9 +168,9 @@ def test_off_kinds_vanish_and_fail_and_warn_are_split():
 
 def test_allowed_kinds_are_recorded_but_neither_fail_nor_warn():
     policy = dict.fromkeys(KINDS, "fail")
-    verdict = judge([SHM, PROC, GPU], policy, frozenset({"shm", "gpu_memory"}))
+    verdict = judge([SHM_LEAK, PROC, GPU], policy, frozenset({"shm", "gpu_memory"}))
     assert verdict.records == [
-        {"kind": "shm", "detail": SHM.detail, "path": "/dev/shm/psm_1", "allowed": True},
+        {"kind": "shm", "detail": SHM_LEAK.detail, "path": "/dev/shm/psm_1", "allowed": True},
         {"kind": "process", "detail": PROC.detail, "pid": 4242, "level": "fail"},
         {
             "kind": "gpu_memory",
@@ -183,7 +183,7 @@ def test_allowed_kinds_are_recorded_but_neither_fail_nor_warn():
     assert verdict.failing == [PROC]
     assert verdict.warning == []
     # The same under warn: allowed leaks are not warnings either.
-    verdict = judge([SHM, PROC], dict.fromkeys(KINDS, "warn"), frozenset(KINDS))
+    verdict = judge([SHM_LEAK, PROC], dict.fromkeys(KINDS, "warn"), frozenset(KINDS))
     assert (verdict.failing, verdict.warning) == ([], [])
     assert [r["allowed"] for r in verdict.records] == [True, True]
 
@@ -193,19 +193,23 @@ def test_known_kinds_are_recorded_as_known_and_neither_fail_nor_warn():
     a kind it does not know is judged as ever, and the marker's allow_leaks wins."""
     policy = dict.fromkeys(KINDS, "fail")
     verdict = judge(
-        [SHM, PROC, GPU], policy, frozenset({"gpu_memory"}), frozenset({"shm", "gpu_memory"})
+        [SHM_LEAK, PROC, GPU], policy, frozenset({"gpu_memory"}), frozenset({"shm", "gpu_memory"})
     )
     assert [r.get("level") for r in verdict.records] == ["known", "fail", None]
     assert verdict.records[2]["allowed"] is True
-    assert (verdict.failing, verdict.warning, verdict.known) == ([PROC], [], [SHM])
+    assert (verdict.failing, verdict.warning, verdict.known) == ([PROC], [], [SHM_LEAK])
 
 
 def test_off_wins_over_allowed_and_the_leak_objects_are_left_alone():
     verdict = judge(
-        [SHM, PROC], {"shm": "off", "process": "off", "gpu_memory": "fail"}, frozenset({"shm"})
+        [SHM_LEAK, PROC], {"shm": "off", "process": "off", "gpu_memory": "fail"}, frozenset({"shm"})
     )
     assert verdict.records == [] and verdict.failing + verdict.warning == []
-    assert SHM.as_record() == {"kind": "shm", "detail": SHM.detail, "path": "/dev/shm/psm_1"}
+    assert SHM_LEAK.as_record() == {
+        "kind": "shm",
+        "detail": SHM_LEAK.detail,
+        "path": "/dev/shm/psm_1",
+    }
 
 
 # --------------------------------------------------------------------------- GPU memory probe

@@ -14,9 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.helpers import REPORT, kill_quietly, pid_alive, wait_gone
+from tests.helpers import REPORT, SHM, kill_quietly, pid_alive, wait_gone
 
-SHM = Path("/dev/shm")
 MOD = "test_leak_shm.py"
 
 

@@ -6,10 +6,10 @@ import re
 
 import pytest
 
+from tests.helpers import USAGE_ERROR
+
 # pytest's report formats, hooks and internals: CI's lowest-versions stage runs them all
 pytestmark = pytest.mark.versions
-
-USAGE_ERROR = 4
 
 
 @pytest.mark.parametrize(

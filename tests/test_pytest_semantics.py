@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import pytest_gpuiso
+from tests.helpers import SHM
 
 # pytest's report formats, hooks and internals: CI's lowest-versions stage runs them all
 pytestmark = pytest.mark.versions
@@ -20,7 +21,6 @@ pytestmark = pytest.mark.versions
 LEAKS = "sem_leak_warnings.py"
 FIXTURES = "sem_debugger_fixtures.py"
 LEAK_ERROR = "-W error::pytest_gpuiso.GpuIsoLeakWarning"
-SHM = Path("/dev/shm")
 
 
 @pytest.fixture

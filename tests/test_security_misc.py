@@ -22,9 +22,8 @@ import pytest
 
 from pytest_gpuiso import run_isolated
 from pytest_gpuiso.reports import report
-from tests.helpers import PROGRAMS
+from tests.helpers import PROGRAMS, USAGE_ERROR
 
-USAGE_ERROR = 4
 NOBODY = 65534
 
 

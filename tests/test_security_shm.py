@@ -30,9 +30,8 @@ import pytest
 
 from pytest_gpuiso.leaks.shm_log import dispose_created, preload_env, read_log, shim_path
 from pytest_gpuiso.wire.environment import LOG_ENV
-from tests.helpers import REPORT, kill_quietly, make_gpuiso, pid_alive, wait_for_file
+from tests.helpers import REPORT, SHM, kill_quietly, make_gpuiso, pid_alive, wait_for_file
 
-SHM = Path("/dev/shm")
 PROGRAM = "sec_shm_tests.py"
 
 needs_shim = pytest.mark.skipif(shim_path() is None, reason="the shm shim is not built")

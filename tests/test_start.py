@@ -19,11 +19,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import PROGRAMS, REPORT, GpuIso, kill_quietly, make_gpuiso, wait_gone
+from tests.helpers import (
+    PROGRAMS,
+    REPORT,
+    USAGE_ERROR,
+    GpuIso,
+    kill_quietly,
+    make_gpuiso,
+    wait_gone,
+)
 
 PRELOAD = "start_preload_mod"
 TICK = 1 / os.sysconf("SC_CLK_TCK")  # resolution of a process's creation time
-USAGE_ERROR = pytest.ExitCode.USAGE_ERROR
 HOW_TO_CHOOSE = "(--gpu-isolate-start=spawn chooses it from the start)"
 
 PROCS = "test_start_procs.py"

@@ -38,7 +38,7 @@ import psutil
 import pytest
 
 from pytest_gpuiso.wire.environment import FORK_TWICE_ENV, TEMPLATE_WAIT_ENV
-from tests.helpers import REPORT, GpuIso, kill_quietly, make_gpuiso, wait_gone
+from tests.helpers import REPORT, SHM, GpuIso, kill_quietly, make_gpuiso, wait_gone
 from tests.helpers.output import normalized
 
 # pytest's report formats, hooks and internals: CI's lowest-versions stage runs them all
@@ -46,7 +46,6 @@ pytestmark = pytest.mark.versions
 
 IDS = "test_template_ids.py"
 SEMANTICS = "test_template_semantics.py"
-SHM = Path("/dev/shm")
 WHY = "after configuring and collecting: "
 IDS_NODES = [
     *(f"{IDS}::test_odd_ids[{v}]" for v in ("a::b", "c[d]", "with space", "x]::[y z")),

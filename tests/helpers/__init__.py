@@ -17,6 +17,8 @@ import pytest
 
 from pytest_gpuiso.wire.environment import REGION_ENV, TEMPLATE_WAIT_ENV
 
+SHM = Path("/dev/shm")  # where the leaks the tests make and look for are
+USAGE_ERROR = pytest.ExitCode.USAGE_ERROR  # pytest's exit status for a bad option
 ROOT = Path(__file__).resolve().parents[2]  # tests/helpers/__init__.py -> the checkout
 PROGRAMS = ROOT / "fixtures" / "programs"
 GPUSIM = ROOT / "fixtures" / "gpusim"  # the simulated GPU: stand-in libcuda and NVML
