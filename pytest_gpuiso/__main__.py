@@ -240,26 +240,34 @@ def main(argv: list[str] | None = None) -> int:
             compare.error("give two reports, BASE and HEAD (one only with --write-baseline)")
         if len(opts.reports) == 1 and (opts.markdown or opts.code_quality):
             compare.error("--markdown and --code-quality need two reports, BASE and HEAD")
-        return _compare(opts)
-    if opts.command == "merge":
-        if opts.markdown is None and opts.json is None:
-            merge.error("nothing to write: give --markdown PATH and/or --json PATH")
-        return _merge(opts)
-    path = opts.region or region_path()
+    if opts.command == "merge" and opts.markdown is None and opts.json is None:
+        merge.error("nothing to write: give --markdown PATH and/or --json PATH")
+    commands = {"compare": _compare, "merge": _merge, "status": _status, "reset": _reset}
+    return commands[opts.command](opts)
 
+
+def _status(opts: argparse.Namespace) -> int:
+    """``status``: the lease table's holders, waiters and quarantined GPUs."""
     from ._lease import RegionError
 
-    if opts.command == "status":
-        if not os.path.lexists(path):
-            print(f"lease table {path}\nno lease table yet (created by the first GPU lease)")
-            return 0
-        try:
-            print(status_table(open_region(path).snapshot(), path))
-        except RegionError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 1
+    path = opts.region or region_path()
+    if not os.path.lexists(path):
+        print(f"lease table {path}\nno lease table yet (created by the first GPU lease)")
         return 0
+    try:
+        print(status_table(open_region(path).snapshot(), path))
+    except RegionError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
+
+def _reset(opts: argparse.Namespace) -> int:
+    """``reset``: clear a table nobody holds (``--force``: whatever holds it), or re-probe
+    and lift one quarantined GPU (``--device``)."""
+    from ._lease import RegionError
+
+    path = opts.region or region_path()
     if not os.path.lexists(path):
         print(f"nothing to reset: {path} does not exist")
         return 0
