@@ -291,9 +291,10 @@ def test_a_stopped_waiter_does_not_hold_back_the_waiters_behind_it(
 
 def _lock_table_mutex_and_stop(path: str, conn: Connection) -> None:
     """Hold the table's mutex and stop, as a process stopped inside the critical section."""
-    lock_table_mutex(path, conn)
+    mapping = lock_table_mutex(path, conn)
     os.kill(os.getpid(), signal.SIGSTOP)
     signal.pause()
+    mapping.close()
 
 
 @pytest.fixture

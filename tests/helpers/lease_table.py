@@ -201,15 +201,19 @@ def slot_offset(row: int, slot: int) -> int:
     return DEV_OFFSET + row * DEVICE_SIZE + SLOT_OFFSET + slot * SLOT_SIZE
 
 
-def lock_table_mutex(path: str, conn: Connection) -> None:
-    """Take the table's mutex behind its back (its private layout) and send the result."""
+def lock_table_mutex(path: str, conn: Connection) -> mmap.mmap:
+    """Take the table's mutex behind its back (its private layout) and send the result.
+    The caller keeps the mapping while it holds the lock: unmapped, the robust mutex is
+    off the kernel's list, and the holder's death would not release it."""
     fd = os.open(path, os.O_RDWR)
     mapping = mmap.mmap(fd, REGION_SIZE)
     mutex = ctypes.c_char.from_buffer(mapping, MUTEX_OFFSET)
     libc = ctypes.CDLL(None, use_errno=True)
     conn.send(libc.pthread_mutex_lock(ctypes.c_void_p(ctypes.addressof(mutex))))
+    return mapping
 
 
 def lock_table_mutex_and_sleep(path: str, conn: Connection) -> None:
-    lock_table_mutex(path, conn)
+    mapping = lock_table_mutex(path, conn)
     time.sleep(120)
+    mapping.close()
