@@ -9,7 +9,8 @@ import pytest
 
 from .gpu import ports, workers
 from .parent.session import State, default_gpus
-from .settings import DEFAULT_TIMEOUT, MARKER, Settings, pytest_timeout
+from .settings import MARKER, Settings, pytest_timeout
+from .values import DEFAULT_TIMEOUT
 
 
 def lines(config: pytest.Config, state: State, debugger: str) -> list[str]:

@@ -2,25 +2,25 @@
 
 Each ``Option`` is one setting: its ini key (also the option's ``dest``), its ini
 type, the flag(s) that set it on the command line, the default shown in ``--help``,
-the help text, the ``Settings`` field it fills, its parser (from ``settings.py``) and
+the help text, the ``Settings`` field it fills, its parser (from ``values``) and
 its value where it is given nowhere. ``add_options`` turns the table into
 ``parser.addoption`` and ``parser.addini`` calls, so a setting cannot have a flag
-without an ini key, or differ in name or help between the two; ``read_settings``
-turns it into ``Settings`` in one loop, so no second list of the settings exists.
+without an ini key, or differ in name or help between the two;
+``settings.read_settings`` turns it into ``Settings`` in one loop, so no second list
+of the settings exists.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
-from .settings import (
+from .values import (
     DEFAULT_GRACE,
     DEFAULT_PREWARM,
     DEFAULT_SLOTS,
@@ -29,8 +29,6 @@ from .settings import (
     KINDS,
     MAX_GPUS,
     MAX_SLOTS,
-    Settings,
-    SpecError,
     default_start,
     parse_annotations,
     parse_devices,
@@ -45,12 +43,10 @@ from .settings import (
     parse_preload,
     parse_seconds,
     parse_start,
-    parse_template_wait,
     parse_warnings,
     torch_if_installed,
 )
-from .settings import DEFAULT_TOLERANCE_MIB as DEFAULT_TOLERANCE
-from .wire.environment import TEMPLATE_WAIT_ENV
+from .values import DEFAULT_TOLERANCE_MIB as DEFAULT_TOLERANCE
 
 Parser = Callable[[Any, str], Any]  # (the value as given, where it came from) -> the field's
 
@@ -393,66 +389,3 @@ def add_options(parser: pytest.Parser) -> None:
                 help=option.option_help().replace("%", "%%"),  # argparse formats it
             )
             parser.addini(option.name, option.help, type="string", default="")
-
-
-def read_settings(config: pytest.Config) -> Settings:
-    """Read and validate every option; raise ``pytest.UsageError`` naming the culprit."""
-    try:
-        return _read(config)
-    except SpecError as exc:
-        raise pytest.UsageError(f"gpu-isolate: {exc}") from None
-
-
-def _read(config: pytest.Config) -> Settings:
-    fields: dict[str, Any] = {}
-    for option in OPTIONS:
-        given = _given(config, option)
-        if given is None:
-            value, where = option.unset() if callable(option.unset) else option.unset, ""
-        else:
-            value, where = option.parse(*given), given[1]
-        if isinstance(option.field, str):
-            fields[option.field] = value
-        else:
-            fields.update(zip(option.field, value, strict=True))
-        if option.source:
-            fields[option.source] = where
-    # Derived: the fork server's wait for its template, from the environment (the test
-    # suite's knob), only where there is a fork server.
-    wait = os.environ.get(TEMPLATE_WAIT_ENV, "").strip()
-    if fields["start"] == "forkserver" and wait:
-        what = f"environment variable {TEMPLATE_WAIT_ENV}"
-        fields["template_wait"] = parse_template_wait(wait, what)
-    return Settings(**fields)
-
-
-def _given(config: pytest.Config, option: Option) -> tuple[Any, str] | None:
-    """The option's value as given and where: the command line first, then the ini file
-    (a blank ini value is not given); None where it is given nowhere. A bool ini key
-    always has a value (its ``ini_default``)."""
-    if option.type == "args":
-        patterns = config.getini(option.name)
-        return (patterns, f"ini {option.name}") if patterns else None
-    cli = config.getoption(option.name)
-    if cli is not None and option.type == "bool":
-        return bool(cli), (option.cli if cli else option.negative) or option.name
-    if cli is not None:
-        return str(cli), str(option.cli)
-    if option.type == "bool":
-        return _ini_bool(config, option.name), f"ini {option.name}"
-    ini = config.getini(option.name)
-    if isinstance(ini, str) and ini.strip():
-        return ini.strip(), f"ini {option.name}"
-    return None
-
-
-def _ini_bool(config: pytest.Config, name: str) -> bool:
-    """An ini key of type bool; pytest's error on a bad value becomes one line naming it."""
-    try:
-        return bool(config.getini(name))
-    except (ValueError, TypeError, pytest.UsageError) as exc:  # "invalid truth value 'x'"
-        text = str(exc)
-        value = text.removeprefix("invalid truth value ") if "truth value" in text else ""
-        raise SpecError(
-            f"invalid value {value or text} for ini {name}: expected true or false"
-        ) from None

@@ -18,7 +18,7 @@ import pytest
 from . import header
 from .gpu import pinning, workers
 from .gpu.leases import Leases, discover
-from .options import add_options, read_settings
+from .options import add_options
 from .parent import runner
 from .parent.call import call_isolated
 from .parent.session import STATE, State, close, isolated, settle, start_server
@@ -27,7 +27,8 @@ from .recorder import Recorder
 from .reports import baseline, report
 from .reports.baseline import Baseline
 from .reports.shards import ReportError
-from .settings import DEFAULT_GRACE, MARKER_DOC, SpecError
+from .settings import MARKER_DOC, read_settings
+from .values import DEFAULT_GRACE, SpecError
 from .warning_types import GpuIsoLeakWarning, GpuIsoStartWarning, warn_session
 from .wire.plugin_names import CHILD_PLUGIN
 

@@ -1,29 +1,43 @@
-"""Every setting of pytest-gpuiso, parsed and validated once: the bottom floor.
+"""The session's settings and one test's, each read and checked once.
 
 CLI, ini, marker, environment and pytest-timeout values become two frozen records:
-``Settings`` (the session's) and ``IsolationSpec`` (one test's). Every parser here
-takes the value as given and where it came from, and raises ``SpecError`` with one
-line naming it (``--gpu-isolate-timeout``, ``ini gpu_isolate_timeout``, ``marker
-argument timeout``); callers turn it into a usage error (CLI, ini) or the test's
-setup error (marker). ``options.OPTIONS`` names each session setting's parser, and
-``options.read_settings`` builds ``Settings`` from that table in one loop.
+``Settings`` (the session's, built by ``read_settings`` from ``options.OPTIONS`` in one
+loop) and ``IsolationSpec`` (one test's, by ``spec_for_item``). The parsers and the
+shared defaults are ``values``'; a bad value is ``values.SpecError``, which becomes
+pytest's usage error (CLI, ini) or the test's setup error (marker).
 Precedence: built-in default < ini < command line < marker; pytest-timeout's value is
 the isolated test's timeout only when no gpu-isolate timeout was given anywhere.
 
-This module imports nothing of pytest-gpuiso's: everything else may import it.
+This module imports only ``values`` and ``options`` of pytest-gpuiso's.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import math
 import os
-import re
-import sys
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
+
+from .options import OPTIONS, Option
+from .values import (
+    DEFAULT_PREWARM,
+    DEFAULT_SLOTS,
+    DEFAULT_STARTUP_TIMEOUT,
+    DEFAULT_TIMEOUT,
+    DEFAULT_TOLERANCE_MIB,
+    KINDS,
+    MAX_SECONDS,
+    TEMPLATE_WAIT_DEFAULT,
+    GpuMemory,
+    SpecError,
+    parse_allowed,
+    parse_count,
+    parse_memory,
+    parse_seconds,
+    parse_template_wait,
+)
+from .wire.environment import TEMPLATE_WAIT_ENV
 
 MARKER = "gpu_isolated"
 MARKER_KWARGS = ("timeout", "startup_timeout", "grace", "gpus", "gpu_memory", "allow_leaks")
@@ -32,316 +46,11 @@ MARKER_DOC = (  # for pytest --markers, from the one list of its arguments
     f"{MARKER}({_SHOWN}): run this test in a fresh process with a clean CUDA context "
     "(pytest-gpuiso)"
 )
-DEFAULT_TIMEOUT = 900.0
-DEFAULT_STARTUP_TIMEOUT = 300.0  # bounds start-up (until the test's protocol) and exit
-DEFAULT_GRACE = 5.0
-# The longest duration any bound accepts (a week): waits below it fit the kernel's poll
-# timeout (2**31 ms, 24.8 days), where 1e10 seconds overflowed mid-session.
-MAX_SECONDS = 7 * 24 * 3600.0
-DEFAULT_PREWARM = 1
-DEFAULT_SLOTS = 1
-MAX_SLOTS = MAX_GPUS = 64  # the lease table's holders per device; its devices
-WHOLE = 1_000_000  # a share of a GPU in parts per million (the lease table's unit)
-_SIZE = re.compile(r"^\s*(\d{1,30})(?:\.(\d{1,30}))?\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20}
-_UNITS |= {"GIB": 2**30, "TIB": 2**40}
-DEFAULT_TOLERANCE_MIB = 64.0  # GPU memory growth the leak check ignores
-START_METHODS = ("spawn", "forkserver")
-HEALTH_MODES = ("off", "after-failure", "always")  # when a test's GPUs are probed
-# where annotations go: GitHub's workflow commands where GITHUB_ACTIONS=true (auto), always, never
-ANNOTATION_MODES = ("auto", "github", "off")
-WARNING_MODES = ("once", "each")
-KINDS = ("shm", "process", "gpu_memory")  # leak kinds
-LEVELS = ("warn", "fail", "off")  # what a leak of a kind does
-# Seconds, from the template's start, that fork requests wait for it to collect (then the
-# server forks tests itself: ~50 ms a test, not ~10); bounds a template stuck in an import.
-# The test suite sets a long one, so that its fork-server runs take one path, whatever the timing.
-TEMPLATE_WAIT_DEFAULT = 30.0
-TEMPLATE_WAIT_MAX = 240.0  # below the 300 s pytest waits for a fork's answer
-CUDA_ID = re.compile(r"^(\d+|(GPU|MIG)-[0-9A-Za-z./-]+)$")  # a CUDA_VISIBLE_DEVICES entry
-_MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
-
-
-class SpecError(ValueError):
-    """A bad setting. The message is one line naming the source and the value."""
-
-
-def parse_seconds(
-    value: Any, what: str, *, allow_zero: bool, high: float = MAX_SECONDS, unit: str = "seconds"
-) -> float:
-    """Parse a duration in seconds (or another ``unit``) up to ``high``; ``what`` names
-    the source for the error message."""
-    bound = ">= 0" if allow_zero else "> 0"
-    problem = f"invalid value {value!r} for {what}: expected a number of {unit} {bound}"
-    if isinstance(value, bool):
-        raise SpecError(problem)
-    if isinstance(value, (int, float)):
-        try:
-            seconds = float(value)
-        except OverflowError:  # an int too large for a float
-            seconds = math.inf
-    elif isinstance(value, str):
-        try:
-            seconds = float(value.strip())
-        except ValueError:
-            raise SpecError(problem) from None
-    else:
-        raise SpecError(problem)
-    if math.isnan(seconds) or seconds < 0 or (seconds == 0 and not allow_zero):
-        raise SpecError(problem)
-    if seconds > high or math.isinf(seconds):
-        raise SpecError(f"{problem}, at most {high:g}" if math.isfinite(high) else problem)
-    return seconds
-
-
-def parse_int(value: Any, what: str, low: int, high: int) -> int:
-    """Parse an integer in [low, high] from an option or ini text."""
-    number = int(value.strip()) if isinstance(value, str) and value.strip().isdigit() else None
-    if number is None or not low <= number <= high or isinstance(value, bool):
-        raise SpecError(
-            f"invalid value {value!r} for {what}: expected an integer from {low} to {high}"
-        )
-    return number
-
-
-def parse_count(value: Any, what: str) -> int:
-    """Parse a non-negative integer (a GPU count)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise SpecError(f"invalid value {value!r} for {what}: expected an integer >= 0")
-    return value
-
-
-def parse_start(value: str, what: str) -> tuple[str, str]:
-    """A start method given (and no reason for it: it was chosen)."""
-    text = value.strip().lower()
-    if text not in START_METHODS:
-        raise SpecError(
-            f"invalid value {value!r} for {what}: expected {' or '.join(START_METHODS)}"
-        )
-    return text, ""
-
-
-# A sanitizer's runtime mapped into this process (an instrumented interpreter or an
-# LD_PRELOAD): the fork server's forks would share its state and threads.
-_SANITIZER = re.compile(r"/(lib(?:asan|hwasan|tsan|msan|lsan)[^/\s]*\.so[^/\s]*)$", re.MULTILINE)
-
-
-def default_start(maps: str = "/proc/self/maps") -> tuple[str, str]:
-    """The start method where none is chosen: the fork server where it is safe, else
-    spawn and why (a phrase for the header). Where the server turns out not to serve
-    (pidfd_open missing, CUDA touched before it forked), the launcher falls back then."""
-    if not sys.platform.startswith("linux") or not hasattr(os, "fork"):
-        return "spawn", f"the fork server needs Linux, this is {sys.platform}"
-    try:
-        with open(maps, encoding="utf-8", errors="replace") as file:
-            found = _SANITIZER.search(file.read())
-    except OSError:
-        found = None
-    if found:
-        return "spawn", f"a sanitizer's runtime is loaded ({found.group(1)})"
-    return "forkserver", ""
-
-
-def parse_health(value: str, what: str) -> str:
-    return _choice(value, what, HEALTH_MODES)
-
-
-def parse_annotations(value: str, what: str) -> str:
-    return _choice(value, what, ANNOTATION_MODES)
-
-
-def parse_warnings(value: str, what: str) -> str:
-    return _choice(value, what, WARNING_MODES)
-
-
-def _choice(value: str, what: str, choices: tuple[str, ...]) -> str:
-    text = value.strip().lower()
-    if text not in choices:
-        raise SpecError(f"invalid value {value!r} for {what}: expected {', '.join(choices)}")
-    return text
-
-
-def parse_preload(value: str, what: str) -> tuple[str, ...]:
-    """Module names separated by commas or spaces; each top-level package must be found
-    (looked up, not imported: pytest's process must not import torch to check a name)."""
-    if value.strip().lower() == "none":
-        return ()
-    names = tuple(dict.fromkeys(n for n in re.split(r"[,\s]+", value.strip()) if n))
-    for name in names:
-        if not _MODULE_NAME.match(name):
-            raise SpecError(f"invalid value {value!r} for {what}: {name!r} is not a module name")
-        top = name.split(".", 1)[0]
-        try:
-            found = importlib.util.find_spec(top) is not None
-        except (ImportError, ValueError):
-            found = False
-        if not found:
-            raise SpecError(f"invalid value {value!r} for {what}: no module named {top!r}")
-    return names
-
-
-@dataclass(frozen=True)
-class GpuMemory:
-    """A test's GPU memory lease on each of its GPUs: bytes, or a share of the device."""
-
-    text: str  # as written, for messages
-    size: int = 0  # bytes; 0: a share
-    share: int = 0  # parts per million of the device (WHOLE: all of it)
-
-    def on(self, capacity: int) -> int:  # bytes on a device of that size (0: unknown)
-        return self.size or capacity * self.share // WHOLE
-
-
-def parse_size(value: Any, what: str) -> int:
-    """Bytes from an int or ``"12GiB"``, ``"512 MiB"``, ``"1.5GB"``, ``"80000000"``."""
-    shown = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:36]}...'"  # 400 digits
-    problem = f"invalid value {shown} for {what}: expected bytes or a size like 12GiB or 8GB"
-    if isinstance(value, int) and not isinstance(value, bool):
-        size = value
-    elif isinstance(value, str) and (m := _SIZE.match(value)):
-        whole, fraction, unit = m.group(1), m.group(2) or "", (m.group(3) or "B").upper()
-        size = int(whole + fraction) * _UNITS[unit] // 10 ** len(fraction)  # exact
-    else:
-        raise SpecError(problem)
-    if not 0 < size < 1 << 63:
-        raise SpecError(f"{problem} (more than 0 bytes, less than 8 EiB)")
-    return size
-
-
-def size_text(size: int, form: str = ".4g") -> str:
-    """Bytes for messages, in the largest binary unit they reach: 12 GiB, 1.5 GiB, 512 MiB
-    (``form``: the number's format, ``.2f`` for a table's column)."""
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if size >= scale:
-            return f"{size / scale:{form}} {unit}"
-    return f"{size} bytes"
-
-
-def parse_memory(value: Any, what: str) -> GpuMemory:
-    """A size (``parse_size``) or a percentage of the device, ``"25%"``."""
-    if isinstance(value, str) and value.strip().endswith("%"):
-        try:
-            percent = float(value.strip()[:-1])
-        except ValueError:
-            percent = math.nan
-        if not 0 < percent <= 100:
-            raise SpecError(f"invalid value {value!r} for {what}: expected a percentage 0-100")
-        return GpuMemory(value.strip(), share=max(1, round(percent * WHOLE / 100)))
-    return GpuMemory(str(value).strip(), size=parse_size(value, what))
-
-
-def parse_devices(value: str, what: str) -> tuple[list[str] | None, tuple[tuple[str, int], ...]]:
-    """``auto`` -> None (discover), ``none`` -> [], ``0,1`` or GPU UUIDs -> the list; each
-    entry may declare its memory, ``0:80GiB`` (second: the declared sizes by name)."""
-    text = value.strip()
-    if text.lower() in ("auto", "none"):
-        return (None if text.lower() == "auto" else []), ()
-    names, sizes = [], {}
-    for part in text.split(","):
-        name, colon, size = part.strip().partition(":")
-        if not CUDA_ID.match(name):
-            raise SpecError(
-                f"invalid value {value!r} for {what}: expected auto, none or a comma-separated "
-                f"list of GPU indices or UUIDs, each with an optional :SIZE (bad entry {part!r})"
-            )
-        names.append(name)
-        if colon:
-            sizes[name] = parse_size(size, f"{what} (device {name})")
-    if len(set(names)) != len(names):
-        raise SpecError(f"invalid value {value!r} for {what}: a device is listed twice")
-    return names, tuple(sizes.items())
-
-
-def parse_policy(text: str, what: str) -> dict[str, str]:
-    """``warn``, ``fail``, ``off`` or per kind ``shm=fail,process=warn`` (a bare level sets
-    the default of the kinds not named). Raises ``SpecError`` naming the bad part."""
-    default = "warn"
-    named: dict[str, str] = {}
-    parts = [part.strip() for part in text.split(",")]
-    expected = f"expected {'|'.join(LEVELS)} or kind=level with kinds {', '.join(KINDS)}"
-    seen_default = False
-    for part in parts:
-        kind, sep, level = (s.strip() for s in part.partition("="))
-        if not sep:
-            kind, level = "", kind
-        bad = f"invalid value {text!r} for {what}: bad part {part!r}"
-        if level not in LEVELS or (sep and kind not in KINDS):
-            raise SpecError(f"{bad} ({expected})")
-        if kind in named:
-            raise SpecError(f"{bad}: {kind} is given twice")
-        if kind:
-            named[kind] = level
-        elif seen_default:
-            raise SpecError(f"{bad}: a level for every kind is given twice")
-        else:
-            default, seen_default = level, True
-    return {kind: named.get(kind, default) for kind in KINDS}
-
-
-def parse_leaks(text: str, what: str) -> tuple[tuple[str, str], ...]:
-    """``parse_policy`` as ``Settings.leaks`` keeps it: (kind, level) pairs."""
-    return tuple(parse_policy(text, what).items())
-
-
-def parse_allowed(value: Any, what: str) -> frozenset[str]:
-    """The marker's ``allow_leaks``: a list of kinds (or one kind as a string, or ``"all"``)."""
-    items = [value] if isinstance(value, str) else value
-    if not isinstance(items, (list, tuple, set, frozenset)) or not all(
-        isinstance(k, str) for k in items
-    ):
-        raise SpecError(
-            f"invalid value {value!r} for {what}: expected a list of kinds ({', '.join(KINDS)})"
-        )
-    unknown = sorted(set(items) - {*KINDS, "all"})
-    if unknown:
-        raise SpecError(
-            f"invalid value {value!r} for {what}: unknown kind {unknown[0]!r} "
-            f"(expected {', '.join(KINDS)} or all)"
-        )
-    return frozenset(KINDS) if "all" in items else frozenset(items)
-
-
-def parse_template_wait(value: str, what: str) -> float:
-    """Seconds a fork request waits for the template: from 0 to ``TEMPLATE_WAIT_MAX``."""
-    wait = parse_seconds(value, what, allow_zero=True, high=math.inf)
-    if wait > TEMPLATE_WAIT_MAX:
-        raise SpecError(
-            f"invalid value {value!r} for {what}: expected a number of seconds "
-            f"from 0 to {TEMPLATE_WAIT_MAX:g}"
-        )
-    return wait
-
-
-def parse_mode(on: bool, what: str) -> str:
-    """``gpu_isolate``: "all" isolates every test; false on the command line
-    (``--no-gpu-isolate``) is "off", even for marked tests; false in the ini file (the
-    default) is "marked", only marked tests."""
-    return "all" if on else "marked" if what.startswith("ini ") else "off"
-
-
-def parse_path(value: str, what: str) -> str | None:
-    """A report's path as written (checked where it is written); blank: none."""
-    return value.strip() or None
-
-
-def parse_patterns(value: Any, what: str) -> tuple[str, ...]:
-    """An ini ``args`` list (glob patterns)."""
-    return tuple(value)
-
-
-def parse_flag(value: bool, what: str) -> bool:
-    """A boolean, already checked where it was read (pytest's flags and bool ini keys)."""
-    return bool(value)
-
-
-def torch_if_installed() -> tuple[str, ...]:
-    """The default preload: torch, where it can be found (looked up, not imported)."""
-    return ("torch",) if importlib.util.find_spec("torch") is not None else ()
 
 
 @dataclass(frozen=True)
 class Settings:
-    """Session-wide settings, validated once at configure time (``options.read_settings``).
+    """Session-wide settings, validated once at configure time (``read_settings``).
 
     Each field is filled by a row of ``options.OPTIONS`` (its value, or where it came
     from: the ``*_source`` fields, "" where it was not given), but ``template_wait``.
@@ -495,3 +204,66 @@ def pytest_timeout(
             return None
         return (min(seconds, MAX_SECONDS), source) if seconds > 0 else None
     return None
+
+
+def read_settings(config: pytest.Config) -> Settings:
+    """Read and validate every option; raise ``pytest.UsageError`` naming the culprit."""
+    try:
+        return _read(config)
+    except SpecError as exc:
+        raise pytest.UsageError(f"gpu-isolate: {exc}") from None
+
+
+def _read(config: pytest.Config) -> Settings:
+    fields: dict[str, Any] = {}
+    for option in OPTIONS:
+        given = _given(config, option)
+        if given is None:
+            value, where = option.unset() if callable(option.unset) else option.unset, ""
+        else:
+            value, where = option.parse(*given), given[1]
+        if isinstance(option.field, str):
+            fields[option.field] = value
+        else:
+            fields.update(zip(option.field, value, strict=True))
+        if option.source:
+            fields[option.source] = where
+    # Derived: the fork server's wait for its template, from the environment (the test
+    # suite's knob), only where there is a fork server.
+    wait = os.environ.get(TEMPLATE_WAIT_ENV, "").strip()
+    if fields["start"] == "forkserver" and wait:
+        what = f"environment variable {TEMPLATE_WAIT_ENV}"
+        fields["template_wait"] = parse_template_wait(wait, what)
+    return Settings(**fields)
+
+
+def _given(config: pytest.Config, option: Option) -> tuple[Any, str] | None:
+    """The option's value as given and where: the command line first, then the ini file
+    (a blank ini value is not given); None where it is given nowhere. A bool ini key
+    always has a value (its ``ini_default``)."""
+    if option.type == "args":
+        patterns = config.getini(option.name)
+        return (patterns, f"ini {option.name}") if patterns else None
+    cli = config.getoption(option.name)
+    if cli is not None and option.type == "bool":
+        return bool(cli), (option.cli if cli else option.negative) or option.name
+    if cli is not None:
+        return str(cli), str(option.cli)
+    if option.type == "bool":
+        return _ini_bool(config, option.name), f"ini {option.name}"
+    ini = config.getini(option.name)
+    if isinstance(ini, str) and ini.strip():
+        return ini.strip(), f"ini {option.name}"
+    return None
+
+
+def _ini_bool(config: pytest.Config, name: str) -> bool:
+    """An ini key of type bool; pytest's error on a bad value becomes one line naming it."""
+    try:
+        return bool(config.getini(name))
+    except (ValueError, TypeError, pytest.UsageError) as exc:  # "invalid truth value 'x'"
+        text = str(exc)
+        value = text.removeprefix("invalid truth value ") if "truth value" in text else ""
+        raise SpecError(
+            f"invalid value {value or text} for ini {name}: expected true or false"
+        ) from None

@@ -1,6 +1,7 @@
 """The house rules that can be checked mechanically (GUIDE.md, "The house we aim for"):
 no import cycle inside pytest_gpuiso, counting imports inside functions and under
-TYPE_CHECKING; settings.py on the bottom floor, options.py just above it; plugin.py thin
+TYPE_CHECKING; values.py (the parsers) on the bottom floor, options.py (the option table)
+just above it, settings.py above both; plugin.py thin
 (hooks only, <= 400 lines); no module over 500 lines; the folder rules (which role
 folder may import which) and each folder's docstring; every import of ours written
 outside the package (tests, fixtures, benches, docs, code in strings) still resolves;
@@ -138,8 +139,14 @@ def test_no_import_cycle_inside_the_package() -> None:
     assert _cycles(_graph()) == []
 
 
-def test_settings_is_the_bottom_floor() -> None:
-    assert _ours(_graph(), "pytest_gpuiso.settings") == set()
+def test_values_is_the_bottom_floor() -> None:
+    graph = _graph()
+    assert _ours(graph, "pytest_gpuiso.values") == set()
+    assert _ours(graph, "pytest_gpuiso.settings") == {
+        "pytest_gpuiso.values",
+        "pytest_gpuiso.options",
+        "pytest_gpuiso.wire.environment",
+    }
 
 
 # Folder rules (GUIDE.md, "The house"): folder -> the folders of ours it never imports.
@@ -201,13 +208,10 @@ def test_the_package_shows_its_roles() -> None:
         assert len(doc.split()) >= 20, f"{folder}/__init__.py: its docstring says too little"
 
 
-def test_options_come_from_settings_only() -> None:
-    """The option table names settings' parsers and builds Settings; it knows nothing else
-    of ours but the environment's names (so settings.py, below it, stays the bottom floor)."""
-    assert _ours(_graph(), "pytest_gpuiso.options") == {
-        "pytest_gpuiso.settings",
-        "pytest_gpuiso.wire.environment",
-    }
+def test_options_come_from_values_only() -> None:
+    """The option table names the parsers of values.py and nothing else of ours (so that
+    settings.py, which builds Settings from it, sits above both)."""
+    assert _ours(_graph(), "pytest_gpuiso.options") == {"pytest_gpuiso.values"}
 
 
 def test_the_hooks_module_holds_hooks_only() -> None:
@@ -363,7 +367,7 @@ def test_settings_are_built_by_one_loop_over_the_option_table() -> None:
         for node in ast.walk(tree)
         if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Settings"
     }
-    assert makers == {"pytest_gpuiso.options"}
+    assert makers == {"pytest_gpuiso.settings"}
     sample = ast.parse("config.getoption('gpu_isolate_cleanup')\nconfig.getini(option.name)")
     assert _reads_of_our_options(sample) == ["gpu_isolate_cleanup"]
     reads = {name: _reads_of_our_options(tree) for name, tree in trees.items()}

@@ -23,7 +23,7 @@ from pytest_gpuiso.leaks.gpu_memory import (
     Sample,
 )
 from pytest_gpuiso.reports import report
-from pytest_gpuiso.settings import KINDS, LEVELS, SpecError, parse_allowed, parse_policy
+from pytest_gpuiso.values import KINDS, LEVELS, SpecError, parse_allowed, parse_policy
 
 OPTION = "--gpu-isolate-leaks"
 

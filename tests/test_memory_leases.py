@@ -140,7 +140,7 @@ def test_bad_sizes_are_one_line_usage_errors(gpuiso_spawn: GpuIso, lease_region:
 
 def test_status_shows_each_holders_lease_and_the_free_memory(lease_region: Path) -> None:
     from pytest_gpuiso.gpu.leases import Devices, Leases, status_table
-    from pytest_gpuiso.settings import parse_memory
+    from pytest_gpuiso.values import parse_memory
 
     leases = Leases(Devices(("0",), "test", capacities=(8 * GIB,)), 1, str(lease_region))
     lease = leases.acquire(1, "tests/test_x.py::test_big", 0, parse_memory("6GiB", "t"))

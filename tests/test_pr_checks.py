@@ -22,7 +22,7 @@ from pytest_gpuiso.__main__ import main
 from pytest_gpuiso.reports import baseline, findings
 from pytest_gpuiso.reports.record import SCHEMA_VERSION
 from pytest_gpuiso.reports.shards import ReportError
-from pytest_gpuiso.settings import SpecError, parse_annotations
+from pytest_gpuiso.values import SpecError, parse_annotations
 from tests.helpers import PROGRAMS, REPORT, ROOT
 
 

@@ -137,7 +137,8 @@ def test_the_default_is_spawn_where_the_fork_server_is_not_safe(
 ) -> None:
     """Not Linux, or a sanitizer's runtime mapped: spawn, and the reason for the header."""
     from pytest_gpuiso.header import _start_header
-    from pytest_gpuiso.settings import Settings, default_start
+    from pytest_gpuiso.settings import Settings
+    from pytest_gpuiso.values import default_start
 
     maps = tmp_path / "maps"
     maps.write_text(

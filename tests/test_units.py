@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from pytest_gpuiso.child import imports
 from pytest_gpuiso.parent import watch
 from pytest_gpuiso.parent.results import trim_stack
-from pytest_gpuiso.settings import MAX_SECONDS, SpecError, parse_count, parse_seconds
+from pytest_gpuiso.values import MAX_SECONDS, SpecError, parse_count, parse_seconds
 from pytest_gpuiso.wire import frames, wire
 
 

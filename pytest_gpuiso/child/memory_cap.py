@@ -16,7 +16,7 @@ import os
 import sys
 from typing import Any
 
-from ..settings import size_text
+from ..values import size_text
 from ..wire.environment import MEMORY_ENV
 
 

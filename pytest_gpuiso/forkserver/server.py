@@ -26,7 +26,7 @@ from .._compat import load_conftests, prepare_config
 from ..child import bootstrap as child
 from ..child.plugin import freeze
 from ..proc._linux import die_with_parent
-from ..settings import TEMPLATE_WAIT_DEFAULT
+from ..values import TEMPLATE_WAIT_DEFAULT
 from ..wire import wire
 from ..wire.plugin_names import SERVER_PLUGIN
 from . import pools

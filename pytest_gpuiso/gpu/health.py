@@ -33,7 +33,7 @@ import time
 from typing import Any
 
 from ..leaks import Leak
-from ..settings import GpuMemory
+from ..values import GpuMemory
 from . import rocm
 from .gpu_probe import NO_DRIVER
 from .leases import LABEL_LEN, Lease, LeaseError, Leases

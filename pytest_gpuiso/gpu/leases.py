@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..proc.workdir import EXHAUSTED, user_name
-from ..settings import CUDA_ID, WHOLE, GpuMemory, SpecError, size_text
+from ..values import CUDA_ID, WHOLE, GpuMemory, SpecError, size_text
 from ..wire.environment import LEASE_ID_ENV, LEASED_ENV, MEMORY_ENV, REGION_ENV, VIA_ENV
 from . import rocm
 from .nvml import NvmlReader

@@ -32,7 +32,8 @@ from typing import Any
 
 import pytest
 
-from ..settings import GpuMemory, Settings
+from ..settings import Settings
+from ..values import GpuMemory
 from .leases import Devices, Lease, LeaseError, Leases, LeaseTimeout
 from .workers import gpu_slots
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from ..options import read_settings
-from ..settings import WHOLE, Settings, SpecError
+from ..settings import Settings, read_settings
+from ..values import WHOLE, SpecError
 from .leases import Devices, discover
 
 XDIST_ENV = "PYTEST_XDIST_AUTO_NUM_WORKERS"

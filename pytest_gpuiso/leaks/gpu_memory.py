@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..gpu.nvml import NvmlUnavailable, Sample
-from ..settings import DEFAULT_TOLERANCE_MIB
+from ..values import DEFAULT_TOLERANCE_MIB
 from . import Leak, Probe, RunInfo
 
 MIB = 1 << 20

@@ -20,7 +20,7 @@ from ..gpu.leases import Leases, discover, held_lease, visible_env
 from ..gpu.nvml import NvmlReader
 from ..leaks.process import Mark
 from ..proc import workdir
-from ..settings import DEFAULT_GRACE, DEFAULT_STARTUP_TIMEOUT, parse_count, parse_seconds
+from ..values import DEFAULT_GRACE, DEFAULT_STARTUP_TIMEOUT, parse_count, parse_seconds
 from ..wire.jobs import CallJob
 from .launcher import Launcher
 from .outcome import Outcome

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from .. import _compat
-from ..settings import IsolationSpec, Settings, SpecError, spec_for_item
+from ..settings import IsolationSpec, Settings, spec_for_item
+from ..values import SpecError
 from ..wire.jobs import ItemJob
 from . import replay
 from .prewarm import HIDDEN_GPUS

@@ -36,7 +36,8 @@ from ..leaks import torch as torch_check
 from ..leaks.gpu_memory import GpuMemoryProbe
 from ..leaks.shm import ShmProbe
 from ..proc import workdir
-from ..settings import KINDS, IsolationSpec
+from ..settings import IsolationSpec
+from ..values import KINDS
 from ..warning_types import GpuIsoStartWarning, warn_session
 from ..wire.environment import MEMORY_ENV
 from . import replay

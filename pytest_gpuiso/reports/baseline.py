@@ -20,7 +20,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from ..settings import KINDS
+from ..values import KINDS
 from .mdtext import code_cell, kind_cell
 from .record import ending, known_count, last_attempts, leak_kinds
 from .shards import ReportError, read_json, records_of

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ..settings import KINDS
+from ..values import KINDS
 
 _LINE_BREAK = re.compile(r"\r\n|\r|\n")  # what ends a table row in Markdown
 _SPECIAL = re.compile(r"([\\`*_\[\]<>|~&])")  # what Markdown could read as markup

@@ -17,7 +17,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from ..settings import KINDS, SpecError, size_text
+from ..values import KINDS, SpecError, size_text
 from .baseline import baseline_lines, fixed_table
 from .mdtext import cell as _cell
 from .mdtext import code_cell as _code_cell

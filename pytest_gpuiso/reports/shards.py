@@ -13,7 +13,7 @@ import os
 import stat
 from typing import Any
 
-from ..settings import KINDS
+from ..values import KINDS
 from .record import SCHEMA_VERSION, is_number
 
 # The largest report ``merge`` reads: a record is about 1 KiB, so a million tests.

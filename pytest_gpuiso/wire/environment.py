@@ -40,5 +40,5 @@ LOG_ENV = "PYTEST_GPUISO_SHM_LOG"
 FORK_TWICE_ENV = "PYTEST_GPUISO_FORK_TWICE"
 
 # Set by a test suite: how long pytest waits for the fork server's template (seconds).
-# Read by ``options`` (``settings.parse_template_wait``).
+# Read by ``settings.read_settings`` (``values.parse_template_wait``).
 TEMPLATE_WAIT_ENV = "PYTEST_GPUISO_TEMPLATE_WAIT"
