@@ -35,7 +35,7 @@ N shards: ..." line on stderr for each such test."""
 
 
 def _merge(opts: argparse.Namespace) -> int:
-    from .reports import report, shards
+    from .reports import files, report, shards
 
     try:
         records = shards.merge(opts.reports)
@@ -48,8 +48,8 @@ def _merge(opts: argparse.Namespace) -> int:
     shards_text = f"{tests} tests from {len(opts.reports)} reports"
     text = report.markdown(records)
     outputs = [
-        (opts.json, "JSON report", lambda path: report.write_json(path, records)),
-        (opts.markdown, "Markdown summary", lambda path: report.write_text(path, text)),
+        (opts.json, "JSON report", lambda path: files.write_json(path, records)),
+        (opts.markdown, "Markdown summary", lambda path: files.write_text(path, text)),
     ]
     for path, what, write in outputs:
         if path is None:
@@ -67,11 +67,11 @@ def _merge(opts: argparse.Namespace) -> int:
 def _step_summary(text: str, what: str) -> None:
     """Append ``text`` to ``$GITHUB_STEP_SUMMARY`` where it is set; a CI convenience that
     cannot be written is a warning, never a failure of the command."""
-    from .reports import report
+    from .reports import files
 
-    if report.step_summary_path():
-        problem = report.append_step_summary(text)
-        step = f"${report.STEP_SUMMARY_ENV}"
+    if files.step_summary_path():
+        problem = files.append_step_summary(text)
+        step = f"${files.STEP_SUMMARY_ENV}"
         if problem:
             print(f"warning: not appended to {step} ({problem})", file=sys.stderr)
         else:
@@ -95,7 +95,7 @@ on stderr: "error: PATH: problem") or a usage error."""
 
 
 def _compare(opts: argparse.Namespace) -> int:
-    from .reports import baseline, compare, findings, report, shards
+    from .reports import baseline, compare, files, findings, shards
 
     try:
         sides = [shards.load(path) for path in opts.reports]
@@ -122,7 +122,7 @@ def _compare(opts: argparse.Namespace) -> int:
             outputs.append((opts.code_quality, findings.code_quality(found), "report"))
     for path, text, what in outputs:
         try:
-            report.write_text(path, text)
+            files.write_text(path, text)
         except OSError as exc:
             print(f"error: {path}: cannot write: {exc.strerror or exc}", file=sys.stderr)
             return 2

@@ -17,14 +17,15 @@ import pytest
 
 from . import header
 from .gpu import pinning, workers
-from .gpu.leases import Leases, discover
+from .gpu.devices import discover
+from .gpu.leases import Leases
 from .options import add_options
 from .parent import runner
 from .parent.call import call_isolated
 from .parent.session import STATE, State, close, isolated, settle, start_server
 from .proc import dead_sessions, workdir
 from .recorder import Recorder
-from .reports import baseline, report
+from .reports import baseline, files
 from .reports.baseline import Baseline
 from .reports.shards import ReportError
 from .settings import MARKER_DOC, read_settings
@@ -121,7 +122,7 @@ def _output_path(config: pytest.Config, value: str | None, source: str) -> Path 
         return None
     if not hasattr(config, "workerinput"):  # under xdist, the controller writes them
         try:
-            report.check_output(value, source, str(_base(config, source)))
+            files.check_output(value, source, str(_base(config, source)))
         except SpecError as exc:
             raise pytest.UsageError(f"gpu-isolate: {exc}") from None
     return _path_of(config, value, source)

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from .parent.session import State
-from .reports import findings, report
+from .reports import files, findings, report
 from .reports.record import record_of
 
 
@@ -48,11 +48,11 @@ class Recorder:
         # Checked at configure; what fails now (a full disk) is one line, not a traceback.
         try:
             if state.report_path is not None:
-                report.write_json(state.report_path, state.records, self.baseline)
+                files.write_json(state.report_path, state.records, self.baseline)
         except OSError as exc:
             self.unwritten.append(f"--gpu-isolate-report {state.report_path}: {_why(exc)}")
         try:
-            if state.summary_path is not None or (state.records and report.step_summary_path()):
+            if state.summary_path is not None or (state.records and files.step_summary_path()):
                 self.summaries = report.write_markdown(
                     state.summary_path, state.records, self.baseline
                 )
@@ -60,7 +60,7 @@ class Recorder:
             self.unwritten.append(f"--gpu-isolate-summary {state.summary_path}: {_why(exc)}")
         try:
             if state.code_quality_path is not None:
-                report.write_text(state.code_quality_path, findings.code_quality(self.found))
+                files.write_text(state.code_quality_path, findings.code_quality(self.found))
         except OSError as exc:
             path = state.code_quality_path
             self.unwritten.append(f"--gpu-isolate-code-quality {path}: {_why(exc)}")

@@ -2,7 +2,7 @@
 no import cycle inside pytest_gpuiso, counting imports inside functions and under
 TYPE_CHECKING; values.py (the parsers) on the bottom floor, options.py (the option table)
 just above it, settings.py above both; plugin.py thin
-(hooks only, <= 400 lines); no module over 500 lines; the folder rules (which role
+(hooks only); no module over 400 lines; the folder rules (which role
 folder may import which) and each folder's docstring; every import of ours written
 outside the package (tests, fixtures, benches, docs, code in strings) still resolves;
 and one fact, one place: the settings built by one loop over the option table, names of
@@ -230,8 +230,8 @@ def test_the_hooks_module_holds_hooks_only() -> None:
     )
 
 
-LINE_LIMIT = 500
-LIMITS = {"pytest_gpuiso.plugin": 400}  # pytest's hooks, thin
+LINE_LIMIT = 400  # GUIDE.md: a module holds one role; past 400 lines it holds two
+LIMITS = {"pytest_gpuiso.plugin": 320}  # pytest's hooks, thin
 
 
 def test_no_module_is_too_big_to_hold_one_role() -> None:
@@ -326,7 +326,7 @@ def test_each_name_of_the_outside_world_is_written_once() -> None:
     assert homes == {
         "gpuiso-child": {"pytest_gpuiso.wire.plugin_names"},
         "gpuiso-forkserver": {"pytest_gpuiso.wire.plugin_names"},
-        "GITHUB_STEP_SUMMARY": {"pytest_gpuiso.reports.report"},
+        "GITHUB_STEP_SUMMARY": {"pytest_gpuiso.reports.files"},
         "PYTEST_TIMEOUT": {"pytest_gpuiso.settings"},  # pytest-timeout's value: one rule
     }
 

@@ -247,7 +247,8 @@ class _Nvml:
 
 
 def _leases(lease_region: Path):
-    from pytest_gpuiso.gpu.leases import Devices, Leases
+    from pytest_gpuiso.gpu.devices import Devices
+    from pytest_gpuiso.gpu.leases import Leases
 
     return Leases(Devices(("0", "1"), "test"), 1, path=str(lease_region))
 
@@ -314,7 +315,8 @@ def test_a_request_quarantine_left_unservable_holds_no_one_back(lease_region: Pa
     leases.release(leases.acquire(2, "t::init", 5.0))
     leases.quarantine("0", "after t::init (it timed out): Xid 79")
     code = (
-        "import sys; from pytest_gpuiso.gpu.leases import Devices, Leases; "
+        "import sys; from pytest_gpuiso.gpu.leases import Leases; "
+        "from pytest_gpuiso.gpu.devices import Devices; "
         f"leases = Leases(Devices(('0', '1'), 'test'), 1, path={str(lease_region)!r}); "
         "print('waiting', flush=True); leases.acquire(2, 't::two', 30.0)"
     )

@@ -139,7 +139,8 @@ def test_bad_sizes_are_one_line_usage_errors(gpuiso_spawn: GpuIso, lease_region:
 
 
 def test_status_shows_each_holders_lease_and_the_free_memory(lease_region: Path) -> None:
-    from pytest_gpuiso.gpu.leases import Devices, Leases, status_table
+    from pytest_gpuiso.gpu.devices import Devices
+    from pytest_gpuiso.gpu.leases import Leases, status_table
     from pytest_gpuiso.values import parse_memory
 
     leases = Leases(Devices(("0",), "test", capacities=(8 * GIB,)), 1, str(lease_region))

@@ -24,7 +24,8 @@ import psutil
 import pytest
 from pytest_gpuiso._lease import LABEL_LEN, MAX_DEVICES, Region, RegionError
 
-from pytest_gpuiso.gpu.leases import Devices, Leases, LeaseTimeout, open_region
+from pytest_gpuiso.gpu.devices import Devices
+from pytest_gpuiso.gpu.leases import Leases, LeaseTimeout, open_region
 from pytest_gpuiso.wire.environment import REGION_ENV
 from tests.helpers import PROGRAMS, GpuIso
 from tests.helpers.lease_table import (

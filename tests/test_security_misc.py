@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from pytest_gpuiso import run_isolated
-from pytest_gpuiso.reports import report
+from pytest_gpuiso.reports import files, record
 from tests.helpers import PROGRAMS, USAGE_ERROR
 
 NOBODY = 65534
@@ -523,6 +523,6 @@ def test_a_report_path_linked_to_a_file_replaces_the_file_and_keeps_the_link(tmp
     target.write_text("old")
     link = tmp_path / "gpu.json"
     link.symlink_to(target)
-    report.write_json(link, [])
+    files.write_json(link, [])
     assert link.is_symlink() and os.readlink(link) == str(target)
-    assert json.loads(target.read_text()) == {"version": report.SCHEMA_VERSION, "tests": []}
+    assert json.loads(target.read_text()) == {"version": record.SCHEMA_VERSION, "tests": []}

@@ -239,7 +239,8 @@ def test_a_forked_helper_does_not_keep_a_killed_pytests_leases_alive(lease_regio
 def test_a_session_goes_on_in_the_table_that_replaces_a_deleted_one(lease_region):
     """reset --force deletes a table whose lock is stuck (n7): the running session's next
     lease is taken in the new table, not refused with "was deleted" for every later test."""
-    from pytest_gpuiso.gpu.leases import Devices, Leases, open_region
+    from pytest_gpuiso.gpu.devices import Devices
+    from pytest_gpuiso.gpu.leases import Leases, open_region
 
     leases = Leases(Devices(("0",), "test"), 1, path=str(lease_region))
     leases.release(leases.acquire(1, "before", None))

@@ -17,28 +17,19 @@ deleted only under ``--gpu-isolate-cleanup``, and otherwise left and named in it
 from __future__ import annotations
 
 import contextlib
-import faulthandler
 import os
-import random
 import signal
 import socket
-import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
-import pytest
-
-from .. import _compat
-from ..child import bootstrap as child
-from ..child import cuda_state, exiting
 from ..child import plugin as child_plugin
 from ..leaks.shm_log import created_entries, remove_created
 from ..proc._linux import die_with_parent, huge_page_steps, outlive_parent, set_child_subreaper
-from ..wire import frames, jobs
 from ..wire.environment import LOG_ENV
 from . import audit, pools
 from .fork import (
@@ -51,9 +42,7 @@ from .fork import (
     send_request,
     unsafe_to_fork,
 )
-
-# A test's process forked from the template: its bootstrap, job and pipe ends.
-Forked = tuple[jobs.Bootstrap, Any, Connection, Connection]
+from .template_session import Forked, run_session
 
 
 class Server(Protocol):
@@ -323,144 +312,3 @@ def _await_parent(parent_pid: int) -> None:
     while os.getppid() != parent_pid and time.monotonic() < deadline:
         time.sleep(0.0005)
     die_with_parent(parent_pid)
-
-
-# --------------------------------------------------------------------------- the session
-
-
-class TemplatePlugin(child_plugin.ChildPlugin):
-    """The template's session: collect, then wait for forks; in a test's process forked
-    there, take its job and what is its own, and run its item from the collected session."""
-
-    def __init__(self, modules: list[str] | None, await_fork: Callable[[list[str]], Forked]):
-        super().__init__(None, None)  # type: ignore[arg-type] - given to each fork
-        self.modules = modules
-        self.await_fork = await_fork
-        self.items: dict[str, Any] = {}
-        self.seeded: list[Any] = [None, None, None]  # generator states the collection set
-
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_collection(self, session: Any) -> bool:
-        before = _random_states()
-        session.perform_collect(self.modules)  # None: the session's arguments, as pytest
-        # A module that seeded a global generator at import: each test's process starts
-        # from that state, as if it had imported the module itself (a fork reseeds them).
-        after = _random_states()
-        self.seeded = [new if new != old else None for old, new in zip(before, after, strict=True)]
-        self.items = {item.nodeid: item for item in session.items}
-        capman = self.config.pluginmanager.get_plugin("capturemanager")
-        if capman is not None:  # each test's process captures into its own files
-            capman.stop_global_capturing()
-        self._take_over(*self.await_fork(list(self.items)))  # in a test's process
-        self.channel.wait_go()
-        return True
-
-    def _take_over(self, boot: jobs.Bootstrap, job: Any, conn: Connection, go: Connection) -> None:
-        """This process is now the test's: take its job and what is its own."""
-        child.bootstrap(boot, conn)
-        self.job = job
-        self.channel = child.Channel(conn, boot.spill_prefix, go, boot.output, configured=True)
-        self.channel.send(frames.READY, os.getpid())  # the template's CUDA state was checked
-        cuda_state.baseline()
-        config = self.config
-        self._record_junit(config)
-        child_plugin.name_capture_files(boot.capture_prefix)
-        child_plugin.restart_capture(config)
-        child_plugin.override_options(config.option, job.basetemp, job.options)
-        # The session's factory was made in the template: this test's basetemp instead.
-        _compat.retarget_basetemp(config, job.basetemp)
-        _restore_random_states(self.seeded)
-        _repoint_faulthandler(config)
-
-    @pytest.hookimpl(trylast=True)
-    def pytest_collection_modifyitems(self, items: list) -> None:
-        """Keep everything: the template serves every test it collected."""
-
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_runtestloop(self, session: Any) -> bool:
-        item = self.items.get(self.job.nodeid)
-        session.items[:] = [item] if item is not None else []
-        return super().pytest_runtestloop(session)
-
-
-def run_session(
-    config: Any,
-    modules: list[str] | None,
-    await_fork: Callable[[list[str]], Forked],
-    options: tuple = (),
-) -> None:
-    """The template's pytest session; in a test's process forked from it, the test's end."""
-    plugin = TemplatePlugin(modules, await_fork)
-    config.pluginmanager.register(plugin, child_plugin.CHILD_PLUGIN)
-    child_plugin.restart_capture(config)
-    child_plugin.override_options(config.option, config.option.basetemp, options)
-    try:
-        status = int(config.hook.pytest_cmdline_main(config=config))
-    except BaseException:
-        if plugin.channel is None:  # the template itself failed: the server forks instead
-            raise
-        with contextlib.suppress(Exception):
-            plugin.channel.send(frames.ERROR, child.internal_error())
-        exiting.flush_and_exit(1)
-    if plugin.channel is None:
-        exiting.flush_and_exit(status)
-    plugin.channel.send(frames.DONE, status)  # a test's process: its session is over
-    exiting.flush_and_exit(0, plugin.channel.conn)
-
-
-def _random_states() -> list[Any]:
-    """The states of Python's, numpy's and torch's (CPU) global random generators (None:
-    not imported)."""
-    numpy = sys.modules.get("numpy")
-    try:
-        state = numpy.random.get_state() if numpy is not None else None
-    except Exception:
-        state = None
-    return [random.getstate(), _comparable(state), _torch_state()]
-
-
-def _torch_state() -> bytes | None:
-    generator = getattr(sys.modules.get("torch"), "default_generator", None)
-    try:
-        return bytes(generator.get_state().tolist()) if generator is not None else None
-    except Exception:
-        return None
-
-
-def _comparable(state: Any) -> Any:
-    """numpy's state tuple holds an array; a tuple of plain values compares with ==."""
-    if state is None:
-        return None
-    return tuple(x.tolist() if hasattr(x, "tolist") else x for x in state)
-
-
-def _restore_random_states(seeded: list[Any]) -> None:
-    python, numpy_state, torch_state = seeded
-    if python is not None:
-        random.setstate(python)
-    numpy = sys.modules.get("numpy")
-    if numpy_state is not None and numpy is not None:
-        with contextlib.suppress(Exception):
-            kind, keys, *rest = numpy_state
-            numpy.random.set_state((kind, numpy.asarray(keys, dtype=numpy.uint32), *rest))
-    torch = sys.modules.get("torch")
-    if torch_state is not None and torch is not None:
-        with contextlib.suppress(Exception):
-            torch.default_generator.set_state(
-                torch.frombuffer(bytearray(torch_state), dtype=torch.uint8)
-            )
-
-
-def _repoint_faulthandler(config: Any) -> None:
-    """Crash dumps go to this process's stderr, as pytest's faulthandler plugin set it up.
-
-    The plugin enabled faulthandler on a copy of stderr made at configure time, in the
-    template; here the copy is pointed at this process's stderr (while capture is
-    suspended, so the real one), and faulthandler at the copy, which fd capture of
-    fd 2 during the test does not redirect.
-    """
-    with contextlib.suppress(Exception):
-        fd = config.stash.get(_compat.fault_handler_stderr_fd_key, None)
-        if fd is not None:
-            os.dup2(2, fd)
-            faulthandler.enable(file=fd, all_threads=True)

@@ -34,7 +34,8 @@ import pytest
 
 from ..settings import Settings
 from ..values import GpuMemory
-from .leases import Devices, Lease, LeaseError, Leases, LeaseTimeout
+from .devices import Devices
+from .leases import Lease, LeaseError, Leases, LeaseTimeout
 from .workers import gpu_slots
 
 PINNED = "pinned"  # the first word of a pinned worker's label in the lease table

@@ -20,7 +20,7 @@ import pytest
 
 from ..settings import Settings, read_settings
 from ..values import WHOLE, SpecError
-from .leases import Devices, discover
+from .devices import Devices, discover
 
 XDIST_ENV = "PYTEST_XDIST_AUTO_NUM_WORKERS"
 

@@ -15,8 +15,9 @@ import secrets
 from collections.abc import Callable
 from typing import Any
 
+from ..gpu.devices import discover
 from ..gpu.health import Health
-from ..gpu.leases import Leases, discover, held_lease, visible_env
+from ..gpu.leases import Leases, held_lease, visible_env
 from ..gpu.nvml import NvmlReader
 from ..leaks.process import Mark
 from ..proc import workdir

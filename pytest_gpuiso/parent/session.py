@@ -17,8 +17,9 @@ import pytest
 from ..child import imports
 from ..forkserver import ServerBoot
 from ..gpu import ports
+from ..gpu.devices import Devices
 from ..gpu.health import Health
-from ..gpu.leases import Devices, Lease, Leases
+from ..gpu.leases import Lease, Leases
 from ..gpu.nvml import NvmlReader
 from ..leaks.shm_log import preload_env
 from ..proc import workdir

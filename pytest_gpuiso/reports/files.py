@@ -1,0 +1,138 @@
+"""Where reports are written, and how: whole or not at all, checked before the session.
+
+Every output of the plugin and of ``python -m pytest_gpuiso`` (the JSON report, the
+Markdown summary, GitLab's Code Quality file, ``$GITHUB_STEP_SUMMARY``) goes through
+``write_text``, ``write_json`` or ``append_step_summary``; ``check_output`` fails a bad
+path at configure time, not at the session's end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import stat
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from ..values import SpecError
+from .record import SCHEMA_VERSION
+
+STEP_SUMMARY_ENV = "GITHUB_STEP_SUMMARY"  # GitHub Actions' file for a step's Markdown
+# A name that is not UTF-8 (a /dev/shm entry's) is a lone surrogate in our text: written
+# as its escape (valid in JSON strings), never an error that loses the report.
+UNENCODABLE = "backslashreplace"
+
+
+def write_json(
+    path: Path, records: list[dict[str, Any]], baseline: dict[str, Any] | None = None
+) -> None:
+    """Write the report atomically (a reader never sees half a file); ``baseline``: what
+    the session made of its leak baseline (``Baseline.summary``)."""
+    document: dict[str, Any] = {"version": SCHEMA_VERSION, "tests": records}
+    if baseline is not None:
+        document["baseline"] = baseline
+    write_text(path, json.dumps(document, indent=2, ensure_ascii=False) + "\n")
+
+
+def check_output(value: str, what: str, base: str) -> None:
+    """Fail now, not at the session's end, when a report cannot be written at ``value``
+    (relative to ``base``): its folder (or the nearest one that exists: the writer makes
+    the rest) must be a directory in which a file can be created."""
+    path = os.path.normpath(os.path.join(base, value))
+    problem = f"invalid value {value!r} for {what}"
+    if os.path.isdir(path):
+        raise SpecError(f"{problem}: {path} is a directory")
+    if written_in_place(path):  # /dev/null, /dev/stdout, a FIFO: appended to
+        if not os.access(path, os.W_OK):
+            raise SpecError(f"{problem}: {path} cannot be written")
+        return  # its folder needs no room
+    path = os.path.realpath(path)  # a link to a file: the file is replaced, in its folder
+    folder = os.path.dirname(path)
+    while not os.path.lexists(folder):
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        raise SpecError(f"{problem}: {folder} is not a directory")
+    try:  # os.access() says yes to root, even where nothing can be created (/proc)
+        fd, probe = tempfile.mkstemp(prefix=".gpuiso-check-", dir=folder)
+    except OSError as exc:
+        raise SpecError(f"{problem}: cannot write in {folder} ({exc.strerror or exc})") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+def written_in_place(path: str | os.PathLike) -> bool:
+    """Whether an output file at ``path`` must be written into, not replaced: a device, a
+    FIFO, a socket, or one of a process's descriptors (``/dev/stdout`` links to
+    ``/proc/self/fd/1``, which may be the file pytest's output is redirected to).
+    Renaming a new file over any of those would replace the node (or the ``/dev`` link)
+    itself. False for a path that does not exist, a regular file, or a link to one."""
+    current = os.fspath(path)
+    for _ in range(40):  # the kernel's own limit on links followed
+        try:
+            st = os.lstat(current)
+        except OSError:
+            return False
+        if not stat.S_ISLNK(st.st_mode):
+            return not stat.S_ISREG(st.st_mode)
+        try:
+            target = os.readlink(current)
+        except OSError:
+            return False
+        current = os.path.normpath(os.path.join(os.path.dirname(current), target))
+        if current == "/proc" or current.startswith("/proc/"):
+            return True
+    return False
+
+
+def write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all (a temporary file renamed over it).
+
+    A device, a FIFO or a descriptor (``/dev/null``, ``/dev/stdout``) is appended to
+    instead (``written_in_place``); for a link to a regular file, the file is
+    replaced and the link kept.
+    """
+    if written_in_place(path):
+        with open(path, "a", encoding="utf-8", errors=UNENCODABLE) as f:
+            f.write(text)
+        return
+    path = Path(os.path.realpath(path))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:  # a file where the folder should be: say that, not "File exists"
+        raise NotADirectoryError(
+            errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(path.parent)
+        ) from None
+    fd, tmp = tempfile.mkstemp(prefix=".gpuiso-", suffix=path.suffix, dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", errors=UNENCODABLE) as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:  # a full disk, Ctrl-C: leave no temporary file behind
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def step_summary_path() -> str | None:
+    """The file of ``$GITHUB_STEP_SUMMARY`` (GitHub Actions), None where it is not set."""
+    return os.environ.get(STEP_SUMMARY_ENV) or None
+
+
+def append_step_summary(text: str) -> str | None:
+    """Append ``text`` to ``$GITHUB_STEP_SUMMARY`` when it is set.
+
+    Returns None when done (or not set), else why not, naming the file.
+    """
+    step = step_summary_path()
+    if step is None:
+        return None
+    try:
+        with open(step, "a", encoding="utf-8", errors=UNENCODABLE) as f:
+            f.write(text)
+    except OSError as exc:
+        return f"{exc.strerror}: {step}"
+    return None
