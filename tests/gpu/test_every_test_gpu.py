@@ -1,4 +1,4 @@
-"""`pytest --gpu-isolate` on a suite nobody marked, on a real GPU (issue 29): each test
+"""`pytest --gpu-isolate` on a suite nobody marked, on a real GPU: each test
 leases the GPU and sees it, where before it saw none (and a skipif(not
 torch.cuda.is_available()) suite went green having tested nothing). Skipped without CUDA
 or torch (tests/gpu/conftest.py); this process never imports torch."""

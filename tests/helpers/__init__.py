@@ -29,7 +29,7 @@ _TMPDIR = os.environ.get("TMPDIR")  # this process's own, before any test change
 
 # The runs here load only the plugins they use: ours, pytest-xdist (-n) and pytest-timeout
 # (its ini keys and markers), plus those a test names with the ``plugins`` marker (the
-# adapters' tests: tests/test_plugins_*.py). The other installed plugins would cost each
+# adapters' tests: tests/sessions/plugins/). The other installed plugins would cost each
 # process they are loaded in (the run's pytest and each test's process) ~0.2 s at start-up,
 # a third of this suite's time. The demo's test and pytest-randomly's tests start their
 # runs themselves, with every installed plugin loaded, as users run.

@@ -2,7 +2,7 @@
 the lease reaches the test's process and torch's allocator (a stand-in torch records
 it), tests pack onto a GPU while their leases fit and never beyond, and what cannot fit
 anywhere is skipped naming both sizes. The table's own guarantees (FIFO, all or nothing,
-dead holders) are in tests/test_lease_table.py."""
+dead holders) are in tests/native/test_lease_table.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The plugin on the simulated GPU (fixtures/gpusim/, issue 32): the GPU scenarios of
+"""The plugin on the simulated GPU (fixtures/gpusim/): the GPU scenarios of
 tests/gpu/, run in CI without a GPU. The pytest process under test finds the simulated
 GPUs through nvidia-ml-py and the stand-in libnvidia-ml.so.1; its tests use the stand-in
 CUDA driver through ctypes. The simulator frees a process's memory as it ends, at once:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 import pytest
 
 from pytest_gpuiso import IsolatedTimeout, IsolationError, RemoteError, run_isolated
+from tests.helpers import ROOT
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "fixtures" / "programs"))
+sys.path.insert(0, str(ROOT / "fixtures" / "programs"))
 import isolated_funcs as funcs  # noqa: E402
 
 

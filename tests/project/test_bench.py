@@ -212,7 +212,7 @@ def test_lease_wait_bench_runs_and_prints_every_configuration() -> None:
 def test_memory_leases_bench_packs_tests_and_prints_the_ratio() -> None:
     """bench/memory_leases.py on a tiny suite: both rows, every test passed, exclusive never
     more than one test on the GPU, the ratio line. (That memory leases do hold several at
-    once is proven without timing in tests/test_memory_leases.py.)"""
+    once is proven without timing in tests/sessions/gpus/test_memory_leases.py.)"""
     done = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "memory_leases.py"), "--tests", "4", "--gib", "1"]
         + ["--device-gib", "4", "--workers", "2", "--hold", "0.5"],

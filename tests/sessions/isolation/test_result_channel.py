@@ -1,4 +1,4 @@
-"""Issue 30's n4 as tests: what a test's process writes on its pipe to pytest (pickles,
+"""What a test's process writes on its pipe to pytest (pickles,
 frames of the wrong shape, spill numbers naming links, FIFOs or huge files, a frame
 that never completes) is that test's error: pytest runs none of its code, reads and
 deletes nothing but the test's own spill files, waits no longer than the test's

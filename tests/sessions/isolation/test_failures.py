@@ -19,9 +19,8 @@ import psutil
 import pytest
 
 from pytest_gpuiso.wire.environment import TEMPLATE_WAIT_ENV
-from tests.helpers import REPORT, kill_quietly, pid_alive, wait_for_file, wait_gone
+from tests.helpers import REPORT, ROOT, kill_quietly, pid_alive, wait_for_file, wait_gone
 
-ROOT = Path(__file__).resolve().parent.parent
 PROGRAMS = ROOT / "fixtures" / "programs"
 
 TIMEOUT = "--gpu-isolate-timeout=2"

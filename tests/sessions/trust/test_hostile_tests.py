@@ -1,4 +1,4 @@
-"""Issue 30's reproducers (../shared/repro/nN_*.sh) as tests: nothing a test's process
+"""Hostile tests and hostile state: nothing a test's process
 sends, no state in the lease table and no value on the command line, in the ini file,
 a marker or the environment makes pytest crash, hang, or delete what is not ours."""
 

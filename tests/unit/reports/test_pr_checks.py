@@ -1,4 +1,4 @@
-"""Leak reports where reviewers look (issue 35): GitHub annotations at the tests' lines,
+"""Leak reports where reviewers look: GitHub annotations at the tests' lines,
 GitLab's Code Quality report, the known-leaks baseline, and compare's annotations.
 
 The pull request-shaped pair at the end runs real sessions from fixtures/programs/

@@ -108,7 +108,7 @@ def test_the_sdist_carries_what_its_tests_need(dists):
     expected = {"conftest.py", "tox.ini", "setup.py", "pyproject.toml", "LICENSE"}
     expected |= {"README.md", "CHANGELOG.md"}
     expected |= {f"{p}/__init__.py" for p in _subpackages(src / "pytest_gpuiso")}
-    # docs/: the README's links and tests/test_docs.py
+    # docs/: the README's links and tests/project/test_docs.py
     for tree in ("tests", "fixtures", "native", "bench", "docs"):
         expected |= {
             str(p.relative_to(src))

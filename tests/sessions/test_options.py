@@ -137,7 +137,7 @@ def test_report_header_describes_settings(gpuiso_spawn):
 
 
 def test_pdb_note_in_header(gpuiso_spawn):
-    """--pdb turns isolation off (tests/test_pytest_semantics.py checks the runs)."""
+    """--pdb turns isolation off (sessions/isolation/test_pytest_semantics.py checks the runs)."""
     gpuiso_spawn.copy("test_where.py")
     result = gpuiso_spawn.run("--pdb", "-k", "unmarked")
     result.stdout.fnmatch_lines(["gpu-isolate: off (--pdb): every test runs in-process"])

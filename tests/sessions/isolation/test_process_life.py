@@ -1,4 +1,4 @@
-"""Issue 31: a test's process lives as a Python process does for the code it runs. Dead
+"""A test's process lives as a Python process does for the code it runs. Dead
 classes are collected before what exists is frozen out of garbage collection, and at its
 end threading's exit hooks, the test's own atexit handlers and multiprocessing's
 finalizers run, under both start methods. What it held through

@@ -1,4 +1,4 @@
-"""The simulated GPU (fixtures/gpusim/, issue 32): stand-ins for the CUDA driver and NVML
+"""The simulated GPU (fixtures/gpusim/): stand-ins for the CUDA driver and NVML
 at their C interface, sharing one state file, so that the plugin's GPU paths can run
 end to end without a GPU. These tests check the simulator itself, through the real
 nvidia-ml-py (sim_query.py) and ctypes over the stand-in driver (sim_process.py), each

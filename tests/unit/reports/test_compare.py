@@ -1,5 +1,5 @@
 """``python -m pytest_gpuiso compare BASE HEAD``: what a pull request changed against its
-base, from two JSON reports (issue 35's compare)."""
+base, from two JSON reports."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Work directories, run_isolated's sweep, start failures and bad values (issue 18).
+"""Work directories, run_isolated's sweep, start failures and bad values.
 
 A work directory name taken by another user costs a session without isolated tests
 nothing and an isolated one a one-line error; sessions in other pid namespaces keep

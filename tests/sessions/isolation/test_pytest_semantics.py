@@ -8,12 +8,11 @@ import json
 import subprocess
 import sys
 import uuid
-from pathlib import Path
 
 import pytest
 
 import pytest_gpuiso
-from tests.helpers import SHM
+from tests.helpers import ROOT, SHM
 
 # pytest's report formats, hooks and internals: CI's lowest-versions stage runs them all
 pytestmark = pytest.mark.versions
@@ -194,9 +193,7 @@ def test_ini_report_paths_are_relative_to_the_inifile_cli_paths_to_the_cwd(
     pytester = gpuiso_spawn.pytester
     sub = pytester.path / "sub"
     sub.mkdir()
-    (sub / FIXTURES).write_text(
-        (Path(__file__).parent.parent / "fixtures/programs" / FIXTURES).read_text()
-    )
+    (sub / FIXTURES).write_text((ROOT / "fixtures/programs" / FIXTURES).read_text())
     pytester.makeini("[pytest]\ngpu_isolate_report = out/gpu.json\n")
     monkeypatch.chdir(sub)
     result = gpuiso_spawn.run("--gpu-isolate-summary=summary.md", FIXTURES)

@@ -1,4 +1,4 @@
-"""Issue 31: with the fork server, what one test imported while it ran is imported by a
+"""With the fork server, what one test imported while it ran is imported by a
 successor of the template, and the tests forked after it have it, as in-process pytest
 keeps a module an earlier test imported. A module that would leave the template unfit
 to fork (a thread) is never learnt, and the template serves on."""

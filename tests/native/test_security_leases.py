@@ -1,5 +1,5 @@
 """The GPU lease table against other users, other pid namespaces, full disks, stopped
-processes and bad device lists (issue 18).
+processes and bad device lists.
 
 Each case ends in a one-line error naming the culprit (never a traceback, a hang or an
 INTERNALERROR) or, for liveness across pid namespaces, in the holder keeping its GPU.
@@ -408,7 +408,7 @@ def test_two_sessions_that_disagree_on_a_gpus_memory_is_a_setup_error(
     """Device 0 is held as an 80 GiB GPU (here); a session declaring it 40 GiB errors its
     GPU test in setup with one line naming the device, the holder, both sizes and the
     option; its other test passes. (Sessions with other slot counts just share the GPU by
-    their shares, tests/test_lease_table.py.)"""
+    their shares, tests/native/test_lease_table.py.)"""
     region = Region(str(table))
     got = region.acquire(["0"], 1, 1, "held as 80 GiB", None, amount=1 << 30, capacities=[80 << 30])
     assert got is not None

@@ -1,4 +1,4 @@
-"""Every isolated test under the lease table (issue 29), on declared GPUs
+"""Every isolated test under the lease table, on declared GPUs
 (--gpu-isolate-devices=0,1 stands in for two): an unmarked test under --gpu-isolate
 leases one GPU, --gpu-isolate-gpus changes that, a test that loads CUDA's driver while
 it leased no GPU is named, and each test gets a MASTER_PORT of its own."""
@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from pytest_gpuiso.gpu import ports
-from tests.helpers import REPORT, GpuIso
+from tests.helpers import REPORT, ROOT, GpuIso
 
 PROGRAM = "gpus_every_test.py"
 DEVICES = "--gpu-isolate-devices=0,1"
@@ -113,7 +113,7 @@ def test_a_driver_mapped_before_the_test_s_own_process_is_not_named(
     monkeypatch.setenv("GPUISO_FAKE_LIBCUDA_MAPPED", "1")
     gpuiso.copy(PROGRAM)
     (gpuiso.path / "conftest.py").write_text(
-        (Path(__file__).parent.parent / "fixtures/programs/start_cuda_conftest.py").read_text()
+        (ROOT / "fixtures/programs/start_cuda_conftest.py").read_text()
     )
     args = ("--gpu-isolate", DEVICES, "--gpu-isolate-gpus=0", REPORT, "-k", "driver")
     result = gpuiso.run(*args)

@@ -17,9 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPORT
-
-from .helpers import GpuIso, make_gpuiso
+from tests.helpers import REPORT, GpuIso, make_gpuiso
 
 pytest.importorskip("numpy")  # both are in the test extras
 pytest.importorskip("threadpoolctl")

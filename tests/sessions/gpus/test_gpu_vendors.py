@@ -1,4 +1,4 @@
-"""MIG instances and AMD GPUs as lease-table devices (issue 29), without such hardware:
+"""MIG instances and AMD GPUs as lease-table devices, without such hardware:
 NVML's MIG devices through a stand-in nvidia-ml-py, MIG UUIDs in CUDA_VISIBLE_DEVICES,
 and ROCm's HIP_VISIBLE_DEVICES / ROCR_VISIBLE_DEVICES / a stand-in amdsmi. Each test's
 process must see exactly its device, through the variables its runtime reads."""
