@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from pytest_gpuiso._lease import Region
 
-from tests.helpers import GPUSIM, PROGRAMS, GpuIso, make_gpuiso
+from tests.helpers import GPUSIM, GpuIso, make_gpuiso, program
 from tests.helpers.lease_table import Client
 
 # The markers that say why a test must run in a CI stage that runs a sample of the suite.
@@ -160,7 +160,7 @@ def _fake_library(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
         pytest.skip(f"gcc is needed to build a fake {name}")
     lib = tmp_path_factory.mktemp("fake-cuda") / name
     subprocess.run(
-        [gcc, "-shared", "-fPIC", "-o", str(lib), str(PROGRAMS / "start_fake_libcuda.c")],
+        [gcc, "-shared", "-fPIC", "-o", str(lib), str(program("start_fake_libcuda.c"))],
         check=True,
         capture_output=True,
         timeout=60,

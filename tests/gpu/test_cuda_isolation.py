@@ -1,7 +1,7 @@
 """GPU checks: each isolated test starts with a fresh, uninitialised CUDA context.
 
 Skipped without CUDA or torch (tests/gpu/conftest.py). Run on a GPU machine:
-`pytest tests/gpu -v`. The tests in fixtures/programs/gpu_state.py run isolated
+`pytest tests/gpu -v`. The tests in fixtures/programs/gpus/gpu_state.py run isolated
 inside pytester sessions; this module itself never imports torch nor initialises
 CUDA in the pytest parent.
 """

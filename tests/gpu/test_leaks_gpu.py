@@ -1,6 +1,6 @@
 """Leak checks on a real GPU: escaped GPU processes, escaped GPU holders, torch's allocator.
 
-Each test runs fixtures/programs/gpu_leaks.py (every test there is marked
+Each test runs fixtures/programs/gpus/gpu_leaks.py (every test there is marked
 gpu_isolated, so it leases the GPU) in a pytester session and asserts on the
 outcomes, the JSON report's ``leaks`` and the terminal. Skipped without CUDA or
 torch (tests/gpu/conftest.py); this process never imports torch. The tests use
@@ -16,7 +16,7 @@ import sys
 import psutil
 import pytest
 
-from tests.helpers import PROGRAMS, REPORT, kill_quietly, wait_gone
+from tests.helpers import REPORT, kill_quietly, program, wait_gone
 
 MOD = "gpu_leaks.py"
 TIMEOUT = "--gpu-isolate-timeout=120"
@@ -97,7 +97,7 @@ def test_escaped_gpu_holder_fails_teardown(gpuiso, monkeypatch, nvml):
     # Started here, outside the inner pytest session: its sweep cannot kill the server.
     with open(gpuiso.path / "holder.log", "wb") as log:
         server = subprocess.Popen(
-            [sys.executable, str(PROGRAMS / "gpu_holder_server.py"), str(holder), "300"],
+            [sys.executable, str(program("gpu_holder_server.py")), str(holder), "300"],
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -1,6 +1,6 @@
 """GPU health on the simulated GPU: a GPU a test broke is probed, quarantined for every
 session of the user, the tests move to the healthy GPUs, and ``reset --device`` lifts it
-once it passes its probe again (fixtures/gpusim/sim_health.py). What is probed and when
+once it passes its probe again (fixtures/programs/gpusim/sim_health.py). What is probed and when
 is pytest's process's work: one start method is enough."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import GPUSIM, REPORT, GpuIso
+from tests.helpers import REPORT, GpuIso, program
 from tests.helpers.lease_table import wait_until
 
 pytestmark = [pytest.mark.installation, pytest.mark.versions]
@@ -21,7 +21,7 @@ MOD = "sim_health.py"
 
 
 def _run(gpuiso: GpuIso, *args: str) -> pytest.RunResult:
-    (gpuiso.path / MOD).write_text((GPUSIM / MOD).read_text())
+    (gpuiso.path / MOD).write_text((program(MOD)).read_text())
     return gpuiso.run(REPORT, "-p", "no:randomly", *args)
 
 

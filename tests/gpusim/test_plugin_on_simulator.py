@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.helpers import GPUSIM, REPORT, GpuIso, kill_quietly, make_gpuiso, wait_gone
+from tests.helpers import REPORT, GpuIso, kill_quietly, make_gpuiso, program, wait_gone
 from tests.helpers.lease_table import max_overlap, wait_until
 
 # nvidia-ml-py's version decides which NVML functions it calls; the installed wheel finds
@@ -32,7 +32,7 @@ MIB = 1 << 20
 
 def _copy(gpuiso: GpuIso, *names: str) -> None:
     for name in names:
-        shutil.copy(GPUSIM / name, gpuiso.path / name)
+        shutil.copy(program(name), gpuiso.path / name)
 
 
 def _record(gpuiso: GpuIso, test: str) -> dict:
@@ -94,7 +94,7 @@ def test_escaped_gpu_holders_fail_teardown(
     _copy(gpuiso, MOD, "sim_process.py")
     holders = [
         subprocess.Popen(
-            [sys.executable, str(GPUSIM / "sim_holder.py"), str(folder), "120"],
+            [sys.executable, str(program("sim_holder.py")), str(folder), "120"],
             stdin=subprocess.DEVNULL,
             start_new_session=True,
         )

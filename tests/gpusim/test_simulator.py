@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import GPUSIM
+from tests.helpers import program
 from tests.helpers.lease_table import wait_until
 
 # nvidia-ml-py's version decides which NVML functions it calls; the installed wheel finds
@@ -43,7 +43,7 @@ class Sim:
 
     def query(self) -> dict:
         done = subprocess.run(
-            [sys.executable, str(GPUSIM / "sim_query.py")],
+            [sys.executable, str(program("sim_query.py"))],
             env=self.env,
             capture_output=True,
             text=True,
@@ -58,7 +58,7 @@ class Sim:
         if cvd is not None:
             env["CUDA_VISIBLE_DEVICES"] = cvd
         proc = subprocess.Popen(
-            [sys.executable, str(GPUSIM / "sim_process.py"), *args],
+            [sys.executable, str(program("sim_process.py")), *args],
             env=env,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -191,7 +191,7 @@ def test_an_injected_xid_reaches_the_event_sets_of_its_gpu(sim) -> None:
     is, with its UUID and code, through nvidia-ml-py's event functions."""
     machine = sim()
     listener = subprocess.Popen(
-        [sys.executable, str(GPUSIM / "sim_events.py"), "listen", "1", "20000"],
+        [sys.executable, str(program("sim_events.py")), "listen", "1", "20000"],
         env=machine.env,
         stdout=subprocess.PIPE,
         text=True,
@@ -200,7 +200,7 @@ def test_an_injected_xid_reaches_the_event_sets_of_its_gpu(sim) -> None:
         assert listener.stdout.readline().strip() == "ready"
         for gpu, xid in (("0", "48"), ("1", "79")):
             injected = subprocess.run(
-                [sys.executable, str(GPUSIM / "sim_events.py"), "xid", gpu, xid],
+                [sys.executable, str(program("sim_events.py")), "xid", gpu, xid],
                 env=machine.env,
                 timeout=60,
             )
@@ -215,12 +215,12 @@ def test_a_gpu_lost_while_running_answers_gpu_is_lost(sim) -> None:
     machine = sim()
     assert "error" not in machine.query()["gpus"][0]
     lost = subprocess.run(
-        [sys.executable, str(GPUSIM / "sim_events.py"), "lose", "0"], env=machine.env, timeout=60
+        [sys.executable, str(program("sim_events.py")), "lose", "0"], env=machine.env, timeout=60
     )
     assert lost.returncode == 0
     assert machine.query()["gpus"][0] == {"index": 0, "error": "GPU is lost"}
     quiet = subprocess.run(
-        [sys.executable, str(GPUSIM / "sim_events.py"), "listen", "1", "100"],
+        [sys.executable, str(program("sim_events.py")), "listen", "1", "100"],
         env=machine.env,
         capture_output=True,
         text=True,

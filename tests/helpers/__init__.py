@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -20,7 +21,7 @@ from pytest_gpuiso.wire.environment import REGION_ENV, TEMPLATE_WAIT_ENV
 SHM = Path("/dev/shm")  # where the leaks the tests make and look for are
 USAGE_ERROR = pytest.ExitCode.USAGE_ERROR  # pytest's exit status for a bad option
 ROOT = Path(__file__).resolve().parents[2]  # tests/helpers/__init__.py -> the checkout
-PROGRAMS = ROOT / "fixtures" / "programs"
+PROGRAMS = ROOT / "fixtures" / "programs"  # in folders by feature; each name is unique
 GPUSIM = ROOT / "fixtures" / "gpusim"  # the simulated GPU: stand-in libcuda and NVML
 # The JSON report of a run, read back by GpuIso.report() and records()
 REPORT = "--gpu-isolate-report=report.json"
@@ -35,6 +36,25 @@ _TMPDIR = os.environ.get("TMPDIR")  # this process's own, before any test change
 # runs themselves, with every installed plugin loaded, as users run.
 _ONLY_NAMED_PLUGINS = {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
 _NEEDED = ("gpuiso", "xdist", "timeout")
+
+
+@functools.cache
+def _programs() -> dict[str, list[Path]]:
+    found: dict[str, list[Path]] = {}
+    for folder in sorted(p for p in PROGRAMS.iterdir() if p.is_dir()):
+        for path in sorted(folder.iterdir()):
+            if path.name != "__pycache__":
+                found.setdefault(path.name, []).append(path)
+    return found
+
+
+def program(name: str) -> Path:
+    """The program (a file or a folder) ``name`` in fixtures/programs/<feature>/: tests
+    name programs, the folders group them by the feature they exercise."""
+    paths = _programs().get(name, [])
+    if len(paths) != 1:
+        raise LookupError(f"{len(paths)} programs called {name!r} in {PROGRAMS}: {paths}")
+    return paths[0]
 
 
 class GpuIso:
@@ -59,7 +79,7 @@ class GpuIso:
     def copy(self, *names: str) -> None:
         """Copy files or directories from fixtures/programs/ into the test directory."""
         for name in names:
-            src = PROGRAMS / name
+            src = program(name)
             dst = self.path / Path(name).name
             if src.is_dir():
                 shutil.copytree(src, dst, dirs_exist_ok=True)

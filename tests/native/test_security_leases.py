@@ -27,7 +27,7 @@ from pytest_gpuiso._lease import LABEL_LEN, MAX_DEVICES, Region, RegionError
 from pytest_gpuiso.gpu.devices import Devices
 from pytest_gpuiso.gpu.leases import Leases, LeaseTimeout, open_region
 from pytest_gpuiso.wire.environment import REGION_ENV
-from tests.helpers import PROGRAMS, GpuIso
+from tests.helpers import GpuIso, program
 from tests.helpers.lease_table import (
     Client,
     lock_table_mutex,
@@ -97,7 +97,7 @@ def test_a_holder_in_another_pid_namespace_keeps_its_gpu_until_it_dies(table: Pa
     with a timeout times out, the holder stays listed as alive; once it is SIGKILLed, a
     waiter here gets the device (woken by its 100 ms re-check, not by a timeout)."""
     holder = subprocess.Popen(
-        [*_unshare(), sys.executable, str(PROGRAMS / "sec_lease_holder.py"), str(table), "0"],
+        [*_unshare(), sys.executable, str(program("sec_lease_holder.py")), str(table), "0"],
         stdout=subprocess.PIPE,
         text=True,
     )

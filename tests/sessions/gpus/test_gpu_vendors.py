@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import PROGRAMS, GpuIso
+from tests.helpers import GpuIso, program
 
 GIB = 1 << 30
 SEEN = """
@@ -44,7 +44,7 @@ def vendor_env(gpuiso_spawn: GpuIso, lease_region, tmp_path: Path, monkeypatch) 
     unless a test says so); the test file that logs what each test's process sees."""
     for name in ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES"):
         monkeypatch.delenv(name, raising=False)
-    stand_ins = [str(PROGRAMS / "fake_nvml"), str(PROGRAMS / "fake_amdsmi")]
+    stand_ins = [str(program("fake_nvml")), str(program("fake_amdsmi"))]
     monkeypatch.setenv(
         "PYTHONPATH", os.pathsep.join([*stand_ins, os.environ.get("PYTHONPATH", "")])
     )

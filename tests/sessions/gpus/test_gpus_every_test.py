@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from pytest_gpuiso.gpu import ports
-from tests.helpers import REPORT, ROOT, GpuIso
+from tests.helpers import REPORT, GpuIso
 
 PROGRAM = "gpus_every_test.py"
 DEVICES = "--gpu-isolate-devices=0,1"
@@ -112,9 +112,7 @@ def test_a_driver_mapped_before_the_test_s_own_process_is_not_named(
     monkeypatch.setenv("GPUISO_FAKE_LIBCUDA", str(fake_libcuda))
     monkeypatch.setenv("GPUISO_FAKE_LIBCUDA_MAPPED", "1")
     gpuiso.copy(PROGRAM)
-    (gpuiso.path / "conftest.py").write_text(
-        (ROOT / "fixtures/programs/start_cuda_conftest.py").read_text()
-    )
+    (gpuiso.path / "conftest.py").write_text(program("start_cuda_conftest.py").read_text())
     args = ("--gpu-isolate", DEVICES, "--gpu-isolate-gpus=0", REPORT, "-k", "driver")
     result = gpuiso.run(*args)
     records = gpuiso.records().values()

@@ -19,9 +19,7 @@ import psutil
 import pytest
 
 from pytest_gpuiso.wire.environment import TEMPLATE_WAIT_ENV
-from tests.helpers import REPORT, ROOT, kill_quietly, pid_alive, wait_for_file, wait_gone
-
-PROGRAMS = ROOT / "fixtures" / "programs"
+from tests.helpers import REPORT, kill_quietly, pid_alive, program, wait_for_file, wait_gone
 
 TIMEOUT = "--gpu-isolate-timeout=2"
 GRACE = "--gpu-isolate-grace=1"
@@ -31,7 +29,7 @@ GRACE = "--gpu-isolate-grace=1"
 
 def line_of(program: str, func: str, needle: str) -> int:
     """1-based line number of the first ``needle`` inside ``def func`` of a program."""
-    lines = (PROGRAMS / program).read_text().splitlines()
+    lines = (program(program)).read_text().splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith(f"def {func}("))
     return next(i for i in range(start, len(lines)) if needle in lines[i]) + 1
 
@@ -265,7 +263,7 @@ def test_hang_at_import_is_bounded_by_the_start_up_bound(gpuiso, monkeypatch) ->
     record = gpuiso.records()["test_import_hangs.py::test_never_gets_to_run"]
     assert record["exit"]["expired"] == "startup" and record["startup_timeout"] == 15, record
     assert record["outcome"] == "error"
-    source = (PROGRAMS / "test_import_hangs.py").read_text().splitlines()
+    source = (program("test_import_hangs.py")).read_text().splitlines()
     hang = next(n for n, line in enumerate(source, 1) if "time.sleep(0.1)" in line)
     section(result, "ERROR at setup of test_never_gets_to_run").fnmatch_lines(
         [

@@ -1,6 +1,6 @@
 """The pytest_gpuiso_* hooks: options down to the tests' processes, payloads back up.
 
-fixtures/programs/plugin_hooks/conftest.py implements them; each run checks what reached
+fixtures/programs/isolation/plugin_hooks/conftest.py implements them; each run checks what reached
 pytest per test, under both start methods (the fork server's template included),
 with prewarming and under xdist.
 """

@@ -12,7 +12,7 @@ import uuid
 import pytest
 
 import pytest_gpuiso
-from tests.helpers import ROOT, SHM
+from tests.helpers import SHM, program
 
 # pytest's report formats, hooks and internals: CI's lowest-versions stage runs them all
 pytestmark = pytest.mark.versions
@@ -193,7 +193,7 @@ def test_ini_report_paths_are_relative_to_the_inifile_cli_paths_to_the_cwd(
     pytester = gpuiso_spawn.pytester
     sub = pytester.path / "sub"
     sub.mkdir()
-    (sub / FIXTURES).write_text((ROOT / "fixtures/programs" / FIXTURES).read_text())
+    (sub / FIXTURES).write_text(program(FIXTURES).read_text())
     pytester.makeini("[pytest]\ngpu_isolate_report = out/gpu.json\n")
     monkeypatch.chdir(sub)
     result = gpuiso_spawn.run("--gpu-isolate-summary=summary.md", FIXTURES)

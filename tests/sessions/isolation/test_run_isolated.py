@@ -8,9 +8,9 @@ import sys
 import pytest
 
 from pytest_gpuiso import IsolatedTimeout, IsolationError, RemoteError, run_isolated
-from tests.helpers import ROOT
+from tests.helpers import program
 
-sys.path.insert(0, str(ROOT / "fixtures" / "programs"))
+sys.path.insert(0, str(program("isolated_funcs.py").parent))
 import isolated_funcs as funcs  # noqa: E402
 
 

@@ -5,7 +5,7 @@ made it (the shim tries O_EXCL first): an existing entry opened with O_CREAT is 
 test's. Nothing is deleted without --gpu-isolate-cleanup; with it, only entries the
 shim saw the test create, still that inode and ours. Another user's entry is never the
 test's. The shim's log cannot be forged by a name, and sees directory-relative and
-nested creations. Sessions run fixtures/programs/sec_shm_tests.py (and
+nested creations. Sessions run fixtures/programs/leaks/sec_shm_tests.py (and
 sec_shm_conftest.py as conftest.py) through the ``gpuiso`` fixture, both start methods.
 """
 

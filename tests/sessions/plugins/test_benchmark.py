@@ -1,7 +1,7 @@
 """pytest-benchmark with isolated tests: their timings are reported, saved and compared by
 pytest, as for in-process benchmarks, and no test's process writes results of its own.
 
-fixtures/programs/plugin_benchmark has two isolated benchmarks (one pedantic, in a group
+fixtures/programs/plugins/plugin_benchmark has two isolated benchmarks (one pedantic, in a group
 of its own, with extra_info) and one in-process benchmark.
 """
 

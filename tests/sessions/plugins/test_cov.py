@@ -1,6 +1,6 @@
 """pytest-cov with isolated tests: their lines count in pytest's report, nothing stray on disk.
 
-fixtures/programs/plugin_cov: calc.py has six functions, five called by isolated tests and
+fixtures/programs/plugins/plugin_cov: calc.py has six functions, five called by isolated tests and
 one by an in-process test (100% only when every process's lines count); extra.py has lines
 that a ``no_cover`` test and a crashing test run (never counted) and lines that a test with
 the ``cov`` fixture runs. Each run is checked under both start methods; the fork server

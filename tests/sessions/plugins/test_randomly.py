@@ -1,6 +1,6 @@
 """pytest-randomly with isolated tests: one seed for the session, whatever process runs a test.
 
-fixtures/programs/plugin_randomly has two isolated tests and one in-process test, each
+fixtures/programs/plugins/plugin_randomly has two isolated tests and one in-process test, each
 writing the ``random.random()`` it sees and its process's seed. Without ``--randomly-seed``
 pytest makes one; every test's process (the fork server's template included, which
 configures once for all its forks) must use it: the values equal those of an in-process

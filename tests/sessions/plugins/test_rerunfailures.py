@@ -1,6 +1,6 @@
 """pytest-rerunfailures with isolated tests: every attempt in a fresh process.
 
-fixtures/programs/plugin_rerun/test_rerun.py logs each attempt's pid and time: a
+fixtures/programs/plugins/plugin_rerun/test_rerun.py logs each attempt's pid and time: a
 test that fails twice then passes, a crash, a timeout, a failure its ``flaky``
 marker's ``only_rerun`` rules out, and an in-process test that rerunfailures
 reruns itself. Both start methods; the fork server's template pre-collects with

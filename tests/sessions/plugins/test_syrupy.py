@@ -1,6 +1,6 @@
 """syrupy with isolated tests: their snapshots are written, counted and kept as in-process.
 
-fixtures/programs/plugin_syrupy has two isolated tests (one asserting twice, once with a
+fixtures/programs/plugins/plugin_syrupy has two isolated tests (one asserting twice, once with a
 named snapshot) and one in-process test sharing one .ambr file, and an isolated test whose
 JSON snapshot is a file of its own: five snapshots. The snapshot report must count all
 five, ``--snapshot-update`` must keep all five (a test's

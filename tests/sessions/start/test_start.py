@@ -20,12 +20,12 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import (
-    PROGRAMS,
     REPORT,
     USAGE_ERROR,
     GpuIso,
     kill_quietly,
     make_gpuiso,
+    program,
     wait_gone,
 )
 
@@ -92,7 +92,7 @@ def logs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Logs:
 
 def _cuda_conftest(iso: GpuIso, monkeypatch: pytest.MonkeyPatch, lib: Path | None) -> None:
     """A conftest.py that loads ``lib`` (the fake driver) at import, in every process."""
-    shutil.copy(PROGRAMS / "start_cuda_conftest.py", iso.path / "conftest.py")
+    shutil.copy(program("start_cuda_conftest.py"), iso.path / "conftest.py")
     if lib is None:
         monkeypatch.delenv("GPUISO_FAKE_LIBCUDA", raising=False)
     else:
@@ -431,7 +431,7 @@ def test_unsafe_to_fork_reports_a_running_thread() -> None:
 def _probe(mode: str, lib: Path | None, driver: str = "clean") -> dict:
     """Run start_fork_probe.py's ``mode``; ``lib`` is loaded unless ``driver`` is
     "clean", and initialised where it is "initialised"."""
-    args = [sys.executable, str(PROGRAMS / "start_fork_probe.py"), mode]
+    args = [sys.executable, str(program("start_fork_probe.py")), mode]
     if driver != "clean":
         args += [str(lib)] + (["init"] if driver == "initialised" else [])
     done = subprocess.run(args, capture_output=True, text=True, timeout=60)

@@ -22,7 +22,7 @@ import pytest
 
 from pytest_gpuiso import run_isolated
 from pytest_gpuiso.reports import files, record
-from tests.helpers import PROGRAMS, USAGE_ERROR
+from tests.helpers import USAGE_ERROR, program
 
 NOBODY = 65534
 
@@ -220,8 +220,8 @@ def test_run_isolated_spares_the_callers_processes(gpuiso):
 
 
 def _starved(gpuiso) -> None:
-    shutil.copy(PROGRAMS / "sec_misc_test_starved.py", gpuiso.path / "test_starved.py")
-    shutil.copy(PROGRAMS / "sec_misc_conftest_limits.py", gpuiso.path / "conftest.py")
+    shutil.copy(program("sec_misc_test_starved.py"), gpuiso.path / "test_starved.py")
+    shutil.copy(program("sec_misc_conftest_limits.py"), gpuiso.path / "conftest.py")
 
 
 def test_no_descriptor_left_fails_only_the_test_it_hit(gpuiso):

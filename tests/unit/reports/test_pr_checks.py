@@ -23,12 +23,12 @@ from pytest_gpuiso.reports import baseline, findings
 from pytest_gpuiso.reports.record import SCHEMA_VERSION
 from pytest_gpuiso.reports.shards import ReportError
 from pytest_gpuiso.values import SpecError, parse_annotations
-from tests.helpers import PROGRAMS, REPORT, ROOT
+from tests.helpers import REPORT, ROOT, program
 
 
 def _line(test: str) -> int:
     """The line of ``def test`` in fixtures/programs/test_pr_leaks.py."""
-    lines = (PROGRAMS / "test_pr_leaks.py").read_text().splitlines()
+    lines = (program("test_pr_leaks.py")).read_text().splitlines()
     return lines.index(f"def {test}():") + 1
 
 
@@ -473,7 +473,7 @@ def test_the_ci_recipes_commands_on_a_pull_request(tmp_path, monkeypatch):
     assert compare.startswith("python -m pytest_gpuiso compare base/report.json report.json")
     (tmp_path / "tests" / "unit").mkdir(parents=True)
     (tmp_path / "tests" / "models").mkdir()
-    shutil.copy(PROGRAMS / "test_pr_leaks.py", tmp_path / "tests" / "unit")
+    shutil.copy(program("test_pr_leaks.py"), tmp_path / "tests" / "unit")
     (tmp_path / "tests" / "models" / "test_model.py").write_text("def test_model():\n    pass\n")
     (tmp_path / "known-leaks.json").write_text(
         json.dumps({"format": baseline.FORMAT, "version": 1, "leaks": []})
