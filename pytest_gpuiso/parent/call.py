@@ -23,9 +23,9 @@ from ..leaks.process import Mark
 from ..proc import workdir
 from ..values import DEFAULT_GRACE, DEFAULT_STARTUP_TIMEOUT, parse_count, parse_seconds
 from ..wire.jobs import CallJob
+from . import supervisor
 from .launcher import Launcher
 from .outcome import Outcome
-from .supervisor import Supervisor
 from .watch import Bounds
 
 _CALLS = itertools.count(1)
@@ -119,7 +119,7 @@ def call_isolated(
         launcher = Launcher(workdir.process_dir(), mark=mark)
         started = launcher.start(CallJob(func, args, kwargs), env)
         bounds = Bounds(timeout, DEFAULT_STARTUP_TIMEOUT, grace)
-        outcome = Supervisor(launcher).go(started, env, (), bounds).wait()
+        outcome = supervisor.go(launcher, started, env, (), bounds).wait()
     except Exception as exc:
         raise IsolationError(f"run_isolated({name}): {exc}") from None
     finally:

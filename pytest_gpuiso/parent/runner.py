@@ -7,7 +7,7 @@ makes the last attempt's reports final (``mark_rerun`` an attempt run again):
    marker is the test's setup error, missing GPUs its skip);
 2. lease its GPUs and port (in this process: a child that crashes can never strand
    a GPU), and take its process: prewarmed, or started now (``launcher``);
-3. give it its go with the leak probes of the session's policy (``Supervisor.go``);
+3. give it its go with the leak probes of the session's policy (``supervisor.go``);
 4. while it runs, start the next tests' processes (``prewarm``);
 5. wait for its outcome (``Running.wait``), give back its lease and port, judge the
    leaks, replay the child's warnings and junit properties, echo what it wrote
@@ -40,7 +40,7 @@ from ..settings import IsolationSpec
 from ..values import KINDS
 from ..warning_types import GpuIsoStartWarning, warn_session
 from ..wire.environment import MEMORY_ENV
-from . import replay
+from . import replay, supervisor
 from .jobs import PLAN, Plan, plan_for
 from .launcher import StartError
 from .outcome import Outcome
@@ -95,7 +95,7 @@ class Turn:
 
     def go(self, state: State, bounds: Bounds) -> Running:
         """Give its process its go: from now on the process is its run's."""
-        self.running = state.supervisor.go(self.started, self.env, self.probes, bounds)
+        self.running = supervisor.go(state.launcher, self.started, self.env, self.probes, bounds)
         self.started = None
         return self.running
 

@@ -1,7 +1,7 @@
 """The session's side of isolation, in one pytest process (a worker under xdist).
 
 ``State`` lives in the config's stash: the settings, the lease table and GPUs, the
-session's ``Launcher`` with its ``Supervisor`` and ``Prewarmer`` (made on first use),
+session's ``Launcher`` and its ``Prewarmer`` (made on first use),
 the JSON records. ``close`` gives it all back at the session's end.
 """
 
@@ -28,7 +28,6 @@ from ..reports.baseline import Baseline
 from ..settings import IsolationSpec, Settings, wants_isolation
 from .launcher import Launcher
 from .prewarm import Prewarmer
-from .supervisor import Supervisor
 
 
 @dataclass
@@ -42,7 +41,6 @@ class State:
     baseline: Baseline | None = None  # the known leaks (--gpu-isolate-leak-baseline)
     records: list[dict[str, Any]] = field(default_factory=list)
     launcher: Launcher | None = None  # made on first use (``launcher``)
-    supervisor: Supervisor | None = None  # with the launcher
     devices: Devices = Devices((), "none")
     leases: Leases | None = None  # None: no GPUs, nothing to lease
     health: Health | None = None  # with the leases, made on first use (``health``)
@@ -90,7 +88,7 @@ def default_gpus(settings: Settings, devices: Devices) -> int:
 
 
 def launcher(config: pytest.Config, state: State) -> Launcher:
-    """The session's launcher, made on first use (with its supervisor and prewarmer)."""
+    """The session's launcher, made on first use (with its prewarmer)."""
     if state.launcher is None:
         s = state.settings
         reaper = set_child_subreaper()  # before the fork server starts: it relies on it
@@ -114,7 +112,6 @@ def launcher(config: pytest.Config, state: State) -> Launcher:
                 options=child_options(config, state),
             ),
         )
-        state.supervisor = Supervisor(state.launcher)
         if s.prewarm:
             state.prewarmer = Prewarmer(state.launcher, s.prewarm)
     return state.launcher

@@ -1,6 +1,6 @@
 """One isolated run, parent side, in two calls: ``go``, then ``Running.wait``.
 
-``Supervisor.go`` takes a started process (``launcher``) to its go: its probes
+``go`` takes a started process (``launcher``'s) to its go: its probes
 learn how it was started and take their snapshots, it gets its go (with the
 environment of its GPUs and of its probes), and the probes that sample during the
 run start. The caller may then do other work (prewarm the next tests) while the
@@ -37,41 +37,35 @@ from .started import Started
 from .watch import Bounds, Watch
 
 
-class Supervisor:
-    """Runs started processes, one at a time, with the ``launcher`` that started them."""
-
-    def __init__(self, launcher: Launcher) -> None:
-        self.launcher = launcher
-
-    def go(
-        self,
-        started: Started,
-        env: dict[str, str],
-        probes: tuple[Probe, ...],
-        bounds: Bounds,
-    ) -> Running:
-        """Give ``started`` its go (``env`` with its probes' ``child_env``) once its probes
-        have their snapshots; ``probes``: the leak checks besides the process sweep,
-        which always runs. ``bounds``: ``timeout`` bounds the test (or call) itself,
-        from when the child says it begins; ``startup`` bounds what comes before it from
-        the go, and the process's exit after it."""
-        # The test's own process is spared in the snapshot: what it started before its go
-        # (plugins, conftests) is then new, and swept with the rest of its tree.
-        sweep = ProcessProbe(spare=self.launcher.spare(), mark=self.launcher.mark)
-        every = (sweep, *probes)
-        for probe in every:
-            probe.before_start(started)
-        snapshots = [probe.snapshot() for probe in every]
-        go_env = dict(env)
-        for probe in every:
-            go_env.update(probe.child_env())
-        go_at = time.monotonic()
-        with contextlib.suppress(OSError):  # a child that already died has no use for it
-            started.go.send(go_env)
-        started.go.close()
-        for probe in every:  # probes that sample while the test runs (GPU memory's peak)
-            probe.during(started.pid)
-        return Running(self.launcher, started, sweep, every, snapshots, bounds, go_at)
+def go(
+    launcher: Launcher,
+    started: Started,
+    env: dict[str, str],
+    probes: tuple[Probe, ...],
+    bounds: Bounds,
+) -> Running:
+    """Give ``started`` (a process of ``launcher``'s) its go (``env`` with its probes'
+    ``child_env``) once its probes have their snapshots; ``probes``: the leak checks
+    besides the process sweep, which always runs. ``bounds``: ``timeout`` bounds the test
+    (or call) itself, from when the child says it begins; ``startup`` bounds what comes
+    before it from the go, and the process's exit after it."""
+    # The test's own process is spared in the snapshot: what it started before its go
+    # (plugins, conftests) is then new, and swept with the rest of its tree.
+    sweep = ProcessProbe(spare=launcher.spare(), mark=launcher.mark)
+    every = (sweep, *probes)
+    for probe in every:
+        probe.before_start(started)
+    snapshots = [probe.snapshot() for probe in every]
+    go_env = dict(env)
+    for probe in every:
+        go_env.update(probe.child_env())
+    go_at = time.monotonic()
+    with contextlib.suppress(OSError):  # a child that already died has no use for it
+        started.go.send(go_env)
+    started.go.close()
+    for probe in every:  # probes that sample while the test runs (GPU memory's peak)
+        probe.during(started.pid)
+    return Running(launcher, started, sweep, every, snapshots, bounds, go_at)
 
 
 class Running:
