@@ -67,7 +67,7 @@ def main(argv: list[str]) -> int:
         return 2
     [device, *_] = nvml.devices()
     where = "the simulated GPU" if os.environ.get(SIM_ENV) else f"GPU {device}"
-    nvml.watch(device)
+    nvml.track_errors(device)
     read, probe = [], []
     for _ in range(opts.repeat):
         start = time.perf_counter()

@@ -17,7 +17,7 @@ import os
 import sys
 import time
 import warnings
-from typing import Any
+from typing import Any, Protocol
 
 import pytest
 
@@ -37,6 +37,21 @@ def freeze() -> None:
     torch`` that full collection costs ~60 ms, paid once where the fork server freezes."""
     gc.collect()
     gc.freeze()
+
+
+class ChildChannel(Protocol):
+    """The test's end of its pipes to pytest, as the plugin uses it (``bootstrap.Channel``,
+    which imports this module, is the one there is)."""
+
+    collect_ahead: bool  # the test's module is imported before the go
+
+    def send(self, kind: str, payload: Any) -> None: ...
+
+    def wait_go(self) -> None: ...
+
+    def collecting_ahead(self, module: str) -> None: ...
+
+    def cuda_touched(self) -> str | None: ...
 
 
 def restart_capture(config: Any) -> None:
@@ -104,7 +119,7 @@ class ChildPlugin:
 
     __name__ = CHILD_PLUGIN  # pluggy registers the plugin under this name
 
-    def __init__(self, job: Any, channel: Any) -> None:
+    def __init__(self, job: Any, channel: ChildChannel) -> None:
         # job: wire.jobs.ItemJob; channel: bootstrap.Channel (this module does not import it)
         self.job = job
         self.channel = channel

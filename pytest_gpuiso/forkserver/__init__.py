@@ -86,12 +86,14 @@ class ForkServer:
         with contextlib.suppress(OSError):
             send_request(self.sock, self.conn, ("collect", directories, modules))
 
-    def learn(self, names: list[Any], modules: int, nodeid: str = "", took: float = 0.0) -> bool:
+    def send_imports(
+        self, names: list[Any], modules: int, nodeid: str = "", took: float = 0.0
+    ) -> bool:
         """Tell the server what a test's process imported while its test ran (``names``:
         (name, origin) pairs, ``modules`` in all: ``imports.learnable``; best effort): its
         template imports them for later tests. ``nodeid`` and ``took``: the test, and
         how long its process ran (the imports' cost, at most): the server holds the next
-        forks of its module's tests until the successor has them (``Server.learn``).
+        forks of its module's tests until the successor has them (``Server.queue_imports``).
         Whether they were sent."""
         new = {p[0]: p[1] for p in names if imports.is_learnt(p) and p[0] not in self.learnt}
         if not new or not self.ready or not self.learning:

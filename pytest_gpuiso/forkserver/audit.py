@@ -2,7 +2,7 @@
 
 The template serves only if configuring and collecting left nothing outside its memory
 that its forks would share (``left_outside``); a successor template, only if importing
-what a test imported did not either (``learn``).
+what a test imported did not either (``import_audited``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from . import pools
 from .fork import unsafe_to_fork
 
 
-def learn(names: list[tuple[str, str]]) -> tuple[str, str] | None:
+def import_audited(names: list[tuple[str, str]]) -> tuple[str, str] | None:
     """In a successor template: import modules a test's process imported while its test
     ran, so that the tests forked after it have them, as in-process pytest keeps them.
 

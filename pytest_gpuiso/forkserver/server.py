@@ -182,7 +182,7 @@ class Server:
                 elif kind == "collect":
                     answer = self.collect(*payload)
                 elif kind == "learn":
-                    answer = self.learn(*payload)
+                    answer = self.queue_imports(*payload)
                 else:
                     raise ValueError(f"unknown request {kind!r}")
             except BaseException:
@@ -214,7 +214,7 @@ class Server:
         if modules and self.template is None:
             self.template = TemplateHandle.start(self, modules)
 
-    def learn(
+    def queue_imports(
         self, names: list[tuple[str, str]], modules: int, teacher: str = "", took: float = 0.0
     ) -> None:
         """Modules a test imported while it ran ((name, origin); ``modules`` with what they
@@ -260,7 +260,7 @@ class Server:
         due = self.to_learn and self.weight >= LEARN_WEIGHT and self.unfit < UNFIT_MAX
         if ready and self.successor is None and due:
             self.learning, self.to_learn, self.weight = self.to_learn, [], 0
-            self.successor = template.learn(self.learning, SUCCESSOR_WAIT)
+            self.successor = template.fork_successor(self.learning, SUCCESSOR_WAIT)
             now = time.monotonic()
             teachers = self.teachers.items()
             self.awaited = {path: now + 2 * took + AWAIT_SLACK for path, took in teachers}

@@ -45,7 +45,7 @@ from .fork import (
 from .template_session import Forked, run_session
 
 
-class Server(Protocol):
+class TemplateHost(Protocol):
     """What the template takes from the fork server that forks it (``server.Server``)."""
 
     boot: Any  # its ServerBoot
@@ -70,7 +70,7 @@ class TemplateHandle:
         self.deadline = time.monotonic() + patience  # fork requests wait until then
 
     @classmethod
-    def start(cls, server: Server, modules: list[str] | None) -> TemplateHandle | None:
+    def start(cls, server: TemplateHost, modules: list[str] | None) -> TemplateHandle | None:
         """Fork the template, collecting ``modules`` (None: the session's arguments).
 
         It is pytest's child where ``fork_sibling`` works, like the tests' processes.
@@ -135,7 +135,9 @@ class TemplateHandle:
             self.stop()
         return answer
 
-    def learn(self, names: list[tuple[str, str]], patience: float) -> TemplateHandle | None:
+    def fork_successor(
+        self, names: list[tuple[str, str]], patience: float
+    ) -> TemplateHandle | None:
         """Have it fork a successor that imports ``names`` (a test imported them) while it
         goes on serving: the successor's handle, which says ``learnt`` once it can take
         over (``Server.adopt``), or ``unfit``."""
@@ -164,7 +166,7 @@ class TemplateHandle:
                 os.waitpid(self.pid, 0)
 
 
-def _template_main(server: Server, sock: socket.socket, modules: list[str] | None) -> None:
+def _template_main(server: TemplateHost, sock: socket.socket, modules: list[str] | None) -> None:
     """The template process: configure, collect, then fork tests from inside the session."""
     boot = server.boot
     conn = Connection(os.dup(sock.fileno()))
@@ -285,7 +287,7 @@ def _succeed(
     server kills that one then)."""
     die_with_parent(template)
     sock, conn = socket.socket(fileno=fd), Connection(os.dup(fd))
-    unfit = audit.learn(names)
+    unfit = audit.import_audited(names)
     if unfit is None:
         outlive_parent()
     try:

@@ -30,7 +30,7 @@ import re
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, Protocol
 
 from ..leaks import Leak
 from ..values import GpuMemory
@@ -53,7 +53,21 @@ STICKY = re.compile(
 )
 
 
-def why_probe(outcome: Any) -> str | None:
+class RunEnd(Protocol):
+    """How a test's run ended, as the health probe reads it (``parent.outcome.Outcome``)."""
+
+    @property
+    def timed_out(self) -> bool: ...
+
+    @property
+    def signal_name(self) -> str | None: ...
+
+    errors: list[str]  # what its process said went wrong
+    reports: list[dict[str, Any]]  # its serialized pytest reports
+    leaks: list[Leak]
+
+
+def why_probe(outcome: RunEnd) -> str | None:
     """Why a test's GPUs are probed after its run (``outcome``): it timed out, crashed, or
     failed with a sticky CUDA error (in its failure's message, or the errors its process
     said); None for anything else (an ordinary failure never puts a GPU in doubt)."""
@@ -217,7 +231,7 @@ class Health:
         if self.mode == "off":
             return {}
         for device in lease.devices:
-            self.nvml.watch(device)
+            self.nvml.track_errors(device)
         checked = lease.devices if self.mode == "always" else ()
         return {d: "; ".join(p) for d in checked if (p := self.nvml.problems(d))}
 
@@ -231,7 +245,7 @@ class Health:
                 + self.leases.quarantine_text()
             )
 
-    def after(self, nodeid: str, lease: Lease, outcome: Any) -> dict[str, Any] | None:
+    def after(self, nodeid: str, lease: Lease, outcome: RunEnd) -> dict[str, Any] | None:
         """Probe the test's GPUs when its run put them in doubt, and quarantine those that
         fail (before its lease is released); what was probed and why (None: not probed)."""
         why = None if self.mode == "off" else why_probe(outcome)

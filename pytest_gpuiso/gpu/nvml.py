@@ -145,7 +145,7 @@ class NvmlReader:
 
     # ---------------------------------------------------------------- health (GPU health)
 
-    def watch(self, device: str) -> None:
+    def track_errors(self, device: str) -> None:
         """From now on, collect ``device``'s Xid critical errors and count its uncorrectable
         ECC errors from here (``problems`` says what came since). Quiet where NVML cannot."""
         if not self.available():
@@ -165,7 +165,7 @@ class NvmlReader:
         self._ecc[device] = self._uncorrectable(device)
 
     def xids(self, device: str) -> list[int]:
-        """The Xid critical errors of ``device`` since the last call (``watch``)."""
+        """The Xid critical errors of ``device`` since the last call (``track_errors``)."""
         events, found = self._events.get(device), []
         nvml = self._nvml
         wait = getattr(nvml, "nvmlEventSetWait_v2", None) or getattr(nvml, "nvmlEventSetWait", None)
@@ -187,9 +187,9 @@ class NvmlReader:
             return None
 
     def problems(self, device: str) -> list[str]:
-        """What NVML says is wrong with ``device`` since ``watch``: it does not answer, an Xid
-        critical error, pages waiting to be retired or rows to be remapped (or a row that
-        could not be), new uncorrectable ECC errors."""
+        """What NVML says is wrong with ``device`` since ``track_errors``: it does not
+        answer, an Xid critical error, pages waiting to be retired or rows to be remapped
+        (or a row that could not be), new uncorrectable ECC errors."""
         if not self.available():
             return []
         nvml = self._nvml

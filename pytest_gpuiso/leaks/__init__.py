@@ -11,7 +11,7 @@ leftover process is never left running, whatever the policy says about reporting
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,16 @@ class Leak:
         return {"kind": self.kind, "detail": self.detail, **self.fields}
 
 
+class StartedProcess(Protocol):
+    """What a probe may read of a started test's process (``parent.started.Started``)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def shm_log(self) -> str | None: ...  # the /dev/shm shim's log (None: no shim)
+
+
 class Probe:
     """One leak check's part in a test's run, step by step (each a no-op unless overridden).
 
@@ -59,7 +69,7 @@ class Probe:
     kind = ""
     settles = False
 
-    def before_start(self, started: Any) -> None:
+    def before_start(self, started: StartedProcess) -> None:
         return None
 
     def snapshot(self) -> Any:

@@ -43,11 +43,10 @@ import fnmatch
 import os
 import re
 import stat
-from typing import Any
 
 from ..proc.proctree import exists
 from ..wire.environment import LOG_ENV
-from . import Leak, Probe, RunInfo
+from . import Leak, Probe, RunInfo, StartedProcess
 from .shm_log import SHM_DIR, Logged, deepest_first, preload_env, read_log, remove_entry
 
 OWN_PATTERNS = ("pytest-gpuiso-*", ".pytest-gpuiso-*")  # the lease table and its temp files
@@ -120,7 +119,7 @@ class ShmProbe(Probe):
         self.alone = alone
         self.log: str | None = None  # the shim's log of the test's process (None: no shim)
 
-    def before_start(self, started: Any) -> None:
+    def before_start(self, started: StartedProcess) -> None:
         """The test's process was started with its log (it logs from its start, before
         its turn: imports, configure). What it names counts even if made before the
         snapshot: each line carries the inode the entry got."""

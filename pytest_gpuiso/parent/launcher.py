@@ -166,13 +166,13 @@ class Launcher:
             self.collect_ahead = False
             self.notices.append(child.stale_notice(why))
 
-    def learn(self, imported: list[dict[str, Any]], nodeid: str, took: float) -> None:
+    def pass_on_imports(self, imported: list[dict[str, Any]], nodeid: str, took: float) -> None:
         """What a forked test (``nodeid``, its process ran ``took`` seconds) imported: the
         template imports it for the next ones; once that is worth a successor of its own,
         the module's next tests are forked from that successor (``taught``)."""
         if self.server is not None:
             for learnt in imported:
-                sent = self.server.learn(learnt["names"], learnt["modules"], nodeid, took)
+                sent = self.server.send_imports(learnt["names"], learnt["modules"], nodeid, took)
                 if sent and learnt["modules"] >= LEARN_WEIGHT:
                     self._taught = module_of(nodeid)
 

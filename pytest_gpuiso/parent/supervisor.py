@@ -149,7 +149,7 @@ class Running:
             outcome.exits.append(stop)
         if outcome.method == "forkserver":
             # the template imports them for the next ones
-            launcher.learn(outcome.imported, getattr(started.job, "nodeid", ""), duration)
+            launcher.pass_on_imports(outcome.imported, getattr(started.job, "nodeid", ""), duration)
         return outcome
 
     def _leavable(self) -> bool:

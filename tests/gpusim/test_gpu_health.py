@@ -236,7 +236,7 @@ class _Nvml:
     def __init__(self, problems: dict[str, list[str]] | None = None, lost_first=False) -> None:
         self.problems_of, self.lost_first, self.watched = dict(problems or {}), lost_first, []
 
-    def watch(self, device: str) -> None:
+    def track_errors(self, device: str) -> None:
         self.watched.append(device)
 
     def problems(self, device: str) -> list[str]:
@@ -390,7 +390,7 @@ def test_the_nvml_part_counts_what_came_since_the_lease_and_only_the_gpus_fault(
     reader = NvmlReader()
     reader._nvml = fake  # as if nvmlInit had found a driver
     fake.events, fake.ecc = [48], 3  # before the lease: not this run's
-    reader.watch("0")
+    reader.track_errors("0")
     assert reader.problems("0") == []
     fake.events = [45, 79, 13]  # a killed process's and a bad kernel's Xids do not count
     fake.ecc, fake.remapped = 5, (0, 1, 1, 0)
