@@ -264,7 +264,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if started is not None:
         directories = {str(Path(module).parent) for module in modules}
         precollect = sorted(modules) if state.settings.precollect else []
-        started.collect(sorted(directories), precollect)
+        started.serving.collect(sorted(directories), precollect)
 
 
 @pytest.hookimpl(trylast=True)

@@ -1,16 +1,16 @@
 """How an isolated test's process starts: spawn or the fork server, and its life until its run.
 
 The ``Launcher`` owns every process it starts until that process's run has ended
-(``finished``), and everything about how processes start:
+(``finished``):
 
-* the start method: ``spawn``, or forks from a ``forkserver.ForkServer`` (started on
-  first use); when the server cannot serve, the launcher falls back to ``spawn`` for
-  good and says why once (``notices``, read by the plugin through ``news``);
+* each starts with ``spawn``, or is forked by the fork server its ``serving`` gives
+  (``serving.Serving``: the start method in force, the fallback to ``spawn``, the
+  notices said once, what tests taught the template);
 * the fork server's answers, read in order and only when needed (``_settle``), so a
   prewarm fork costs the running test nothing;
 * processes started ahead of their turn (``warm``), which import the preload modules
-  and may collect their test's module before their go (``collect_ahead``), until one
-  shows it cannot take its GPUs (``replaced``);
+  and may collect their test's module before their go (``collect_ahead``; when to stop
+  is the prewarmer's policy);
 * discarding a process that will not run, the processes that are ours but no test's
   (``spare``), those left to the kernel's teardown (``leave``, ``reap_ending``), and
   closing it all at the session's end.
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import dataclasses
 import itertools
 import multiprocessing
 import os
@@ -35,7 +34,7 @@ from typing import Any
 
 from ..child import bootstrap as child
 from ..child import imports
-from ..forkserver import LEARN_WEIGHT, ForkServer, ServerBoot, Unavailable, module_of
+from ..forkserver import ServerBoot, Unavailable
 from ..leaks.process import Mark
 from ..leaks.shm_log import dispose_created
 from ..proc.proctree import (
@@ -53,6 +52,7 @@ from ..proc.workdir import describe, private_file, remove
 from ..wire import frames, jobs
 from ..wire.environment import LOG_ENV, OWNER_ENV
 from . import leaving
+from .serving import Serving
 from .started import Started
 from .watch import STACK_SIGNAL
 
@@ -84,121 +84,45 @@ class Launcher:
         only them."""
         self.workdir = workdir
         self.capture_output = capture_output
-        self.method = start
         self.mark = mark
         self.exec_env = dict(exec_env or {})  # must be there at exec (LD_PRELOAD of a probe)
         # In all it starts, and all they start: ended by the next session if this one dies
         self.owner = {OWNER_ENV: workdir.name}
-        self.server_boot = server_boot  # None: no fork server (spawn only)
         # imported by the fork server, and by spawned processes started ahead of their turn
         self.preload = server_boot.preload if server_boot is not None else ()
-        self.server: ForkServer | None = None
-        self.notices: list[str] = []  # start-method problems, for the plugin to show once
-        self._told = 0  # how many of the notices ``news`` has handed out
         self.shm_cleanup = shm_cleanup  # what a discarded process created: deleted, else said
         self._told_shm_left = False
-        # Why a prewarmed child had to be replaced, once seen (``child.Channel._stale``):
-        # its plugins or conftests touched CUDA (prewarming is turned off) ...
-        self.stale: str | None = None
-        # ... or its test module did: prewarmed processes then stop collecting ahead.
-        self.collect_ahead = True
-        self._taught: str | None = None  # see ``taught``
         self.live: dict[int, Started] = {}  # started children not yet run, by id()
         self.ending = leaving.Ending()  # tests' processes left while past their exit
         self._awaiting: collections.deque[Started] = collections.deque()  # fork answers due
         self._ctx = multiprocessing.get_context("spawn")
-        if start == "forkserver" and not subreaper:
-            self._fall_back("the fork server needs PR_SET_CHILD_SUBREAPER (Linux)")
-
-    # ------------------------------------------------------------------ start method
-
-    def start_server(self) -> None:
-        """Start the fork server now (it loads while pytest collects)."""
-        if self.method == "forkserver" and self.server is None and self.server_boot:
-            try:
-                os.close(os.pidfd_open(os.getpid()))
-            except (AttributeError, OSError) as exc:
-                self._fall_back(f"the fork server needs pidfd_open (Linux 5.3+): {exc}")
-                return
-            log = private_file(self.workdir, f"forkserver-{next(_RUNS)}.log")
-            boot = dataclasses.replace(self.server_boot, log=str(log))
-            ensure_resource_tracker()
-            try:
-                with exec_environment({**self.exec_env, **self.owner}):  # its forks' too
-                    self.server = ForkServer(self._ctx, boot)
-            except Exception as exc:
-                self._fall_back(f"the fork server could not be started: {exc}")
-
-    def collect(self, directories: list[str], modules: list[str]) -> None:
-        """Have the fork server load the conftests of ``directories`` and collect
-        ``modules`` (its template's session), when there is a server."""
-        if self.server is not None:
-            self.server.collect(directories, modules)
-
-    def _fall_back(self, reason: str) -> None:
-        if self.method != "spawn":
-            self.notices.append(
-                f"{reason}; isolated tests are started with spawn instead "
-                "(--gpu-isolate-start=spawn chooses it from the start)"
-            )
-        self.method = "spawn"
-        if self.server is not None:
-            self.server.close()
-            self.server = None
-
-    def notice(self, text: str) -> None:
-        """A problem of the session's starts, for the plugin to show once."""
-        self.notices.append(text)
-
-    def news(self) -> list[str]:
-        """The notices not handed out yet."""
-        fresh, self._told = self.notices[self._told :], len(self.notices)
-        return fresh
-
-    def replaced(self, why: dict[str, Any]) -> None:
-        """A prewarmed child could not take its GPUs (``why``: ``child.Channel._stale``):
-        say so once, and stop prewarming (plugins, conftests) or collecting ahead."""
-        if why["module"] is None:
-            if self.stale is None:
-                self.stale = why["cuda"] or why["read"]  # the runner turns prewarming off
-                self.notices.append(child.stale_notice(why))
-        elif self.collect_ahead:
-            self.collect_ahead = False
-            self.notices.append(child.stale_notice(why))
-
-    def pass_on_imports(self, imported: list[dict[str, Any]], nodeid: str, took: float) -> None:
-        """What a forked test (``nodeid``, its process ran ``took`` seconds) imported: the
-        template imports it for the next ones; once that is worth a successor of its own,
-        the module's next tests are forked from that successor (``taught``)."""
-        if self.server is not None:
-            for learnt in imported:
-                sent = self.server.send_imports(learnt["names"], learnt["modules"], nodeid, took)
-                if sent and learnt["modules"] >= LEARN_WEIGHT:
-                    self._taught = module_of(nodeid)
-
-    def taught(self) -> str | None:
-        """The module (path) of the last test that taught the template enough to start a
-        successor since this was asked: the processes started ahead for its next tests
-        are better started again (``Prewarmer.restart``): the server holds them until
-        the successor has imported what they will most likely import too."""
-        taught, self._taught = self._taught, None
-        return taught
+        self.serving = Serving(
+            start, server_boot, workdir, {**self.exec_env, **self.owner}, self._ctx, subreaper
+        )
 
     # ------------------------------------------------------------------ processes
 
-    def start(self, job: Any, env: dict[str, str] | None = None, *, warm: bool = False) -> Started:
+    def start(
+        self,
+        job: Any,
+        env: dict[str, str] | None = None,
+        *,
+        warm: bool = False,
+        collect_ahead: bool = False,
+    ) -> Started:
         """Start ``job``'s process; it runs up to its go and waits.
 
         ``env`` is applied first thing in the child. A ``warm`` child (prewarmed
         ahead of its turn) also imports the preload modules while it waits (the
-        fork server has them already), and its fork may still be under way.
+        fork server has them already), and its fork may still be under way; spawned,
+        it may also collect its test's module before its go (``collect_ahead``).
         ``StartError`` (one line) when it cannot: the job does not pickle, or a resource
         ran out (processes, descriptors, disk), which fails only the test that needed it.
         """
         tag = f"{os.getpid()}-{next(_RUNS)}"
         made: list[Any] = []  # files and pipes to undo if the start fails
         try:
-            started = self._start(job, dict(env or {}), warm, tag, made)
+            started = self._start(job, dict(env or {}), warm, collect_ahead, tag, made)
         except Exception as exc:
             remove(*[thing for thing in made if isinstance(thing, Path)])
             for conn in (thing for thing in made if not isinstance(thing, Path)):
@@ -252,16 +176,14 @@ class Launcher:
         left = dispose_created(str(shm_log), self.shm_cleanup) if shm_log else ""
         if left and not self._told_shm_left:  # what it created before its turn
             self._told_shm_left = True
-            self.notices.append(f"a process started ahead of its test and not used {left}")
+            self.serving.notice(f"a process started ahead of its test and not used {left}")
         remove(started.output, started.stack_file, shm_log, *started.capture_files())
 
     def close(self) -> None:
         """Discard children that never got their go, and stop the fork server."""
         for started in list(self.live.values()):
             self.discard(started)
-        if self.server is not None:
-            self.server.close()  # it kills its template on its way out, and reaps both
-            self.server = None
+        self.serving.close()
         self.ending.reap(REAP_WAIT)
 
     def spare(self, *, settle: bool = False) -> frozenset[int]:
@@ -271,17 +193,14 @@ class Launcher:
         """
         self._settle(everything=settle)
         pids = {s.pid for s in self.live.values() if s.proc is not None} | self.ending.reap()
-        if self.server is not None:
-            pids.add(self.server.pid)
-            if self.server.template_pid is not None:
-                pids.add(self.server.template_pid)
+        pids |= self.serving.pids()
         return frozenset(pids)
 
     def _settle(self, until: Started | None = None, *, everything: bool = False) -> None:
         """Read the fork server's answers that are in (or due: up to ``until``, or all)."""
         while self._awaiting:
             first = self._awaiting[0]
-            server = self.server
+            server = self.serving.server
             must = everything or (until is not None and until in self._awaiting)
             if server is not None and not must and not server.conn.poll(0):
                 return
@@ -296,7 +215,7 @@ class Launcher:
                 first.collected = source == "template"
             else:
                 first.failed = payload
-                self._fall_back(payload)
+                self.serving.fall_back(payload)
 
     def _preload(self, job: Any) -> tuple[str, ...]:
         """The preload modules a spawned process started ahead of ``job`` imports: those
@@ -307,7 +226,13 @@ class Launcher:
         return imports.needed(self.preload, module)
 
     def _start(
-        self, job: Any, env: dict[str, str], warm: bool, tag: str, made: list[Any]
+        self,
+        job: Any,
+        env: dict[str, str],
+        warm: bool,
+        collect_ahead: bool,
+        tag: str,
+        made: list[Any],
     ) -> Started:
         """``start``'s work; what it makes goes into ``made`` first, for ``start`` to undo."""
 
@@ -319,9 +244,8 @@ class Launcher:
         output = private(f"out-{tag}.log") if self.capture_output else None
         stack_file = private(f"stack-{tag}.txt")
         capture_prefix = self.workdir / f"cap-{tag}-"
-        if self.method == "forkserver":
-            self.start_server()
-        method = "forkserver" if self.server is not None else "spawn"
+        server = self.serving.server_to_fork()
+        method = "forkserver" if server is not None else "spawn"
         shm_log = None
         if self.exec_env:  # the shim is preloaded: it logs from the process's start on
             shm_log = str(private(f"shm-{tag}.log"))
@@ -340,7 +264,7 @@ class Launcher:
             capture_prefix=str(capture_prefix),
             env=tuple(sorted(env.items())),
             preload=self._preload(job) if warm and method == "spawn" else (),
-            collect_ahead=warm and method == "spawn" and self.collect_ahead,
+            collect_ahead=warm and method == "spawn" and collect_ahead,
         )
         pipe, writer = self._ctx.Pipe(duplex=False)
         made += [pipe, writer]
@@ -363,13 +287,13 @@ class Launcher:
         # The tracker is a long-lived helper of ours, not something the test left behind.
         ensure_resource_tracker()
         try:
-            if self.server is not None:
+            if server is not None:
                 try:
                     fds = [writer.fileno(), go_reader.fileno()]
-                    self.server.request_fork(boot, job, fds, _SERVER_WAIT)
+                    server.request_fork(boot, job, fds, _SERVER_WAIT)
                     self._awaiting.append(started)
                 except Unavailable as exc:
-                    self._fall_back(str(exc))
+                    self.serving.fall_back(str(exc))
                     started.method = "spawn"
             if started.method == "spawn":
                 proc = self._ctx.Process(

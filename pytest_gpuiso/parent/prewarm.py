@@ -13,9 +13,10 @@ Until its go, a prewarmed process of a test that gets GPUs sees none
 (``CUDA_VISIBLE_DEVICES=""``): its GPUs are only known once leased. If plugin or
 conftest code initialises CUDA at import anyway (or reads ``CUDA_VISIBLE_DEVICES``),
 the process cannot switch to its GPUs; it says so at its go, a fresh one runs the
-test, and prewarming stops for the session (``disabled``), which the plugin reports
-once. If the test module's import did it, prewarmed processes only stop collecting
-ahead (``Launcher.collect_ahead``).
+test, and prewarming stops for the session (``stale``, then ``disabled``), which the
+plugin reports once. If the test module's import did it, prewarmed processes only stop
+collecting ahead (``collect_ahead``). That policy is the prewarmer's (``replaced``);
+the launcher only starts what it is asked to.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..child import bootstrap as child
 from ..forkserver import module_of
 from .launcher import Launcher, StartError
 from .started import Started
@@ -50,6 +52,11 @@ class Prewarmer:
         self.depth = depth
         self.warm: dict[str, tuple[WarmJob, Started]] = {}  # by node id: job and process
         self.disabled: str | None = None
+        # Why a prewarmed process had to be replaced, once seen (``child.Channel._stale``):
+        # its plugins or conftests touched CUDA (prewarming is turned off) ...
+        self.stale: str | None = None
+        # ... or its test module did: prewarmed processes then stop collecting ahead.
+        self.collect_ahead = True
         self._positions: dict[int, int] | None = None  # id(item) -> its index in the session
 
     def following(self, items: Sequence[Any], nextitem: Any, parallel: bool) -> list[Any]:
@@ -64,6 +71,17 @@ class Prewarmer:
             if at is not None:
                 return list(items[at : at + LOOKAHEAD])
         return [nextitem]
+
+    def replaced(self, why: dict[str, Any]) -> None:
+        """A prewarmed process could not take its GPUs (``why``: ``child.Channel._stale``):
+        say so once, and stop prewarming (plugins, conftests) or collecting ahead."""
+        if why["module"] is None:
+            if self.stale is None:
+                self.stale = why["cuda"] or why["read"]  # the runner turns prewarming off
+                self.launcher.serving.notice(child.stale_notice(why))
+        elif self.collect_ahead:
+            self.collect_ahead = False
+            self.launcher.serving.notice(child.stale_notice(why))
 
     def take(self, nodeid: str) -> Started | None:
         """The process started for this test, if there is one."""
@@ -97,7 +115,10 @@ class Prewarmer:
     def _start(self, job: WarmJob) -> bool:
         """Start ``job``'s process ahead of its turn; False when it could not be started."""
         try:
-            self.warm[job.nodeid] = (job, self.launcher.start(job.job, job.env, warm=True))
+            started = self.launcher.start(
+                job.job, job.env, warm=True, collect_ahead=self.collect_ahead
+            )
+            self.warm[job.nodeid] = (job, started)
         except StartError:
             return False
         return True

@@ -141,7 +141,7 @@ def run_item(item: pytest.Item, nextitem: pytest.Item | None) -> Ran:
                 warmed = True
                 ran = _finish(item, plan, state, turn, running)
                 # the next tests of a module that taught the template: from its successor
-                taught = state.launcher.taught()
+                taught = state.launcher.serving.taught()
                 if taught is not None and state.prewarmer is not None:
                     state.prewarmer.restart(taught)
     except (StartError, workdir.WorkdirError) as exc:  # out of processes, files: this
@@ -226,7 +226,8 @@ def _finish(item: pytest.Item, plan: Plan, state: State, turn: Turn, running: Ru
     spec = plan.spec
     outcome = running.wait()
     if outcome.stale is not None:  # it initialised CUDA before it knew its GPUs: run a fresh one
-        state.launcher.replaced(outcome.stale)
+        if state.prewarmer is not None:  # only a prewarmed process can be stale
+            state.prewarmer.replaced(outcome.stale)
         turn.started = state.launcher.start(plan.job, dict(turn.env))
         turn.probes = _probes(spec, state, turn.lease)
         outcome = turn.go(state, running.bounds).wait()
@@ -305,7 +306,7 @@ def _prewarm_safely(item: pytest.Item, nextitem: pytest.Item | None, state: Stat
     try:
         _prewarm(item, nextitem, state)
     except Exception as exc:
-        state.launcher.notice(f"prewarming failed: {exc}")
+        state.launcher.serving.notice(f"prewarming failed: {exc}")
 
 
 def _prewarm(item: pytest.Item, nextitem: pytest.Item | None, state: State) -> None:
@@ -335,10 +336,10 @@ def _tell_start_problems(item: pytest.Item, state: State) -> list[dict]:
     """Say once (as a warning of the session) that the fork server or prewarming is not
     used, and why. A filter that makes ``GpuIsoStartWarning`` an error ends the session
     after this test, as a usage error (returned as the stop of ``Ran``)."""
-    messages = state.launcher.news()
-    prewarmer, stale = state.prewarmer, state.launcher.stale
-    if stale and prewarmer is not None and prewarmer.disabled is None:
-        prewarmer.disable(stale)  # the notices say why
+    messages = state.launcher.serving.news()
+    prewarmer = state.prewarmer
+    if prewarmer is not None and prewarmer.stale and prewarmer.disabled is None:
+        prewarmer.disable(prewarmer.stale)  # the notices say why
     for text in messages:  # the session's, not this test's: no test location
         if not warn_session(item.config, GpuIsoStartWarning(f"gpu-isolate: {text}")):
             message = f"gpu-isolate: {text} (GpuIsoStartWarning is an error by -W/filterwarnings)"

@@ -133,7 +133,7 @@ def close(state: State) -> None:
     if state.launcher is not None:
         if state.prewarmer is not None:
             state.prewarmer.close()
-        server = state.launcher.server
+        server = state.launcher.serving.server
         if server is not None and state.settings.learn_imports:  # for the next session
             imports.remember(state.cache, server.learnt, server.unfit)
         state.launcher.close()
@@ -148,7 +148,7 @@ def start_server(config: pytest.Config, state: State) -> Launcher | None:
     missing (each isolated test then says why, as the failure of its own start)."""
     try:
         started = launcher(config, state)
-        started.start_server()
+        started.serving.start_server()
     except (workdir.WorkdirError, OSError):
         return None
     return started

@@ -149,7 +149,9 @@ class Running:
             outcome.exits.append(stop)
         if outcome.method == "forkserver":
             # the template imports them for the next ones
-            launcher.pass_on_imports(outcome.imported, getattr(started.job, "nodeid", ""), duration)
+            launcher.serving.pass_on_imports(
+                outcome.imported, getattr(started.job, "nodeid", ""), duration
+            )
         return outcome
 
     def _leavable(self) -> bool:
