@@ -8,7 +8,7 @@ from typing import Any, Protocol
 import pytest
 
 from ..leaks import Verdict
-from ..reports.record import RECORD_ATTR
+from ..reports.record import RECORD_ATTR, Record
 from ..settings import IsolationSpec
 from .outcome import Outcome
 
@@ -58,7 +58,7 @@ def build_record(
     run: Run,
     attempt: int = 1,
     rerun: bool = False,
-) -> dict[str, Any]:
+) -> Record:
     """One test's entry in the JSON report (schema version 1): one per attempt.
 
     ``attempt`` counts a test's runs from 1 (pytest-rerunfailures: a fresh process
@@ -75,7 +75,7 @@ def build_record(
     # Interrupted before its call was reported: it neither passed nor failed.
     stopped = outcome is not None and outcome.interrupted and all(r.when != "call" for r in reports)
     result = "rerun" if rerun else "interrupted" if stopped else final_outcome(reports)
-    record: dict[str, Any] = {
+    record: Record = {
         "nodeid": nodeid,
         "outcome": result,
         "attempt": attempt,
@@ -126,7 +126,7 @@ def build_record(
     return record
 
 
-def attach_record(reports: list[pytest.TestReport], record: dict[str, Any]) -> None:
+def attach_record(reports: list[pytest.TestReport], record: Record) -> None:
     """Put the record on the test's last report (none: pytest.exit() before any report)."""
     if reports:
         setattr(reports[-1], RECORD_ATTR, record)

@@ -1,18 +1,72 @@
 """The JSON record of one isolated test, read: its schema's helpers.
 
-Records ride on the test's last report (``RECORD_ATTR``), so under xdist the
-controller receives every worker's records test by test, even from a worker that
-later crashes. ``parent.recording`` builds them; ``report`` writes them out (JSON,
-Markdown, terminal).
+``Record`` is the schema, written once (docs/json-report.md documents each field;
+a test holds the two together). Records ride on the test's last report
+(``RECORD_ATTR``), so under xdist the controller receives every worker's records test
+by test, even from a worker that later crashes. ``parent.recording`` builds them;
+``report`` writes them out (JSON, Markdown, terminal). A record read back from a file
+may be an older version's or a hostile one's: readers use ``.get`` and check types.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 SCHEMA_VERSION = 1
 RECORD_ATTR = "gpu_isolate"  # attribute of the last report; survives xdist serialization
+
+
+class Exit(TypedDict):
+    code: int | None  # negative: killed by that signal number
+    signal: str | None  # "SIGSEGV", ...
+    timed_out: bool
+    expired: str | None  # the bound that ran out: "test", "startup" or "exit"
+
+
+class Start(TypedDict):
+    method: str | None  # "spawn" or "forkserver"
+    prewarmed: bool
+    collected: bool
+    uncollected: str | None  # why the template gave up collecting
+
+
+class Location(TypedDict, total=False):
+    file: str  # relative to pytest's rootdir
+    line: int  # 1-based
+    path: str  # relative to the checkout (added where findings are made)
+
+
+class _Always(TypedDict):
+    nodeid: str
+    outcome: str
+    attempt: int
+    duration: float
+    startup: float | None
+    wall: float
+    pid: int | None
+    timeout: float | None
+    startup_timeout: float | None
+    exit: Exit
+    escaped: list[dict[str, Any]]
+    leaks: list[dict[str, Any]]
+    leak_checks: list[str]
+    start: Start
+
+
+class Record(_Always, total=False):
+    """One isolated test's attempt in the JSON report (schema ``SCHEMA_VERSION``)."""
+
+    location: Location
+    cuda_without_gpu: str
+    master_port: int
+    gpus: list[str]
+    lease_wait: float
+    gpu_memory: int | None
+    gpu_memory_peak: int | None
+    gpu_health: dict[str, Any]
+    warnings_folded: int
+    shard: str  # merged reports only: the file it came from
 
 
 def is_number(value: Any) -> bool:

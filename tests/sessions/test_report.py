@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from pytest_gpuiso.reports.record import Exit, Record, Start
 from pytest_gpuiso.reports.report import cost_line
 
 # pytest's report formats, hooks and internals: CI's lowest-versions stage runs them all
@@ -29,7 +30,10 @@ def _check_schema(document: dict) -> dict[str, dict]:
     tests = document["tests"]
     for record in tests:
         assert set(record) >= {"nodeid", "outcome", "duration", "pid", "exit", "leaks"}
-        assert set(record["exit"]) == {"code", "signal", "timed_out", "expired"}
+        assert set(record) <= set(Record.__annotations__), "a field the schema does not declare"
+        assert set(record) >= Record.__required_keys__
+        assert set(record["exit"]) == set(Exit.__annotations__)
+        assert set(record["start"]) == set(Start.__annotations__)
         assert isinstance(record["wall"], float) and record["wall"] >= record["startup"] >= 0
         assert isinstance(record["duration"], float) and record["duration"] > 0
         assert isinstance(record["pid"], int)
