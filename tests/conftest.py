@@ -154,7 +154,7 @@ def private_tmpdir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def _fake_library(tmp_path_factory: pytest.TempPathFactory, name: str) -> Path:
-    """A shared library called ``name``, built from fixtures/programs/start_fake_libcuda.c."""
+    """A shared library called ``name``, built from fixtures/programs/start/start_fake_libcuda.c."""
     gcc = shutil.which("gcc")
     if gcc is None:
         pytest.skip(f"gcc is needed to build a fake {name}")

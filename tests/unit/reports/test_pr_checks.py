@@ -27,7 +27,7 @@ from tests.helpers import REPORT, ROOT, program
 
 
 def _line(test: str) -> int:
-    """The line of ``def test`` in fixtures/programs/test_pr_leaks.py."""
+    """The line of ``def test`` in fixtures/programs/reports/test_pr_leaks.py."""
     lines = (program("test_pr_leaks.py")).read_text().splitlines()
     return lines.index(f"def {test}():") + 1
 
