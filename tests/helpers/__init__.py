@@ -49,12 +49,17 @@ def _programs() -> dict[str, list[Path]]:
 
 
 def program(name: str) -> Path:
-    """The program (a file or a folder) ``name`` in fixtures/programs/<feature>/: tests
-    name programs, the folders group them by the feature they exercise."""
-    paths = _programs().get(name, [])
+    """The program (a file or a folder) ``name`` in fixtures/programs/<feature>/, or a
+    file inside a program's folder (``plugin_cov_old/conftest.py``): tests name
+    programs, the folders group them by the feature they exercise."""
+    first, _, rest = name.partition("/")
+    paths = _programs().get(first, [])
     if len(paths) != 1:
-        raise LookupError(f"{len(paths)} programs called {name!r} in {PROGRAMS}: {paths}")
-    return paths[0]
+        raise LookupError(f"{len(paths)} programs called {first!r} in {PROGRAMS}: {paths}")
+    path = paths[0] / rest if rest else paths[0]
+    if not path.exists():
+        raise LookupError(f"no {rest!r} in the program {first!r} ({paths[0]})")
+    return path
 
 
 class GpuIso:

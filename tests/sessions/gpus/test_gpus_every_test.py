@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from pytest_gpuiso.gpu import ports
-from tests.helpers import REPORT, GpuIso
+from tests.helpers import REPORT, GpuIso, program
 
 PROGRAM = "gpus_every_test.py"
 DEVICES = "--gpu-isolate-devices=0,1"
@@ -35,7 +35,7 @@ def _seen(path: Path) -> dict[str, dict]:
 
 
 @pytest.fixture
-def program(gpuiso: GpuIso, lease_region, fake_libcuda: Path, tmp_path, monkeypatch) -> Path:
+def seen_log(gpuiso: GpuIso, lease_region, fake_libcuda: Path, tmp_path, monkeypatch) -> Path:
     monkeypatch.setenv("GPUISO_FAKE_LIBCUDA", str(fake_libcuda))
     monkeypatch.setenv("GPUISO_SEEN", str(tmp_path / "seen"))
     monkeypatch.delenv("MASTER_PORT", raising=False)
@@ -43,7 +43,7 @@ def program(gpuiso: GpuIso, lease_region, fake_libcuda: Path, tmp_path, monkeypa
     return tmp_path / "seen"
 
 
-def test_gpu_isolate_gives_every_test_a_gpu_and_a_port(gpuiso: GpuIso, program: Path):
+def test_gpu_isolate_gives_every_test_a_gpu_and_a_port(gpuiso: GpuIso, seen_log: Path):
     """Under xdist: the unmarked tests lease one GPU each, gpus=2 both, gpus=0 none (its
     driver load is recorded, not warned: its marker said so); every test its port."""
     result = gpuiso.run("--gpu-isolate", DEVICES, "-n", "2", "-p", "no:randomly", REPORT)
@@ -55,7 +55,7 @@ def test_gpu_isolate_gives_every_test_a_gpu_and_a_port(gpuiso: GpuIso, program: 
         ]
     )
     assert "leased no GPU" not in result.stdout.str()
-    seen = _seen(program)
+    seen = _seen(seen_log)
     assert seen["unmarked"]["CUDA_VISIBLE_DEVICES"] in ("0", "1")
     assert seen["driver"]["CUDA_VISIBLE_DEVICES"] in ("0", "1")
     assert seen["none"]["CUDA_VISIBLE_DEVICES"] == ""

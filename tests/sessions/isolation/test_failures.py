@@ -27,9 +27,9 @@ GRACE = "--gpu-isolate-grace=1"
 # --------------------------------------------------------------------------- helpers
 
 
-def line_of(program: str, func: str, needle: str) -> int:
+def line_of(name: str, func: str, needle: str) -> int:
     """1-based line number of the first ``needle`` inside ``def func`` of a program."""
-    lines = (program(program)).read_text().splitlines()
+    lines = program(name).read_text().splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith(f"def {func}("))
     return next(i for i in range(start, len(lines)) if needle in lines[i]) + 1
 
