@@ -22,7 +22,16 @@ from .gpu.leases import Leases
 from .options import add_options
 from .parent import runner
 from .parent.call import call_isolated
-from .parent.session import STATE, State, close, isolated, settle, start_server
+from .parent.session import (
+    CONTROLLER,
+    STATE,
+    Controller,
+    State,
+    close,
+    isolated,
+    settle,
+    start_server,
+)
 from .proc import dead_sessions, workdir
 from .recorder import Recorder
 from .reports import baseline, files
@@ -60,13 +69,18 @@ def pytest_configure(config: pytest.Config) -> None:
     if debugger and settings.mode != "off":
         _warn_start(config, f"{debugger}: every test runs in-process, so the debugger reaches it")
         settings = dataclasses.replace(settings, mode="off")
+    controller = None
+    if not hasattr(config, "workerinput"):  # under xdist, the controller writes the reports
+        controller = Controller(
+            report_path=_output_path(config, settings.report_path, settings.report_source),
+            summary_path=_output_path(config, settings.summary_path, settings.summary_source),
+            code_quality_path=_output_path(
+                config, settings.code_quality_path, settings.code_quality_source
+            ),
+        )
+        config.stash[CONTROLLER] = controller
     state = State(
         settings=settings,
-        report_path=_output_path(config, settings.report_path, settings.report_source),
-        summary_path=_output_path(config, settings.summary_path, settings.summary_source),
-        code_quality_path=_output_path(
-            config, settings.code_quality_path, settings.code_quality_source
-        ),
         baseline=_baseline(config, settings),
         parallel=hasattr(config, "workerinput"),
         cache=getattr(config, "cache", None),  # learnt imports, for the next session
@@ -96,7 +110,7 @@ def pytest_configure(config: pytest.Config) -> None:
         state.pins = pinning.pin(config, settings, state.leases)
         state.pin = pinning.own(config, state.pins, state.leases)
     config.stash[STATE] = state
-    config.pluginmanager.register(Recorder(config, state), "gpuiso-recorder")
+    config.pluginmanager.register(Recorder(config, state, controller), "gpuiso-recorder")
 
 
 def _warn_start(config: pytest.Config, text: str) -> None:
@@ -120,11 +134,10 @@ def _output_path(config: pytest.Config, value: str | None, source: str) -> Path 
     """
     if value is None:
         return None
-    if not hasattr(config, "workerinput"):  # under xdist, the controller writes them
-        try:
-            files.check_output(value, source, str(_base(config, source)))
-        except SpecError as exc:
-            raise pytest.UsageError(f"gpu-isolate: {exc}") from None
+    try:
+        files.check_output(value, source, str(_base(config, source)))
+    except SpecError as exc:
+        raise pytest.UsageError(f"gpu-isolate: {exc}") from None
     return _path_of(config, value, source)
 
 
@@ -171,8 +184,9 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 def pytest_configure_node(node: Any) -> None:
     """xdist's controller, before starting a worker: hand it its pinned GPUs."""
     state = node.config.stash.get(STATE, None)
-    if state is not None and state.pins:
-        given = pinning.assign(state.pins, state.pinned_to, node.gateway.id)
+    controller = node.config.stash.get(CONTROLLER, None)
+    if state is not None and controller is not None and state.pins:
+        given = pinning.assign(state.pins, controller.pinned_to, node.gateway.id)
         if given is not None:
             node.workerinput[pinning.WORKERINPUT] = given
 
@@ -180,9 +194,9 @@ def pytest_configure_node(node: Any) -> None:
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node: Any, error: Any) -> None:
     """A worker ended (or crashed): a worker started in its place gets its GPUs."""
-    state = node.config.stash.get(STATE, None)
-    if state is not None:
-        state.pinned_to.pop(node.gateway.id, None)
+    controller = node.config.stash.get(CONTROLLER, None)
+    if controller is not None:
+        controller.pinned_to.pop(node.gateway.id, None)
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)

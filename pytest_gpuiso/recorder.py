@@ -1,9 +1,10 @@
 """The session's records of isolated tests, and every report made of them at its end.
 
-``Recorder`` is a pytest plugin of the parent (the xdist controller under xdist): it
-collects each test's JSON record as its last report arrives, and at the session's end
-writes the JSON report, the Markdown summary (and ``$GITHUB_STEP_SUMMARY``), GitLab's
-Code Quality report, the terminal summary and GitHub's annotations.
+``Recorder`` is a pytest plugin of every pytest process; in the one that writes the
+reports (the xdist controller under xdist: its ``Controller``) it collects each test's
+JSON record as its last report arrives, and at the session's end writes the JSON
+report, the Markdown summary (and ``$GITHUB_STEP_SUMMARY``), GitLab's Code Quality
+report, the terminal summary and GitHub's annotations.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from .parent.session import State
+from .parent.session import Controller, State
 from .reports import files, findings, report
 from .reports.record import record_of
 
@@ -24,9 +25,11 @@ class Recorder:
     every worker's records test by test, even from a worker that later crashes.
     """
 
-    def __init__(self, config: pytest.Config, state: State) -> None:
+    def __init__(self, config: pytest.Config, state: State, controller: Controller | None) -> None:
+        """``controller``: None in an xdist worker, which writes no report."""
         self.config = config
         self.state = state
+        self.controller = controller
         self.summaries: list[str] = []  # where the Markdown summary went
         self.unwritten: list[str] = []  # reports that could not be written, and why
         self.baseline: dict[str, Any] | None = None  # what became of the leak baseline
@@ -36,47 +39,48 @@ class Recorder:
         record = record_of(report)
         if record is not None:
             findings.locate(record, self.config.rootpath)
-            self.state.records.append(record)
+            if self.controller is not None:
+                self.controller.records.append(record)
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        state = self.state
-        if state.parallel:
+        state, out = self.state, self.controller
+        if out is None:
             return  # the xdist controller writes the reports, from every worker's records
         if state.baseline is not None:
-            self.baseline = state.baseline.summary(state.records)
-        self.found = findings.of_records(state.records)
+            self.baseline = state.baseline.summary(out.records)
+        self.found = findings.of_records(out.records)
         # Checked at configure; what fails now (a full disk) is one line, not a traceback.
         try:
-            if state.report_path is not None:
-                files.write_json(state.report_path, state.records, self.baseline)
+            if out.report_path is not None:
+                files.write_json(out.report_path, out.records, self.baseline)
         except OSError as exc:
-            self.unwritten.append(f"--gpu-isolate-report {state.report_path}: {_why(exc)}")
+            self.unwritten.append(f"--gpu-isolate-report {out.report_path}: {_why(exc)}")
         try:
-            if state.summary_path is not None or (state.records and files.step_summary_path()):
-                self.summaries = report.write_markdown(
-                    state.summary_path, state.records, self.baseline
-                )
+            if out.summary_path is not None or (out.records and files.step_summary_path()):
+                self.summaries = report.write_markdown(out.summary_path, out.records, self.baseline)
         except OSError as exc:
-            self.unwritten.append(f"--gpu-isolate-summary {state.summary_path}: {_why(exc)}")
+            self.unwritten.append(f"--gpu-isolate-summary {out.summary_path}: {_why(exc)}")
         try:
-            if state.code_quality_path is not None:
-                files.write_text(state.code_quality_path, findings.code_quality(self.found))
+            if out.code_quality_path is not None:
+                files.write_text(out.code_quality_path, findings.code_quality(self.found))
         except OSError as exc:
-            path = state.code_quality_path
+            path = out.code_quality_path
             self.unwritten.append(f"--gpu-isolate-code-quality {path}: {_why(exc)}")
         if self.unwritten and session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
-        state = self.state
+        state, out = self.state, self.controller
+        if out is None:
+            return  # an xdist worker's terminal is not shown
         quiet = self.config.get_verbosity() <= -2  # -qq: only what needs attention
-        wanted = state.records or self.baseline
-        if wanted and not (quiet and not report.notable(state.records) and not self.fixed):
+        wanted = out.records or self.baseline
+        if wanted and not (quiet and not report.notable(out.records) and not self.fixed):
             failed = any(p.startswith("--gpu-isolate-report") for p in self.unwritten)
-            written = None if failed else state.report_path
-            report.terminal_summary(terminalreporter, state.records, written, self.baseline)
-        if state.records and self.config.option.durations is not None:
-            report.startup_durations(terminalreporter, state.records, self.config)
+            written = None if failed else out.report_path
+            report.terminal_summary(terminalreporter, out.records, written, self.baseline)
+        if out.records and self.config.option.durations is not None:
+            report.startup_durations(terminalreporter, out.records, self.config)
         for problem in self.unwritten:
             terminalreporter.write_line(f"gpu-isolate: ERROR: could not write {problem}", red=True)
         if self.summaries:

@@ -1,8 +1,12 @@
-"""The session's side of isolation, in one pytest process (a worker under xdist).
+"""The session's side of isolation, in one pytest process.
 
-``State`` lives in the config's stash: the settings, the lease table and GPUs, the
-session's ``Launcher`` and its ``Prewarmer`` (made on first use),
-the JSON records. ``close`` gives it all back at the session's end.
+Two records live in the config's stash. ``State``, in every pytest process that may run
+an isolated test (a worker under xdist, or the one process without it): the settings,
+the lease table and GPUs, the session's ``Launcher`` and its ``Prewarmer`` (made on
+first use); ``close`` gives it all back at the session's end. ``Controller``, in the
+process that writes the reports (xdist's controller, or the one process without it):
+where the reports go, the records they are made of, and which worker holds which
+pinned GPUs.
 """
 
 from __future__ import annotations
@@ -35,11 +39,7 @@ class State:
     """The session's side of isolation, in one pytest process (a worker under xdist)."""
 
     settings: Settings
-    report_path: Path | None = None
-    summary_path: Path | None = None
-    code_quality_path: Path | None = None  # GitLab's Code Quality report of the findings
     baseline: Baseline | None = None  # the known leaks (--gpu-isolate-leak-baseline)
-    records: list[dict[str, Any]] = field(default_factory=list)
     launcher: Launcher | None = None  # made on first use (``launcher``)
     devices: Devices = Devices((), "none")
     leases: Leases | None = None  # None: no GPUs, nothing to lease
@@ -51,12 +51,24 @@ class State:
     master_port: bool = field(default_factory=ports.wanted)  # lease each test a MASTER_PORT
     pin: Lease | None = None  # the GPUs this process has for life (--gpu-isolate-pin-workers)
     pins: list[Lease] = field(default_factory=list)  # pinning leases this process took
-    pinned_to: dict[str, Lease] = field(default_factory=dict)  # controller: worker -> lease
     cache: Any = None  # pytest's cache (config.cache; none with -p no:cacheprovider)
     warned: set[tuple[Any, ...]] = field(default_factory=set)  # warnings replayed (``replay``)
 
 
+@dataclass
+class Controller:
+    """The reports' side of the session, in the process that writes them (xdist's
+    controller, or the one process without xdist)."""
+
+    report_path: Path | None = None
+    summary_path: Path | None = None
+    code_quality_path: Path | None = None  # GitLab's Code Quality report of the findings
+    records: list[dict[str, Any]] = field(default_factory=list)  # every worker's
+    pinned_to: dict[str, Lease] = field(default_factory=dict)  # worker -> its pinned GPUs
+
+
 STATE = pytest.StashKey[State]()
+CONTROLLER = pytest.StashKey[Controller]()
 
 
 def isolated(item: pytest.Item) -> bool:
