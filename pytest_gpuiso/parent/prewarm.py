@@ -112,6 +112,19 @@ class Prewarmer:
             if nodeid not in self.warm and not self._start(job):
                 return  # the test's own run will report it
 
+    def start_waiting(self, job: Any) -> Started | None:
+        """Start a test's process while it waits for its lease, as prewarming does (it
+        sees no GPU until its go); None when prewarming is off, or when it cannot be
+        started (its run starts it again, and says why)."""
+        if self.disabled is not None:
+            return None
+        try:
+            return self.launcher.start(
+                job, dict(HIDDEN_GPUS), warm=True, collect_ahead=self.collect_ahead
+            )
+        except StartError:
+            return None
+
     def _start(self, job: WarmJob) -> bool:
         """Start ``job``'s process ahead of its turn; False when it could not be started."""
         try:

@@ -44,7 +44,7 @@ from . import replay, supervisor
 from .jobs import PLAN, Plan, plan_for
 from .launcher import StartError
 from .outcome import Outcome
-from .prewarm import HIDDEN_GPUS, WarmJob
+from .prewarm import WarmJob
 from .recording import attach_record, build_record
 from .results import apply_xfail, item_reports, setup_error_reports, skip_reports
 from .session import STATE, State, health, isolated, launcher, settle
@@ -280,12 +280,7 @@ def _finish(item: pytest.Item, plan: Plan, state: State, turn: Turn, running: Ru
 def _warm_while_waiting(plan: Plan, state: State) -> Started | None:
     """Start a test's process ahead of its lease, as prewarming does (seeing no GPU until
     its go); None when prewarming is off for the session."""
-    if state.prewarmer is None or state.prewarmer.disabled is not None:
-        return None
-    try:
-        return state.launcher.start(plan.job, dict(HIDDEN_GPUS), warm=True)
-    except StartError:
-        return None  # its run starts it again, and reports why it cannot
+    return state.prewarmer.start_waiting(plan.job) if state.prewarmer is not None else None
 
 
 def _probes(spec: IsolationSpec, state: State, lease: Lease | None) -> tuple[Probe, ...]:
