@@ -36,7 +36,11 @@ def _gpus(log: Path) -> dict[str, set[str]]:
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "pytest_gpuiso", *args], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "pytest_gpuiso", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd="/",  # not a source tree, which would shadow the installed package
     )
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from tests.helpers import REPORT, GpuIso
 
-HUGE = "9" * 400  # parsed as a float, this was inf: an OverflowError INTERNALERROR (n5)
+HUGE = "9" * 400  # parsed as a float, this was inf: an OverflowError INTERNALERROR
 
 
 def test_a_size_of_400_digits_in_a_marker_fails_that_test_only(gpuiso_spawn: GpuIso, lease_region):
@@ -83,7 +83,7 @@ def test_an_inherited_memory_variable_caps_no_test(
 
 @pytest.mark.parametrize("kind", ["private text", "shared text", "fifo"])
 def test_reset_force_deletes_only_a_lease_table(tmp_path, kind):
-    """A path that names a file of yours that is not a lease table (n3): pytest's error
+    """A path that names a file of yours that is not a lease table: pytest's error
     says to choose another path (not to reset it), and reset --force leaves it alone."""
     path = tmp_path / "thesis.txt"
     if kind == "fifo":
@@ -208,7 +208,7 @@ time.sleep(120)
 
 
 def test_a_forked_helper_does_not_keep_a_killed_pytests_leases_alive(lease_region, tmp_path):
-    """The table's open file description carries pytest's OFD key lock (n6): a child
+    """The table's open file description carries pytest's OFD key lock: a child
     forked from it, alive after pytest is SIGKILLed, must not hold that lock, else other
     pid namespaces see pytest's leases as alive until the helper ends."""
     import fcntl
@@ -216,7 +216,9 @@ def test_a_forked_helper_does_not_keep_a_killed_pytests_leases_alive(lease_regio
     import struct
 
     holder = subprocess.Popen(
-        [sys.executable, "-c", HOLD_AND_FORK, str(lease_region)], stdout=subprocess.PIPE
+        [sys.executable, "-c", HOLD_AND_FORK, str(lease_region)],
+        stdout=subprocess.PIPE,
+        cwd=tmp_path,  # not a source tree, which would shadow the installed package
     )
     helper = int(holder.stdout.readline())
     try:
@@ -237,7 +239,7 @@ def test_a_forked_helper_does_not_keep_a_killed_pytests_leases_alive(lease_regio
 
 
 def test_a_session_goes_on_in_the_table_that_replaces_a_deleted_one(lease_region):
-    """reset --force deletes a table whose lock is stuck (n7): the running session's next
+    """reset --force deletes a table whose lock is stuck: the running session's next
     lease is taken in the new table, not refused with "was deleted" for every later test."""
     from pytest_gpuiso.gpu.devices import Devices
     from pytest_gpuiso.gpu.leases import Leases, open_region
