@@ -116,25 +116,22 @@ class Prewarmer:
         """Start a test's process while it waits for its lease, as prewarming does (it
         sees no GPU until its go); None when prewarming is off, or when it cannot be
         started (its run starts it again, and says why)."""
-        if self.disabled is not None:
-            return None
-        try:
-            return self.launcher.start(
-                job, dict(HIDDEN_GPUS), warm=True, collect_ahead=self.collect_ahead
-            )
-        except StartError:
-            return None
+        return self._launch(job, dict(HIDDEN_GPUS)) if self.disabled is None else None
 
     def _start(self, job: WarmJob) -> bool:
         """Start ``job``'s process ahead of its turn; False when it could not be started."""
-        try:
-            started = self.launcher.start(
-                job.job, job.env, warm=True, collect_ahead=self.collect_ahead
-            )
+        started = self._launch(job.job, job.env)
+        if started is not None:
             self.warm[job.nodeid] = (job, started)
+        return started is not None
+
+    def _launch(self, job: Any, env: dict[str, str]) -> Started | None:
+        """One process started ahead of its turn, under this policy (``collect_ahead``);
+        None when it could not be started."""
+        try:
+            return self.launcher.start(job, env, warm=True, collect_ahead=self.collect_ahead)
         except StartError:
-            return False
-        return True
+            return None
 
     def disable(self, reason: str) -> None:
         self.disabled = reason
