@@ -1,11 +1,13 @@
 """python -m pytest_gpuiso status | reset [--force] [--device GPU] | merge REPORT... |
 compare BASE HEAD | --version: inspect or clear the GPU lease table (or lift a GPU's
 quarantine), merge the JSON reports of CI shards, or compare a pull request's report with
-its base's."""
+its base's. Every command exits 0 (ok), 1 (findings, or a refusal) or 2 (a usage error, or
+an input or output it cannot use: one "error: ..." line on stderr), as EXIT_STATUS says."""
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import stat
 import sys
@@ -26,12 +28,18 @@ merge the JSON reports (--gpu-isolate-report) of CI shards into one JSON report 
 one Markdown summary; each merged record gets a "shard" field naming the file it came
 from. The Markdown summary is also appended to $GITHUB_STEP_SUMMARY when that is set.
 
-exit status: 0 when the outputs were written; 1 when an input report cannot be read
-or used (missing, not JSON, another version, a malformed record: nothing is written
-then) or an output cannot be written, with one line on stderr: "error: PATH: problem";
-2 for a usage error (no REPORT, neither --markdown nor --json). A test found in more
-than one shard (overlapping shards) is merged anyway, with one "warning: NODEID is in
-N shards: ..." line on stderr for each such test."""
+exit status: 0 when the outputs were written; 2 for a usage error (no REPORT, neither
+--markdown nor --json) or when an input report cannot be read or used (missing, not
+JSON, another version, a malformed record: nothing is written then) or an output cannot
+be written, with one line on stderr: "error: PATH: problem". A test found in more than
+one shard (overlapping shards) is merged anyway, with one "warning: NODEID is in N
+shards: ..." line on stderr for each such test."""
+
+
+def _error(message: str, status: int = 2) -> int:
+    """One ``error: MESSAGE`` line on stderr; the exit status (EXIT_STATUS)."""
+    print(f"error: {message}", file=sys.stderr)
+    return status
 
 
 def _merge(opts: argparse.Namespace) -> int:
@@ -40,8 +48,7 @@ def _merge(opts: argparse.Namespace) -> int:
     try:
         records = shards.merge(opts.reports)
     except shards.ReportError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return _error(str(exc))
     for line in shards.duplicates(records):  # overlapping shards: counted twice
         print(f"warning: {line}", file=sys.stderr)
     tests = len({r["nodeid"] for r in records})  # a rerun test has a record per attempt
@@ -57,8 +64,7 @@ def _merge(opts: argparse.Namespace) -> int:
         try:
             write(path)
         except OSError as exc:
-            print(f"error: {path}: cannot write: {exc.strerror or exc}", file=sys.stderr)
-            return 1
+            return _error(f"{path}: cannot write: {exc.strerror or exc}")
         print(f"wrote the merged {what} ({shards_text}) to {path}")
     _step_summary(text, f"the merged Markdown summary ({shards_text})")
     return 0
@@ -90,18 +96,18 @@ when that is set.
 With --write-baseline FILE, also write HEAD's leaks as a leak baseline
 (--gpu-isolate-leak-baseline); given one report, only that.
 
-exit status: 0 when nothing is new; 1 when something is; 2 for unusable input (one line
-on stderr: "error: PATH: problem") or a usage error."""
+exit status: 0 when nothing is new; 1 when something is; 2 for a usage error or when a
+report cannot be read or used or an output cannot be written (one line on stderr:
+"error: PATH: problem")."""
 
 
 def _compare(opts: argparse.Namespace) -> int:
     from .reports import baseline, compare, files, findings, shards
 
     try:
-        sides = [shards.load(path) for path in opts.reports]
+        sides = [shards.load(path) for path in (opts.base, opts.head) if path is not None]
     except shards.ReportError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return _error(str(exc))
     head = sides[-1]
     outputs = []  # (path, text, what)
     known = baseline.entries(head) if opts.write_baseline is not None else []
@@ -109,8 +115,8 @@ def _compare(opts: argparse.Namespace) -> int:
         outputs.append((opts.write_baseline, baseline.text(known), "leak baseline"))
     result = None
     if len(sides) == 2:
-        growth = int(max(opts.peak_growth, 0.0) * (1 << 20))
-        result = compare.compare(sides[0], head, max(opts.startup_growth, 0.0), growth)
+        growth = opts.peak_growth * (1 << 20)  # a float: "inf" MiB never grows past it
+        result = compare.compare(sides[0], head, opts.startup_growth, growth)
         print(compare.text(result), end="")
         found = findings.of_changes(result.new, head)
         if findings.wanted(opts.annotations):
@@ -124,41 +130,58 @@ def _compare(opts: argparse.Namespace) -> int:
         try:
             files.write_text(path, text)
         except OSError as exc:
-            print(f"error: {path}: cannot write: {exc.strerror or exc}", file=sys.stderr)
-            return 2
+            return _error(f"{path}: cannot write: {exc.strerror or exc}")
         if what == "leak baseline":
-            print(f"wrote the leak baseline ({len(known)} leaks of {opts.reports[-1]}) to {path}")
+            print(f"wrote the leak baseline ({len(known)} leaks of {opts.head}) to {path}")
     if result is not None:
         _step_summary(compare.markdown(result), "the comparison's Markdown")
     return 1 if result is not None and result.new else 0
 
 
 DESCRIPTION = """\
-Inspect or clear the GPU lease table that pytest-gpuiso's workers share, or merge the
-JSON reports of CI shards. Options may come before or after the command."""
+Inspect or clear the GPU lease table that pytest-gpuiso's workers share, merge the JSON
+reports of CI shards, or compare a pull request's report with its base's. Options may
+come before or after the command."""
+
+EXIT_STATUS = """\
+exit status, the same for every command: 0 when all went well (compare: nothing new);
+1 for findings or a refusal (compare: something new; reset: a live holder, or a GPU that
+still fails its probe); 2 for a usage error, or an input that cannot be read or used (a
+report, the lease table) or an output that cannot be written. Each failure is one line
+on stderr, "error: ...", that names the file, holder or GPU at fault."""
 
 REGION_HELP = (
     f"lease table file (default: ${REGION_ENV} when set, else /dev/shm/pytest-gpuiso-leases-UID)"
 )
 
 
-def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, argparse.ArgumentParser]:
-    """The command line parser, and its ``merge`` and ``compare`` sub-parsers (for their
-    usage errors)."""
+def _threshold(text: str) -> float:
+    """A growth threshold: a number >= 0 ("inf": never); anything else is a usage error."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"not a number >= 0: {text!r}")
+    return value
+
+
+def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The command line parser, and its sub-parsers by command (for their usage errors)."""
     # --region is accepted before the command and after it: the sub-parsers' copy
     # defaults to SUPPRESS so that it does not overwrite a value given before.
     region = argparse.ArgumentParser(add_help=False)
     region.add_argument("--region", metavar="PATH", default=argparse.SUPPRESS, help=REGION_HELP)
-    parser = argparse.ArgumentParser(prog="python -m pytest_gpuiso", description=DESCRIPTION)
+    raw = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser("python -m pytest_gpuiso", formatter_class=raw)
+    parser.description, parser.epilog = DESCRIPTION, EXIT_STATUS
     parser.add_argument("--version", action="version", version=f"pytest-gpuiso {__version__}")
     parser.add_argument("--region", metavar="PATH", default=None, help=REGION_HELP)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    sub.add_parser(
-        "status",
-        parents=[region],
-        help="print the lease table: device, slot, holder pid, test, since",
+    sub.add_parser("status", parents=[region], help="print the lease table: leases, waiters")
+    reset = sub.add_parser(
+        "reset", parents=[region], help="clear a lease table nobody holds, or lift a quarantine"
     )
-    reset = sub.add_parser("reset", parents=[region], help="clear a lease table that nobody holds")
     reset.add_argument(
         "--force",
         action="store_true",
@@ -172,25 +195,18 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, argpars
         "health probe",
     )
     merge = sub.add_parser(
-        "merge",
-        help="merge the JSON reports of CI shards into one JSON report and/or Markdown summary",
-        description=MERGE_HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "merge", help="merge CI shards' JSON reports", description=MERGE_HELP, formatter_class=raw
     )
     merge.add_argument("reports", nargs="+", metavar="REPORT", help="JSON report of one shard")
     compare = sub.add_parser(
         "compare",
-        help="what HEAD's JSON report has new against BASE's: leaks, crashes, timeouts",
+        help="what HEAD's JSON report has new against BASE's",
         description=COMPARE_HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=raw,
+        usage="%(prog)s [options] BASE HEAD\n       %(prog)s [options] --write-baseline FILE HEAD",
     )
-    compare.add_argument(
-        "reports",
-        nargs="+",
-        metavar="REPORT",
-        help="the base branch's JSON report, then the pull request's (HEAD alone with "
-        "--write-baseline)",
-    )
+    compare.add_argument("base", nargs="?", metavar="BASE", help="the base branch's JSON report")
+    compare.add_argument("head", nargs="?", metavar="HEAD", help="the pull request's JSON report")
     compare.add_argument("--markdown", type=Path, metavar="PATH", help="also write Markdown")
     compare.add_argument(
         "--write-baseline",
@@ -213,37 +229,40 @@ def _parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser, argpars
     )
     compare.add_argument(
         "--startup-growth",
-        type=float,
+        type=_threshold,
         default=2.0,
         metavar="SECONDS",
         help="a test's start-up longer by more than this is new (default 2)",
     )
     compare.add_argument(
         "--peak-growth",
-        type=float,
+        type=_threshold,
         default=512.0,
         metavar="MIB",
         help="a test's GPU memory peak higher by more than this is new (default 512)",
     )
     merge.add_argument("--markdown", type=Path, metavar="PATH", help="write the Markdown summary")
     merge.add_argument("--json", type=Path, metavar="PATH", help="write the merged JSON report")
-    return parser, merge, compare
+    return parser, sub.choices
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser, merge, compare = _parser()
-    opts = parser.parse_args(argv)
+    parser, commands = _parser()
+    opts, extra = parser.parse_known_args(argv)
+    if extra:  # named by the command's own usage error
+        commands[opts.command].error(f"unrecognized arguments: {' '.join(extra)}")
     if opts.command == "compare":
-        if len(opts.reports) > 2:
-            compare.error("give two reports, BASE and HEAD (or one, with --write-baseline)")
-        if len(opts.reports) == 1 and opts.write_baseline is None:
-            compare.error("give two reports, BASE and HEAD (one only with --write-baseline)")
-        if len(opts.reports) == 1 and (opts.markdown or opts.code_quality):
-            compare.error("--markdown and --code-quality need two reports, BASE and HEAD")
+        fail = commands["compare"].error
+        if opts.head is None:  # one report: HEAD
+            opts.base, opts.head = None, opts.base
+        if opts.head is None or (opts.base is None and opts.write_baseline is None):
+            fail("give two reports, BASE and HEAD (one only with --write-baseline)")
+        if opts.base is None and (opts.markdown or opts.code_quality):
+            fail("--markdown and --code-quality need two reports, BASE and HEAD")
     if opts.command == "merge" and opts.markdown is None and opts.json is None:
-        merge.error("nothing to write: give --markdown PATH and/or --json PATH")
-    commands = {"compare": _compare, "merge": _merge, "status": _status, "reset": _reset}
-    return commands[opts.command](opts)
+        commands["merge"].error("nothing to write: give --markdown PATH and/or --json PATH")
+    run = {"compare": _compare, "merge": _merge, "status": _status, "reset": _reset}
+    return run[opts.command](opts)
 
 
 def _status(opts: argparse.Namespace) -> int:
@@ -257,8 +276,7 @@ def _status(opts: argparse.Namespace) -> int:
     try:
         print(status_table(open_region(path).snapshot(), path))
     except RegionError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return _error(str(exc))
     return 0
 
 
@@ -273,18 +291,15 @@ def _reset(opts: argparse.Namespace) -> int:
         return 0
     owner = foreign_owner(path)
     if owner is not None:  # never deleted or changed here, even by root: not ours
-        print(
-            f"error: {path} belongs to {owner}, not to uid {os.geteuid()}: not reset; "
-            f"{CHOOSE_PATH} (or --region PATH here)",
-            file=sys.stderr,
+        return _error(
+            f"{path} belongs to {owner}, not to uid {os.geteuid()}: not reset; "
+            f"{CHOOSE_PATH} (or --region PATH here)"
         )
-        return 1
     try:
         region = open_region(path)
     except RegionError as exc:
         if not opts.force or opts.device is not None:
-            print(f"error: {exc}", file=sys.stderr)
-            return 1
+            return _error(str(exc))
         return _delete(path, f"it is unusable ({exc})")
     if opts.device is not None:
         return _lift(region, path, opts.device, opts.force)
@@ -298,14 +313,10 @@ def _reset(opts: argparse.Namespace) -> int:
     try:
         live = [h for h in region.snapshot()["holders"] if h["alive"]]
     except RegionError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    if live:
+        return _error(str(exc))
+    if live:  # a refusal: 1, like a finding
         held = "; ".join(f"GPU {h['device']} by pid {h['pid']} ({h['label']})" for h in live)
-        print(
-            f"error: refusing to reset {path}: live holders: {held} (use --force)", file=sys.stderr
-        )
-        return 1
+        return _error(f"refusing to reset {path}: live holders: {held} (use --force)", 1)
     region.clear()
     print(f"cleared {path}")
     return 0
@@ -325,8 +336,7 @@ def _lift(region: object, path: str, device: str, force: bool) -> int:
     try:
         quarantined = {q["device"]: q for q in region.snapshot()["quarantined"]}
     except RegionError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return _error(str(exc))
     if device not in quarantined:
         which = ", ".join(sorted(quarantined)) or "none"
         print(f"GPU {device} is not quarantined in {path} (quarantined: {which})")
@@ -340,18 +350,13 @@ def _lift(region: object, path: str, device: str, force: bool) -> int:
             problem = health.probe(device, nvml, env)
         finally:
             nvml.close()
-        if problem:
-            print(
-                f"error: GPU {device} still fails its probe: {problem}; left "
-                "quarantined (--force lifts it anyway)",
-                file=sys.stderr,
-            )
-            return 1
+        if problem:  # a refusal: 1, like a finding
+            why = f"still fails its probe: {problem}; left quarantined (--force lifts it anyway)"
+            return _error(f"GPU {device} {why}", 1)
     try:
         region.lift(device)
     except RegionError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+        return _error(str(exc))
     how = "lifted without a probe (--force)" if force else "it passed its probe"
     print(f"GPU {device}: quarantine lifted ({how}; it was: {quarantined[device]['why']})")
     return 0
@@ -379,13 +384,11 @@ def _delete(path: str, why: str) -> int:
     """Delete our own table file that cannot be cleared; the next GPU lease creates one.
     Only a lease table (its magic) is ever deleted: any other file is left alone."""
     if not _is_lease_table(path):
-        print(f"error: {path} is not a pytest-gpuiso lease table: left alone", file=sys.stderr)
-        return 1
+        return _error(f"{path} is not a pytest-gpuiso lease table: left alone")
     try:
         os.unlink(path)
     except OSError as exc:
-        print(f"error: cannot delete the lease table {path}: {exc.strerror}", file=sys.stderr)
-        return 1
+        return _error(f"cannot delete the lease table {path}: {exc.strerror}")
     print(f"deleted the lease table {path}: {why}")
     return 0
 

@@ -143,7 +143,7 @@ def test_a_table_file_of_another_user_is_a_one_line_error_naming_the_owner(
     _no_crash(result)
     for command in (("status",), ("reset",), ("reset", "--force")):
         done = _cli(table, *command)
-        assert done.returncode == 1, (command, done.stdout, done.stderr)
+        assert done.returncode == 2, (command, done.stdout, done.stderr)
         assert f"belongs to user nobody (uid {NOBODY})" in _one_line(done.stderr), command
     assert table.read_bytes() == b"planted" and table.stat().st_uid == NOBODY
 
@@ -165,7 +165,7 @@ def test_reset_force_as_the_victim_of_a_planted_table_is_one_line(table: Path) -
         Region(str(planted))  # a valid table, but root's
         for command in (("status",), ("reset", "--force")):
             done = _cli(planted, *command, user=NOBODY)
-            assert done.returncode == 1, (command, done.stdout, done.stderr)
+            assert done.returncode == 2, (command, done.stdout, done.stderr)
             line = _one_line(done.stderr)
             assert "belongs to user root (uid 0)" in line and REGION_ENV in line, line
         assert planted.exists()
@@ -338,7 +338,7 @@ def test_a_stopped_holder_of_the_table_lock_is_named_and_hangs_nothing(
     result.stdout.fnmatch_lines([f"*{named}*reset --force*"])
     _no_crash(result)
     status = _cli(table, "status")
-    assert status.returncode == 1 and named in _one_line(status.stderr)
+    assert status.returncode == 2 and named in _one_line(status.stderr)
     reset = _cli(table, "reset", "--force")
     assert reset.returncode == 0 and "deleted the lease table" in _one_line(reset.stdout)
     assert not table.exists()

@@ -202,8 +202,8 @@ def test_reset_of_a_corrupted_table(lease_region: Path):
     lease_region.write_bytes(MAGIC.to_bytes(8, sys.byteorder) + b"\0" * 92)  # a table's start
     lease_region.chmod(0o600)
     status = _cli("status", region=lease_region)
-    assert status.returncode == 1 and "has 100 bytes" in status.stderr
-    assert _cli("reset", region=lease_region).returncode == 1
+    assert status.returncode == 2 and "has 100 bytes" in status.stderr  # unusable input
+    assert _cli("reset", region=lease_region).returncode == 2
     forced = _cli("reset", "--force", region=lease_region)
     assert forced.returncode == 0 and not lease_region.exists()
     assert json.dumps(forced.stdout)  # printed something

@@ -98,7 +98,7 @@ def test_reset_force_deletes_only_a_lease_table(tmp_path, kind):
         text=True,
         timeout=60,
     )
-    assert out.returncode == 1, out
+    assert out.returncode == 2, out
     assert out.stderr == f"error: {path} is not a pytest-gpuiso lease table: left alone\n"
     assert path.exists() and (kind == "fifo" or path.read_text() == "six months of work\n")
 
@@ -173,7 +173,7 @@ def test_a_lock_word_naming_a_running_process_is_one_line_not_a_hang(lease_regio
         status = subprocess.run(
             [*cli, "status"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60
         )
-        assert status.returncode == 1
+        assert status.returncode == 2
         [line] = status.stderr.splitlines()
         assert "has been locked for 10 s by thread" in line and "reset --force" in line, line
         reset = subprocess.run(

@@ -106,3 +106,53 @@ def test_unusable_input_is_one_line_and_exit_2(pair, tmp_path, capsys, content, 
     assert main(["compare", base, str(bad)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"error: {bad}: ") and problem in err
+
+
+def test_an_output_that_cannot_be_written_is_one_line_and_exit_2(pair, tmp_path, capsys) -> None:
+    base, head = pair
+    (tmp_path / "blocker").write_text("a file, not a directory")
+    blocked = tmp_path / "blocker" / "compare.md"
+    assert main(["compare", base, head, "--markdown", str(blocked)]) == 2
+    assert capsys.readouterr().err == f"error: {blocked}: cannot write: Not a directory\n"
+
+
+def test_a_missing_report_is_exit_2_on_either_side(pair, tmp_path, capsys) -> None:
+    base, head = pair
+    missing = tmp_path / "missing.json"
+    for args in ([str(missing), head], [base, str(missing)]):
+        assert main(["compare", *args]) == 2
+        err = capsys.readouterr().err
+        assert err == f"error: {missing}: cannot read: No such file or directory\n"
+
+
+def test_an_infinite_threshold_never_counts_growth_as_new(pair, capsys) -> None:
+    """ "inf" is a threshold nothing grows past (it used to end in a traceback)."""
+    base, head = pair
+    args = ["compare", base, head, "--startup-growth", "inf", "--peak-growth", "inf"]
+    assert main(args) == 1  # the leak and the crash are still new
+    out = capsys.readouterr().out
+    assert "NEW    t.py::test_crash: crash: ended by SIGSEGV" in out
+    assert "start-up" not in out and "GPU memory peak" not in out
+
+
+def test_one_report_is_head_with_write_baseline(pair, tmp_path, capsys) -> None:
+    _, head = pair
+    known = tmp_path / "known.json"
+    assert main(["compare", "--write-baseline", str(known), head]) == 0
+    assert capsys.readouterr().out == f"wrote the leak baseline (3 leaks of {head}) to {known}\n"
+
+
+def test_the_help_names_base_and_head_and_the_exit_status(capsys, monkeypatch) -> None:
+    monkeypatch.setenv("COLUMNS", "100")
+    with pytest.raises(SystemExit) as exited:
+        main(["compare", "--help"])
+    assert exited.value.code == 0
+    out = capsys.readouterr().out
+    usage = "usage: python -m pytest_gpuiso compare [options] BASE HEAD\n"
+    assert out.startswith(usage + "       python -m pytest_gpuiso compare [options] ")
+    positionals = out.split("positional arguments:\n")[1].split("\n\n")[0].splitlines()
+    assert [line.split()[0] for line in positionals] == ["BASE", "HEAD"]
+    assert "REPORT" not in out
+    text = " ".join(out.split())
+    assert "exit status: 0 when nothing is new; 1 when something is; 2 for a usage error" in text
+    assert 'or an output cannot be written (one line on stderr: "error: PATH: problem")' in text

@@ -358,7 +358,7 @@ def test_a_bad_input_is_one_error_line_naming_the_file_and_nothing_is_written(
         "m.json",
         step_summary=step,
     )
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert "Traceback" not in result.stderr
     [line] = result.stderr.splitlines()
     assert result.stderr == line + "\n"
@@ -372,7 +372,7 @@ def test_a_bad_input_is_one_error_line_naming_the_file_and_nothing_is_written(
 def test_an_output_that_cannot_be_written_is_one_error_line(tmp_path, shards):
     (tmp_path / "blocker").write_text("a file, not a directory", encoding="utf-8")
     result = merge(tmp_path, *shards, "--json", "blocker/merged.json")
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert result.stdout == ""
     assert result.stderr == "error: blocker/merged.json: cannot write: Not a directory\n"
 
@@ -400,6 +400,8 @@ def test_the_help_documents_the_exit_status(tmp_path):
     result = merge(tmp_path, "--help")
     assert result.returncode == 0
     text = " ".join(result.stdout.split())
-    assert "exit status: 0 when the outputs were written; 1 when an input report" in text
-    assert '"error: PATH: problem"; 2 for a usage error' in text
+    assert "exit status: 0 when the outputs were written; 2 for a usage error" in text
+    assert "or when an input report cannot be read or used" in text
+    assert 'or an output cannot be written, with one line on stderr: "error: PATH: problem"' in text
+    assert "exit status: 0 when the outputs were written; 1" not in text
     assert "$GITHUB_STEP_SUMMARY" in text

@@ -315,7 +315,10 @@ def test_compare_annotates_what_is_new_and_writes_it_for_gitlab(tmp_path, capsys
     ("args", "problem"),
     [
         (["compare", "a.json"], "give two reports, BASE and HEAD (one only with --write-baseline)"),
-        (["compare", "a", "b", "c"], "give two reports, BASE and HEAD"),
+        (["compare", "a", "b", "c"], "compare: error: unrecognized arguments: c"),
+        (["compare"], "give two reports, BASE and HEAD (one only with --write-baseline)"),
+        (["compare", "a", "b", "--peak-growth", "nan"], "--peak-growth: not a number >= 0: 'nan'"),
+        (["compare", "a", "b", "--startup-growth", "-1"], "--startup-growth: not a number >= 0"),
         (["compare", "a", "b", "--annotations", "loud"], "invalid choice: 'loud'"),
         (
             ["compare", "a", "--write-baseline", "k.json", "--markdown", "c.md"],
