@@ -48,3 +48,17 @@ def test_the_demo_reports_each_failure_mode(pytester: pytest.Pytester):
         ],
         consecutive=False,
     )
+
+
+def test_the_readmes_demo_command_takes_the_demos_own_config(pytester: pytest.Pytester):
+    """`pytest --gpu-isolate fixtures/demo` from the repository's root: the demo's
+    pytest.ini, not the project's tox.ini (whose addopts and gpu_isolate_cleanup a user's
+    project lacks), and no .pytest_cache left in fixtures/, which the sdist carries."""
+    demo = ROOT / "fixtures" / "demo"
+    result = pytester.runpytest_subprocess("--gpu-isolate", "--collect-only", demo, timeout=120)
+    assert result.ret == pytest.ExitCode.OK
+    result.stdout.fnmatch_lines(
+        [f"rootdir: {demo}", "configfile: pytest.ini", "*11 tests collected*"],
+        consecutive=False,
+    )
+    assert not (demo / ".pytest_cache").exists()

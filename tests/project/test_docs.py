@@ -8,6 +8,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from pytest_gpuiso.options import OPTIONS
 from tests.helpers import ROOT
 
@@ -157,6 +159,72 @@ def test_every_flag_the_user_pages_name_exists():
             if flag not in known:
                 unknown.append(f"{page.relative_to(ROOT)}: {flag}")
     assert sorted(unknown) == []
+
+
+def test_every_ini_key_the_pages_name_exists():
+    """Besides the ini keys: the marker, its fixture, and junit's leak property."""
+    known = {o.name for o in OPTIONS} | {"gpu_isolated", "gpu_isolated_run", "gpu_isolate_leak"}
+    unknown = []
+    for page in _pages():
+        for key in set(_KEY.findall(page.read_text())) - known:
+            unknown.append(f"{page.relative_to(ROOT)}: {key}")
+    assert sorted(unknown) == []
+
+
+def _section(text: str, heading: str) -> str:
+    """A section of a page: from its heading to the next heading of its level or above
+    (outside code blocks, whose comments may start with ``#``)."""
+    level = len(heading.split(" ", 1)[0])
+    lines, prose = text.splitlines(), _prose(text).splitlines()
+    start = lines.index(heading)
+    end = next(
+        (
+            n
+            for n in range(start + 1, len(lines))
+            if (match := _HEADING.match(prose[n])) and len(match.group(1)) <= level
+        ),
+        len(lines),
+    )
+    return "\n".join(lines[start:end])
+
+
+def test_the_readmes_ini_example_parses_and_sets_real_keys():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    section = _section(README.read_text(), "### In your ini file")
+    block = section.split("```toml\n", 1)[1].split("```", 1)[0]
+    keys = tomllib.loads(block)["tool"]["pytest"]["ini_options"]
+    assert keys and set(keys) <= {o.name for o in OPTIONS}
+
+
+_REPOSITORY = "https://github.com/pytest-gpuiso/pytest-gpuiso"
+
+
+def test_the_project_urls_name_one_repository_and_files_it_has():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    urls = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["urls"]
+    assert sorted(urls) == ["Changelog", "Documentation", "Homepage", "Issues", "Source"]
+    assert urls["Source"] == urls["Homepage"] == _REPOSITORY
+    assert urls["Issues"] == f"{_REPOSITORY}/issues"
+    for name in ("Documentation", "Changelog"):
+        prefix = f"{_REPOSITORY}/blob/main/"
+        assert urls[name].startswith(prefix), urls[name]
+        assert (ROOT / urls[name].removeprefix(prefix)).is_file(), urls[name]
+
+
+def test_the_readme_says_how_to_install_before_the_package_is_published():
+    """Nothing is on PyPI yet: the install section gives ways that work today (the
+    repository, a checkout, a built wheel) and keeps the published name for later."""
+    section = _section(README.read_text(), "## Install")
+    for way in (
+        f"pip install git+{_REPOSITORY}",
+        "pip install .",
+        "pip wheel --no-deps . -w dist",
+        "pip install dist/pytest_gpuiso-*.whl",
+        "pip install pytest-gpuiso",
+    ):
+        assert way in section, way
+    quick_start = _section(README.read_text(), "## Use it on your own suite")
+    assert f"git+{_REPOSITORY}" in quick_start.replace("\n   ", "")
 
 
 def _module_map() -> list[str]:
