@@ -10,6 +10,10 @@
 
 Building needs a C compiler and Python's headers; without them the build stops with one
 line saying what to install (``toolchain_problem``), not a compiler's traceback.
+
+They are built on Linux only, and not even there with ``GPUISO_NO_NATIVE`` set (not "" or
+"0"; CI tests that path on Linux): the wheel is then pure Python (py3-none-any), needs no
+compiler, and its plugin runs every test in-process (``pytest_gpuiso.native``).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
+import sys
 import sysconfig
 
 from setuptools import Extension, setup
@@ -29,6 +34,19 @@ INSTALL_HINT = (
     "Fedora/RHEL: dnf install gcc python3-devel; Alpine: apk add gcc musl-dev python3-dev), "
     "or install a prebuilt wheel"
 )
+
+
+# pytest_gpuiso/native.py spells it too: setup.py does not import the package it builds.
+NO_NATIVE_ENV = "GPUISO_NO_NATIVE"
+
+
+def no_native() -> str | None:
+    """Why the extensions are not built here, in a few words; None when they are."""
+    if not sys.platform.startswith("linux"):
+        return f"not Linux ({sys.platform})"
+    if os.environ.get(NO_NATIVE_ENV, "") not in ("", "0"):
+        return f"{NO_NATIVE_ENV} is set"
+    return None
 
 
 def toolchain_problem() -> str | None:
@@ -67,29 +85,37 @@ def _checked(command: type) -> type:
     return type(command.__name__, (command,), {"run": run})
 
 
-setup(
-    cmdclass={cmd.__name__: _checked(cmd) for cmd in (build, build_ext, editable_wheel)},
-    ext_modules=[
-        Extension(
-            "pytest_gpuiso._lease",
-            sources=["native/gpuiso_lease.c"],
-            extra_compile_args=[
-                "-std=gnu11",
-                "-Wall",
-                "-Wextra",
-                "-Wno-missing-field-initializers",
-            ],
-        ),
-        Extension(
-            "pytest_gpuiso._fork",
-            sources=["native/gpuiso_fork.c"],
-            extra_compile_args=["-std=gnu11", "-Wall", "-Wextra"],
-        ),
-        Extension(
-            "pytest_gpuiso._shmtrace",
-            sources=["native/gpuiso_shmtrace.c"],
-            libraries=["dl"],
-            extra_compile_args=["-std=gnu11", "-Wall", "-Wextra"],
-        ),
-    ],
-)
+EXTENSIONS = [
+    Extension(
+        "pytest_gpuiso._lease",
+        sources=["native/gpuiso_lease.c"],
+        extra_compile_args=[
+            "-std=gnu11",
+            "-Wall",
+            "-Wextra",
+            "-Wno-missing-field-initializers",
+        ],
+    ),
+    Extension(
+        "pytest_gpuiso._fork",
+        sources=["native/gpuiso_fork.c"],
+        extra_compile_args=["-std=gnu11", "-Wall", "-Wextra"],
+    ),
+    Extension(
+        "pytest_gpuiso._shmtrace",
+        sources=["native/gpuiso_shmtrace.c"],
+        libraries=["dl"],
+        extra_compile_args=["-std=gnu11", "-Wall", "-Wextra"],
+    ),
+]
+
+skipped = no_native()
+if skipped is None:
+    setup(
+        cmdclass={cmd.__name__: _checked(cmd) for cmd in (build, build_ext, editable_wheel)},
+        ext_modules=EXTENSIONS,
+    )
+else:
+    # Nothing to compile, so no toolchain to check: a pure-Python wheel.
+    print(f"pytest-gpuiso: {skipped}: building without the C extensions", file=sys.stderr)
+    setup()

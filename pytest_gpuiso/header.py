@@ -1,5 +1,10 @@
 """The gpu-isolate lines of pytest's header: what is isolated, how processes start,
-the GPUs and what each test leases, its MASTER_PORT, the leak checks, -n auto."""
+the GPUs and what each test leases, its MASTER_PORT, the leak checks, -n auto.
+
+Three lines at most at pytest's default verbosity (what is isolated and its timeout,
+the GPUs, the leak checks); every detail with ``-v``. None at all in a session that
+isolates nothing (``plugin.pytest_report_header``).
+"""
 
 from __future__ import annotations
 
@@ -13,17 +18,22 @@ from .settings import MARKER, Settings, pytest_timeout
 from .values import DEFAULT_TIMEOUT
 
 
-def lines(config: pytest.Config, state: State, debugger: str) -> list[str]:
-    """The header's gpu-isolate lines (``debugger``: --pdb or --trace when given)."""
+def lines(config: pytest.Config, state: State, debugger: str, marked: int = 0) -> list[str]:
+    """The header's gpu-isolate lines (``debugger``: --pdb or --trace when given;
+    ``marked``: how many marked tests were collected, where only they are isolated)."""
     s = state.settings
     if s.mode == "off":
         why = debugger or "--no-gpu-isolate"
         return [f"gpu-isolate: off ({why}): every test runs in-process"]
-    scope = "every test" if s.mode == "all" else f"tests marked {MARKER}"
+    scope = "every test"
+    if s.mode != "all":
+        scope = f"{_count(marked, 'test')} marked {MARKER}" if marked else f"tests marked {MARKER}"
     seconds, source = s.timeout, s.timeout_source
     if seconds is None:  # markers aside, pytest-timeout's value applies, else ours
         seconds, source = pytest_timeout(config) or (DEFAULT_TIMEOUT, "default")
     timeout = f"{seconds:g} s ({source})"
+    if config.get_verbosity() <= 0:
+        return _brief(config, state, scope, timeout)
     auto = config.stash.get(workers.AUTO, None)
     lines = [
         f"gpu-isolate: {scope} in a fresh process, timeout {timeout}, grace {s.grace:g} s, "
@@ -43,6 +53,27 @@ def lines(config: pytest.Config, state: State, debugger: str) -> list[str]:
     if auto is not None:
         lines.append(auto.describe())
     return lines
+
+
+def _count(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def _brief(config: pytest.Config, state: State, scope: str, timeout: str) -> list[str]:
+    """The header at pytest's default verbosity: three lines."""
+    s, d = state.settings, state.devices
+    first = f"gpu-isolate: {scope} in a fresh process ({s.start}), timeout {timeout}"
+    if s.pin_workers:
+        gpus = _pin_header(config, s, state)
+    elif d.names:
+        n = default_gpus(s, d)
+        each = "none" if n == 0 else _count(n, "GPU")
+        gpus = f"gpu-isolate: GPUs {d.describe()} (from {d.source}), {_packing(s)}; "
+        gpus += f"each test leases {each}"
+    else:
+        gpus = f"gpu-isolate: no GPUs to lease (from {d.source})"
+    levels = ", ".join(f"{kind}={level}" for kind, level in s.leaks)
+    return [first, gpus, f"gpu-isolate: leak checks {levels} (-v: details)"]
 
 
 def _each_test_leases(s: Settings, state: State) -> str:

@@ -6,8 +6,7 @@ the help text, the ``Settings`` field it fills, its parser (from ``values``) and
 its value where it is given nowhere. ``add_options`` turns the table into
 ``parser.addoption`` and ``parser.addini`` calls, so a setting cannot have a flag
 without an ini key, or differ in name or help between the two;
-``settings.read_settings`` turns it into ``Settings`` in one loop, so no second list
-of the settings exists.
+``settings.read_settings`` turns it into ``Settings`` in one loop: no second list.
 """
 
 from __future__ import annotations
@@ -363,10 +362,20 @@ OPTIONS: tuple[Option, ...] = (
 DERIVED = ("template_wait",)
 
 
+# What most users set, first in ``pytest --help``; the others (tuning) in a group of their own.
+MAIN = frozenset(
+    f"gpu_isolate{suffix}"
+    for suffix in ("", "_timeout", "_start", "_gpus", "_devices", "_leaks", "_report", "_summary")
+)
+MAIN_GROUP = ("gpu-isolate", "GPU test isolation (pytest-gpuiso)")
+TUNING_GROUP = ("gpu-isolate-tuning", "GPU test isolation, tuning (pytest-gpuiso: docs/options.md)")
+
+
 def add_options(parser: pytest.Parser) -> None:
     """Declare every option and ini key of ``OPTIONS``."""
-    group = parser.getgroup("gpu-isolate", "GPU test isolation (pytest-gpuiso)")
+    main, tuning = parser.getgroup(*MAIN_GROUP), parser.getgroup(*TUNING_GROUP)
     for option in OPTIONS:
+        group = main if option.name in MAIN else tuning
         if option.type == "bool":
             flags = ((option.cli, True, option.option_help()), (option.negative, False, None))
             for flag, value, text in flags:

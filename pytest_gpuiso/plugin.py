@@ -15,32 +15,30 @@ from typing import Any
 
 import pytest
 
-from . import header
-from .gpu import pinning, workers
-from .gpu.devices import discover
-from .gpu.leases import Leases
+from . import native
 from .options import add_options
-from .parent import runner
-from .parent.call import call_isolated
 from .parent.session import (
     CONTROLLER,
     STATE,
-    Controller,
     State,
     close,
     isolated,
+    load_baseline,
+    make_controller,
+    prepare,
     settle,
     start_server,
+    warn_start,
 )
-from .proc import dead_sessions, workdir
 from .recorder import Recorder
-from .reports import baseline, files
-from .reports.baseline import Baseline
-from .reports.shards import ReportError
-from .settings import MARKER_DOC, read_settings
-from .values import DEFAULT_GRACE, SpecError
-from .warning_types import GpuIsoLeakWarning, GpuIsoStartWarning, warn_session
+from .settings import MARKER, MARKER_DOC, read_settings
+from .values import DEFAULT_GRACE
+from .warning_types import GpuIsoLeakWarning, GpuIsoStartWarning
 from .wire.plugin_names import CHILD_PLUGIN
+
+# What runs isolated tests (the runner, the launcher, the fork server, the lease
+# table) is imported when the first one runs: a session that isolates nothing pays
+# for the options and the configuration only.
 
 __all__ = ["GpuIsoLeakWarning", "GpuIsoStartWarning"]
 
@@ -66,59 +64,31 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     settings = read_settings(config)
     debugger = _debugger(config)
-    if debugger and settings.mode != "off":
-        _warn_start(config, f"{debugger}: every test runs in-process, so the debugger reaches it")
+    if debugger and settings.mode != "off":  # marked tests: said once one is collected
+        if settings.mode == "all":
+            warn_start(config, f"{debugger}: {_IN_PROCESS}")
+        settings = dataclasses.replace(settings, mode="off")
+    unavailable = native.missing()  # not Linux, or built without the C extensions
+    if unavailable:
         settings = dataclasses.replace(settings, mode="off")
     controller = None
     if not hasattr(config, "workerinput"):  # under xdist, the controller writes the reports
-        controller = Controller(
-            report_path=_output_path(config, settings.report_path, settings.report_source),
-            summary_path=_output_path(config, settings.summary_path, settings.summary_source),
-            code_quality_path=_output_path(
-                config, settings.code_quality_path, settings.code_quality_source
-            ),
-        )
-        config.stash[CONTROLLER] = controller
+        controller = config.stash[CONTROLLER] = make_controller(config, settings)
     state = State(
         settings=settings,
-        baseline=_baseline(config, settings),
+        baseline=load_baseline(config, settings),
         parallel=hasattr(config, "workerinput"),
         cache=getattr(config, "cache", None),  # learnt imports, for the next session
+        debugger=debugger,
+        unavailable=unavailable or "",
     )
-    if settings.mode != "off":
-        if settings.mode == "all":  # every test needs it: a taken name is the session's error
-            try:
-                workdir.root()
-            except workdir.WorkdirError as exc:
-                raise pytest.UsageError(f"gpu-isolate: {exc}") from None
-        ended = workdir.clean_stale()  # and what the tests of dead sessions left running
-        if ended:
-            _warn_start(config, dead_sessions.describe(ended))
-        from ._lease import RegionError
-
-        try:
-            sizes = dict(settings.device_sizes)
-            state.devices = discover(settings.devices, settings.devices_source, sizes, state.nvml)
-            if state.devices.names:
-                state.leases = Leases(state.devices, settings.slots)
-        except (RegionError, SpecError) as exc:  # a bad device list, a table not ours
-            raise pytest.UsageError(f"gpu-isolate: {exc}") from None
-        problem = pinning.problem(config, settings, state.devices)
-        if problem is not None:
-            raise pytest.UsageError(f"gpu-isolate: {problem}")
-        # before any test module is collected; the controller's, before it starts workers
-        state.pins = pinning.pin(config, settings, state.leases)
-        state.pin = pinning.own(config, state.pins, state.leases)
     config.stash[STATE] = state
+    if settings.mode == "all" or settings.pin_workers:  # wanted before collection
+        prepare(config, state)
     config.pluginmanager.register(Recorder(config, state, controller), "gpuiso-recorder")
 
 
-def _warn_start(config: pytest.Config, text: str) -> None:
-    """Say ``text`` once, as a warning of the session; a usage error where a filter makes
-    ``GpuIsoStartWarning`` an error."""
-    text = f"gpu-isolate: {text}"
-    if not warn_session(config, GpuIsoStartWarning(text)):
-        raise pytest.UsageError(f"{text} (GpuIsoStartWarning is an error by -W/filterwarnings)")
+_IN_PROCESS = "every test runs in-process, so the debugger reaches it"
 
 
 def _debugger(config: pytest.Config) -> str:
@@ -126,58 +96,40 @@ def _debugger(config: pytest.Config) -> str:
     return "--trace" if config.option.trace else "--pdb" if config.option.usepdb else ""
 
 
-def _output_path(config: pytest.Config, value: str | None, source: str) -> Path | None:
-    """A report's path, checked now (not at the session's end) where it is written.
-
-    Relative to the ini file's folder (the rootdir without one) when it comes from the
-    ini file, to the invocation directory when from the command line, as --junitxml.
-    """
-    if value is None:
-        return None
-    try:
-        files.check_output(value, source, str(_base(config, source)))
-    except SpecError as exc:
-        raise pytest.UsageError(f"gpu-isolate: {exc}") from None
-    return _path_of(config, value, source)
-
-
-def _base(config: pytest.Config, source: str) -> Path:
-    """What a relative path is relative to: the invocation directory for the command
-    line, the ini file's folder for the ini file (the rootdir without one)."""
-    if source.startswith("ini "):
-        return config.inipath.parent if config.inipath else config.rootpath
-    return config.invocation_params.dir
-
-
-def _path_of(config: pytest.Config, value: str, source: str) -> Path:
-    """The path made absolute, links kept: /dev/stdout must not become
-    /proc/<pid>/fd/pipe:[...]."""
-    return Path(os.path.abspath(os.path.join(_base(config, source), value)))
-
-
-def _baseline(config: pytest.Config, settings: Any) -> Baseline | None:
-    """The leak baseline, read now: a file that cannot serve is the session's usage error."""
-    if settings.leak_baseline is None:
-        return None
-    path = _path_of(config, settings.leak_baseline, settings.leak_baseline_source)
-    try:
-        return baseline.load(str(path))
-    except ReportError as exc:
-        raise pytest.UsageError(f"gpu-isolate: {settings.leak_baseline_source}: {exc}") from None
-
-
 def pytest_unconfigure(config: pytest.Config) -> None:
     state = config.stash.get(STATE, None)
     if state is not None:
         close(state)
-        workdir.remove_process_dir()
+        if state.prepared:
+            from .proc import workdir
+
+            workdir.remove_process_dir()
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
+    """Nothing unless every test is isolated or isolation was turned off by hand: where
+    only marked tests are, ``pytest_report_collectionfinish`` says so once it saw one."""
     state = config.stash.get(STATE, None)
-    if state is None:
+    if state is not None and state.unavailable:  # one line, wherever isolation was wanted
+        return [f"gpu-isolate: off: {state.unavailable}"]
+    if state is None or (state.settings.mode == "marked" and not state.settings.pin_workers):
         return []
-    return header.lines(config, state, _debugger(config))
+    from . import header
+
+    return header.lines(config, state, state.debugger)
+
+
+def pytest_report_collectionfinish(config: pytest.Config, items: list[pytest.Item]) -> list[str]:
+    """Where only marked tests are isolated: the header's lines, once one was collected."""
+    state = config.stash.get(STATE, None)
+    if state is None or state.settings.mode != "marked" or state.settings.pin_workers:
+        return []
+    if not state.prepared:
+        return []
+    from . import header
+
+    marked = sum(1 for item in items if isolated(item))
+    return header.lines(config, state, state.debugger, marked)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -186,6 +138,8 @@ def pytest_configure_node(node: Any) -> None:
     state = node.config.stash.get(STATE, None)
     controller = node.config.stash.get(CONTROLLER, None)
     if state is not None and controller is not None and state.pins:
+        from .gpu import pinning
+
         given = pinning.assign(state.pins, controller.pinned_to, node.gateway.id)
         if given is not None:
             node.workerinput[pinning.WORKERINPUT] = given
@@ -202,6 +156,8 @@ def pytest_testnodedown(node: Any, error: Any) -> None:
 @pytest.hookimpl(tryfirst=True, optionalhook=True)
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
     """``-n auto`` under --gpu-isolate with GPUs: one worker per GPU slot (``workers``)."""
+    from .gpu import workers
+
     return workers.auto_workers(config, dict(os.environ))
 
 
@@ -210,6 +166,9 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     if not isolated(item):
         settle(item.config)
         return None
+    from .parent import runner
+
+    prepare(item.config, item.config.stash[STATE])
     ihook = item.ihook
     attempt = 1
     while True:  # each attempt in a fresh process, while pytest_gpuiso_rerun says so
@@ -266,13 +225,21 @@ def pytest_collection(session: pytest.Session) -> None:
         start_server(session.config, state)
 
 
+@pytest.hookimpl(tryfirst=True)  # before the terminal asks for its lines
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Tell the fork server the isolated tests' modules: it loads their conftests, collects them."""
     state = session.config.stash.get(STATE, None)
-    if not _wants_server(session.config, state):
+    if state is None:
+        return
+    if state.debugger and state.settings.mode == "off":
+        if any(item.get_closest_marker(MARKER) for item in session.items):
+            warn_start(session.config, f"{state.debugger}: {_IN_PROCESS}")
         return
     modules = {str(item.path) for item in session.items if isolated(item)}
     if not modules:
+        return
+    prepare(session.config, state)
+    if not _wants_server(session.config, state):
         return
     started = start_server(session.config, state)
     if started is not None:
@@ -305,11 +272,16 @@ def gpu_isolated_run(request: pytest.FixtureRequest):
     """``gpu_isolated_run(func, *args, timeout=None, gpus=0, **kwargs)``: call ``func`` in a
     fresh spawned process and return its value (see ``pytest_gpuiso.run_isolated``); GPUs
     come from the session's lease table."""
+    from .parent.call import call_isolated
+
     state = request.config.stash.get(STATE, None)
+    if state is not None:
+        prepare(request.config, state)
     grace = state.settings.grace if state is not None else DEFAULT_GRACE
     leases = state.leases if state is not None else None
 
     def run(func, *args, timeout=None, gpus=0, **kwargs):
+        __tracebackhide__ = True
         return call_isolated(
             func, args, kwargs, timeout=timeout, gpus=gpus, grace=grace, leases=leases
         )

@@ -9,13 +9,18 @@ report, the terminal summary and GitHub's annotations.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from .parent.session import Controller, State
-from .reports import files, findings, report
 from .reports.record import record_of
+
+if TYPE_CHECKING:
+    from .parent.session import Controller, State
+    from .reports.findings import Finding
+
+# The reports' modules are imported at the session's end, where there is something to
+# write: a session that isolates nothing never needs them.
 
 
 class Recorder:
@@ -33,11 +38,13 @@ class Recorder:
         self.summaries: list[str] = []  # where the Markdown summary went
         self.unwritten: list[str] = []  # reports that could not be written, and why
         self.baseline: dict[str, Any] | None = None  # what became of the leak baseline
-        self.found: list[findings.Finding] = []  # its findings, for annotations and GitLab
+        self.found: list[Finding] = []  # its findings, for annotations and GitLab
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         record = record_of(report)
         if record is not None:
+            from .reports import findings
+
             findings.locate(record, self.config.rootpath)
             if self.controller is not None:
                 self.controller.records.append(record)
@@ -46,6 +53,8 @@ class Recorder:
         state, out = self.state, self.controller
         if out is None:
             return  # the xdist controller writes the reports, from every worker's records
+        from .reports import files, findings, report
+
         if state.baseline is not None:
             self.baseline = state.baseline.summary(out.records)
         self.found = findings.of_records(out.records)
@@ -73,6 +82,8 @@ class Recorder:
         state, out = self.state, self.controller
         if out is None:
             return  # an xdist worker's terminal is not shown
+        from .reports import findings, report
+
         quiet = self.config.get_verbosity() <= -2  # -qq: only what needs attention
         wanted = out.records or self.baseline
         if wanted and not (quiet and not report.notable(out.records) and not self.fixed):

@@ -14,24 +14,22 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from ..child import imports
-from ..forkserver import ServerBoot
 from ..gpu import ports
 from ..gpu.devices import Devices
-from ..gpu.health import Health
-from ..gpu.leases import Lease, Leases
 from ..gpu.nvml import NvmlReader
-from ..leaks.shm_log import preload_env
-from ..proc import workdir
-from ..proc._linux import set_child_subreaper
-from ..reports.baseline import Baseline
 from ..settings import IsolationSpec, Settings, wants_isolation
-from .launcher import Launcher
-from .prewarm import Prewarmer
+from ..values import SpecError
+
+if TYPE_CHECKING:  # what isolating needs is imported when a test is first isolated
+    from ..gpu.health import Health
+    from ..gpu.leases import Lease, Leases
+    from ..reports.baseline import Baseline
+    from .launcher import Launcher
+    from .prewarm import Prewarmer
 
 
 @dataclass
@@ -52,6 +50,9 @@ class State:
     pin: Lease | None = None  # the GPUs this process has for life (--gpu-isolate-pin-workers)
     pins: list[Lease] = field(default_factory=list)  # pinning leases this process took
     cache: Any = None  # pytest's cache (config.cache; none with -p no:cacheprovider)
+    unavailable: str = ""  # why isolation cannot work here (``native.missing``): it is off
+    debugger: str = ""  # --pdb or --trace: isolation is off so that it reaches the tests
+    prepared: bool = False  # ``prepare`` ran: the GPUs are known, stale sessions ended
     warned: set[tuple[Any, ...]] = field(default_factory=set)  # warnings replayed (``replay``)
 
 
@@ -71,9 +72,114 @@ STATE = pytest.StashKey[State]()
 CONTROLLER = pytest.StashKey[Controller]()
 
 
+def make_controller(config: pytest.Config, settings: Settings) -> Controller:
+    """The reports' side of the session, its paths checked now (not at its end)."""
+    return Controller(
+        report_path=_output_path(config, settings.report_path, settings.report_source),
+        summary_path=_output_path(config, settings.summary_path, settings.summary_source),
+        code_quality_path=_output_path(
+            config, settings.code_quality_path, settings.code_quality_source
+        ),
+    )
+
+
+def _output_path(config: pytest.Config, value: str | None, source: str) -> Path | None:
+    """A report's path, checked now (not at the session's end) where it is written.
+
+    Relative to the ini file's folder (the rootdir without one) when it comes from the
+    ini file, to the invocation directory when from the command line, as --junitxml.
+    """
+    if value is None:
+        return None
+    from ..reports import files
+
+    try:
+        files.check_output(value, source, str(_base(config, source)))
+    except SpecError as exc:
+        raise pytest.UsageError(f"gpu-isolate: {exc}") from None
+    return _path_of(config, value, source)
+
+
+def _base(config: pytest.Config, source: str) -> Path:
+    """What a relative path is relative to: the invocation directory for the command
+    line, the ini file's folder for the ini file (the rootdir without one)."""
+    if source.startswith("ini "):
+        return config.inipath.parent if config.inipath else config.rootpath
+    return config.invocation_params.dir
+
+
+def _path_of(config: pytest.Config, value: str, source: str) -> Path:
+    """The path made absolute, links kept: /dev/stdout must not become
+    /proc/<pid>/fd/pipe:[...]."""
+    return Path(os.path.abspath(os.path.join(_base(config, source), value)))
+
+
+def load_baseline(config: pytest.Config, settings: Settings) -> Baseline | None:
+    """The leak baseline, read now: a file that cannot serve is the session's usage error."""
+    if settings.leak_baseline is None:
+        return None
+    from ..reports import baseline
+    from ..reports.shards import ReportError
+
+    path = _path_of(config, settings.leak_baseline, settings.leak_baseline_source)
+    try:
+        return baseline.load(str(path))
+    except ReportError as exc:
+        raise pytest.UsageError(f"gpu-isolate: {settings.leak_baseline_source}: {exc}") from None
+
+
 def isolated(item: pytest.Item) -> bool:
     state = item.config.stash.get(STATE, None)
     return state is not None and wants_isolation(item, state.settings)
+
+
+def prepare(config: pytest.Config, state: State) -> None:
+    """What isolating needs before its first test, done once: the work directory,
+    what dead sessions' tests left running, the GPUs and their lease table, pinned
+    workers' GPUs. At configure when every test is isolated or workers are pinned;
+    otherwise when the first isolated test (or ``gpu_isolated_run``) shows up, so that a
+    session that isolates nothing does no NVML or ``/dev/shm`` work at all."""
+    if state.prepared or state.settings.mode == "off":
+        return
+    state.prepared = True
+    from .._lease import RegionError
+    from ..gpu import pinning
+    from ..gpu.devices import discover
+    from ..gpu.leases import Leases
+    from ..proc import dead_sessions, workdir
+
+    settings = state.settings
+    if settings.mode == "all":  # every test needs it: a taken name is the session's error
+        try:
+            workdir.root()
+        except workdir.WorkdirError as exc:
+            raise pytest.UsageError(f"gpu-isolate: {exc}") from None
+    ended = workdir.clean_stale()  # and what the tests of dead sessions left running
+    if ended:
+        warn_start(config, dead_sessions.describe(ended))
+    try:
+        sizes = dict(settings.device_sizes)
+        state.devices = discover(settings.devices, settings.devices_source, sizes, state.nvml)
+        if state.devices.names:
+            state.leases = Leases(state.devices, settings.slots)
+    except (RegionError, SpecError) as exc:  # a bad device list, a table not ours
+        raise pytest.UsageError(f"gpu-isolate: {exc}") from None
+    problem = pinning.problem(config, settings, state.devices)
+    if problem is not None:
+        raise pytest.UsageError(f"gpu-isolate: {problem}")
+    # before any test module is collected; the controller's, before it starts workers
+    state.pins = pinning.pin(config, settings, state.leases)
+    state.pin = pinning.own(config, state.pins, state.leases)
+
+
+def warn_start(config: pytest.Config, text: str) -> None:
+    """Say ``text`` once, as a warning of the session; a usage error where a filter makes
+    ``GpuIsoStartWarning`` an error."""
+    from ..warning_types import GpuIsoStartWarning, warn_session
+
+    text = f"gpu-isolate: {text}"
+    if not warn_session(config, GpuIsoStartWarning(text)):
+        raise pytest.UsageError(f"{text} (GpuIsoStartWarning is an error by -W/filterwarnings)")
 
 
 def settle(config: pytest.Config) -> None:
@@ -102,6 +208,14 @@ def default_gpus(settings: Settings, devices: Devices) -> int:
 def launcher(config: pytest.Config, state: State) -> Launcher:
     """The session's launcher, made on first use (with its prewarmer)."""
     if state.launcher is None:
+        from ..child import imports
+        from ..forkserver import ServerBoot
+        from ..leaks.shm_log import preload_env
+        from ..proc import workdir
+        from ..proc._linux import set_child_subreaper
+        from .launcher import Launcher
+        from .prewarm import Prewarmer
+
         s = state.settings
         reaper = set_child_subreaper()  # before the fork server starts: it relies on it
         state.launcher = Launcher(
@@ -147,6 +261,8 @@ def close(state: State) -> None:
             state.prewarmer.close()
         server = state.launcher.serving.server
         if server is not None and state.settings.learn_imports:  # for the next session
+            from ..child import imports
+
             imports.remember(state.cache, server.learnt, server.unfit)
         state.launcher.close()
     if state.leases is not None:
@@ -158,6 +274,8 @@ def close(state: State) -> None:
 def start_server(config: pytest.Config, state: State) -> Launcher | None:
     """Start the fork server; None when the work directory or a resource it needs is
     missing (each isolated test then says why, as the failure of its own start)."""
+    from ..proc import workdir
+
     try:
         started = launcher(config, state)
         started.serving.start_server()
@@ -169,6 +287,8 @@ def start_server(config: pytest.Config, state: State) -> Launcher | None:
 def health(state: State) -> Health | None:
     """The session's GPU health (None: no GPUs to lease), made on first use."""
     if state.health is None and state.leases is not None:
+        from ..gpu.health import Health
+
         s = state.settings
         state.health = Health(state.leases, state.nvml, s.health, s.reprobe)
     return state.health

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import sysconfig
 import tarfile
+import venv
 import zipfile
 from pathlib import Path
 
@@ -131,6 +132,115 @@ def test_a_missing_compiler_is_one_line_naming_what_to_install(tmp_path: Path):
     assert f"no C compiler found (CC='{tmp_path / 'no-such-gcc'}')" in lines[0]
     assert "install gcc and the Python headers" in lines[0] and "python3-dev" in lines[0]
     assert "Traceback" not in out
+
+
+# ------------------------------------------------- not Linux: a wheel without the C extensions
+
+# The tiny suite a machine other than Linux runs: a marked test, and a plain one, both in
+# pytest's own process (the conftest notes its pid; a test's process would inherit it).
+NO_NATIVE_SUITE = {
+    "pytest.ini": "[pytest]\n",
+    "conftest.py": """
+import os
+
+def pytest_configure(config):
+    os.environ.setdefault("SMOKE_PYTEST_PID", str(os.getpid()))
+""",
+    "test_smoke.py": """
+import os
+from pathlib import Path
+
+import pytest
+import pytest_gpuiso
+
+def test_the_wheel_without_extensions_runs():
+    assert Path(os.environ["SMOKE_VENV"]) in Path(pytest_gpuiso.__file__).parents
+
+@pytest.mark.gpu_isolated(timeout=120)
+def test_marked_runs_in_process():
+    assert os.getpid() == int(os.environ["SMOKE_PYTEST_PID"])
+""",
+}
+
+
+@pytest.fixture(scope="module")
+def nonative(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(source copy, wheel) built with ``GPUISO_NO_NATIVE=1``: what a machine other than
+    Linux builds (setup.py compiles nothing there)."""
+    _needs_build_tools()
+    src = _source_copy(tmp_path_factory.mktemp("src-nonative"))
+    built = _build(src, "--wheel", env=dict(os.environ, GPUISO_NO_NATIVE="1"))
+    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    (wheel,) = (src / "dist").glob("*.whl")
+    return src, wheel
+
+
+def test_without_native_the_wheel_is_pure_python(nonative):
+    src, wheel = nonative
+    assert wheel.name.endswith("-py3-none-any.whl"), wheel.name
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert not [n for n in names if n.endswith(".so")]
+    for package in _subpackages(src / "pytest_gpuiso"):
+        assert f"{package}/__init__.py" in names, package
+    assert "pytest_gpuiso/native.py" in names
+
+
+def _fresh_venv(where: Path, wheel: Path) -> Path:
+    """A venv with ``wheel`` installed and this one's packages (pytest, psutil...) beside;
+    its python. Not this one's .pth files: an editable install's finder among them would
+    find the checkout's extensions for the wheel's package."""
+    venv.create(where, symlinks=True, with_pip=False)
+    python = where / "bin" / "python"
+    site = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    outer = dict.fromkeys(sysconfig.get_paths()[key] for key in ("purelib", "platlib"))
+    (Path(site) / "outer.pth").write_text("".join(f"{path}\n" for path in outer))
+    pip = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--quiet"]
+    installed = subprocess.run(
+        [*pip, "--target", site, str(wheel)], capture_output=True, text=True, timeout=120
+    )
+    assert installed.returncode == 0, installed.stdout + installed.stderr
+    return python
+
+
+@pytest.mark.parametrize("isolate", [[], ["--gpu-isolate"]], ids=["marked", "all"])
+def test_without_native_marked_tests_pass_in_process(nonative, tmp_path: Path, isolate):
+    """Installed, the plugin still registers its marker (--strict-markers), runs every test
+    in-process and says why in exactly one header line."""
+    from pytest_gpuiso.native import NOT_BUILT
+
+    _, wheel = nonative
+    python = _fresh_venv(tmp_path / "venv", wheel)
+    suite = tmp_path / "suite"
+    suite.mkdir()
+    for name, text in NO_NATIVE_SUITE.items():
+        (suite / name).write_text(text)
+    env = dict(os.environ, SMOKE_VENV=str(tmp_path / "venv"))
+    for name in (
+        "PYTHONPATH",
+        "PYTEST_ADDOPTS",
+        "PYTEST_DISABLE_PLUGIN_AUTOLOAD",
+        "PYTEST_PLUGINS",
+    ):
+        env.pop(name, None)
+    result = subprocess.run(
+        [python, "-m", "pytest", "-p", "no:cacheprovider", "--strict-markers", *isolate],
+        cwd=suite,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    assert "2 passed" in out, out
+    ours = [line for line in out.splitlines() if line.startswith("gpu-isolate:")]
+    assert len(ours) == 1, out
+    assert NOT_BUILT in ours[0], out
 
 
 def _cli(cwd: Path, *args: str) -> subprocess.CompletedProcess:

@@ -124,16 +124,85 @@ def test_no_gpu_isolate_runs_everything_in_process(gpuiso_spawn):
     result.stdout.fnmatch_lines(["gpu-isolate: off*"])
 
 
+def _ours(result: pytest.RunResult) -> list[str]:
+    return [line for line in result.stdout.lines if line.startswith("gpu-isolate")]
+
+
 def test_report_header_describes_settings(gpuiso_spawn):
+    """Three lines at pytest's default verbosity (what, timeout; GPUs; leak checks); the
+    details with -v."""
     gpuiso_spawn.copy("test_where.py")
-    result = gpuiso_spawn.run("--gpu-isolate", "--gpu-isolate-timeout=30", "--gpu-isolate-grace=2")
+    args = ("--gpu-isolate", "--gpu-isolate-timeout=30", "--gpu-isolate-grace=2", "-k", "marked")
+    result = gpuiso_spawn.run(*args)
+    header = _ours(result)[: _ours(result).index("gpu-isolate: 2 isolated, 0 timed out, 0 crashed")]
+    assert header == [
+        "gpu-isolate: every test in a fresh process (spawn), timeout 30 s (--gpu-isolate-timeout)",
+        "gpu-isolate: no GPUs to lease (from NVML)",
+        "gpu-isolate: leak checks shm=warn, process=warn, gpu_memory=warn (-v: details)",
+    ]
+    assert not any(line.startswith("gpu-isolate: started") for line in _ours(result))
+    result = gpuiso_spawn.run(*args, "-v")
     result.stdout.fnmatch_lines(
         [
             "gpu-isolate: every test in a fresh process, timeout 30 s "
             "(--gpu-isolate-timeout), grace 2 s, start-up bound 300 s",
             "gpu-isolate: start spawn, preload none, prewarm next 1 test",
+            "*",
+            "gpu-isolate: started 2 spawn; 1 prewarmed*",
         ]
     )
+
+
+def test_a_session_that_isolates_nothing_says_nothing(gpuiso_spawn):
+    """Installed, with no option and no marked test: no line of ours, and neither NVML
+    nor the machinery of isolation is touched (nor imported)."""
+    gpuiso_spawn.pytester.makepyfile(
+        test_plain="def test_a():\n    assert True\n",
+        conftest=(
+            "import sys\n"
+            "def pytest_unconfigure(config):\n"
+            "    ours = ('pytest_gpuiso', 'pynvml')\n"
+            "    loaded = sorted(m for m in sys.modules if m.startswith(ours))\n"
+            "    open('loaded.txt', 'w').write('\\n'.join(loaded))\n"
+        ),
+    )
+    result = gpuiso_spawn.run("-rA")
+    result.assert_outcomes(passed=1)
+    assert _ours(result) == []
+    loaded = (gpuiso_spawn.path / "loaded.txt").read_text().split()
+    assert "pytest_gpuiso.plugin" in loaded  # the plugin was there, and quiet
+    for heavy in (
+        "pynvml",
+        "pytest_gpuiso._lease",
+        "pytest_gpuiso.parent.runner",
+        "pytest_gpuiso.proc.workdir",
+        "pytest_gpuiso.parent.launcher",
+    ):
+        assert heavy not in loaded, heavy
+
+
+def test_marked_tests_are_announced_once_collected(gpuiso_spawn):
+    """Where only marked tests are isolated, the lines come after collection, with how many."""
+    gpuiso_spawn.copy("test_where.py")
+    result = gpuiso_spawn.run("-k", "marked")
+    header = _ours(result)
+    assert header[0] == (
+        "gpu-isolate: 1 test marked gpu_isolated in a fresh process (spawn), "
+        "timeout 900 s (default)"
+    )
+    assert result.stdout.lines.index(header[0]) > result.stdout.lines.index("collected 2 items")
+
+
+def test_help_shows_the_common_options_first(gpuiso_spawn):
+    """pytest --help: the options most users set in the main group, the others in a
+    tuning group; every one of them is still there."""
+    out = gpuiso_spawn.run("--help").stdout.str()
+    main = out.split("GPU test isolation (pytest-gpuiso):")[1].split("\n\n")[0]
+    tuning = out.split("GPU test isolation, tuning")[1].split("\n\n")[0]
+    main_flags = set(re.findall(r"^  (--[a-z-]+)", main, re.M))
+    assert "--gpu-isolate" in main_flags and "--gpu-isolate-timeout" in main_flags
+    assert len(main_flags) <= 10, main_flags
+    assert "--gpu-isolate-prewarm" in tuning and "--gpu-isolate-grace" in tuning
 
 
 def test_pdb_note_in_header(gpuiso_spawn):
@@ -233,12 +302,12 @@ def test_header_names_pytest_timeouts_value(gpuiso_spawn, monkeypatch, how, sour
         monkeypatch.setenv("PYTEST_TIMEOUT", "9")
     else:
         args += how
-    result = gpuiso_spawn.run(*args, "-k", "unmarked")
+    result = gpuiso_spawn.run(*args, "-k", "test_marked")
     seconds = "9" if how == "env" else how[-1].split("=")[-1]
     result.stdout.fnmatch_lines(
         [
-            f"gpu-isolate: tests marked gpu_isolated in a fresh process, "
-            f"timeout {seconds} s ({source}), grace 5 s, start-up bound 300 s"
+            f"gpu-isolate: 1 test marked gpu_isolated in a fresh process (spawn), "
+            f"timeout {seconds} s ({source})"
         ]
     )
     assert "(default)" not in result.stdout.str()
