@@ -75,6 +75,7 @@ def run_isolated(
     a crash raises ``IsolationError`` naming the signal. ``gpus`` is the number
     of GPUs to lease for the call; the process sees exactly those.
     """
+    __tracebackhide__ = True  # a failing call's traceback in pytest shows the test, not us
     return call_isolated(func, args, kwargs, timeout=timeout, gpus=gpus, grace=grace)
 
 
@@ -89,6 +90,7 @@ def call_isolated(
     leases: Leases | None = None,
 ) -> Any:
     """``run_isolated`` with the session's lease table (the fixture passes it)."""
+    __tracebackhide__ = True
     if timeout is not None:
         timeout = parse_seconds(timeout, "run_isolated argument timeout", allow_zero=False)
     grace = parse_seconds(grace, "run_isolated argument grace", allow_zero=True)
@@ -133,6 +135,7 @@ def _label(func: Callable[..., Any]) -> str:
 
 
 def _unwrap(func: Callable[..., Any], outcome: Outcome, timeout: float | None) -> Any:
+    __tracebackhide__ = True
     results = outcome.results
     if results:  # the value the caller asked for, pickled by the function's process
         try:

@@ -67,7 +67,8 @@ def _attach_leaks(item: pytest.Item, reports: list[pytest.TestReport], verdict: 
         + (" (allowed)" if r.get("allowed") else " (known)" if r.get("level") == "known" else "")
         for r in verdict.records
     ]
-    if verdict.failing and not last.failed:
+    said = verdict.failing and not last.failed  # the failure says the failing leaks in full
+    if said:
         problem = (
             f"gpu-isolate: the test left {len(verdict.failing)} leak"
             f"{'s' if len(verdict.failing) != 1 else ''} behind "
@@ -79,7 +80,14 @@ def _attach_leaks(item: pytest.Item, reports: list[pytest.TestReport], verdict: 
         failed.user_properties = list(last.user_properties)
         failed.duration = last.duration
         reports[-1] = last = failed
-    last.sections.append((LEAK_SECTION, "\n".join(lines)))
+    # What the failure above says in full is not said again in the section.
+    shown = [
+        line
+        for line, r in zip(lines, verdict.records, strict=True)
+        if not (said and r.get("level") == "fail" and not r.get("allowed"))
+    ]
+    if shown:
+        last.sections.append((LEAK_SECTION, "\n".join(shown)))
     last.user_properties = [
         *last.user_properties,
         *((LEAK_PROPERTY, line) for line in lines),

@@ -76,10 +76,10 @@ def terminal_summary(
     parts = [f"{_tests(records)} isolated"] + ([f"{reruns} rerun"] if reruns else [])
     parts += [f"{len(timed_out)} timed out", f"{len(crashed)} crashed"]
     if escaped:
-        parts.append(f"{escaped} escaped processes killed")
+        parts.append(f"{_count(escaped, 'escaped process', 'escaped processes')} killed")
     tr.write_line("gpu-isolate: " + ", ".join(parts))
     starts = start_counts(records)
-    if starts:
+    if starts and getattr(tr, "verbosity", 0) > 0:  # how processes started: a detail
         tr.write_line("gpu-isolate: started " + starts)
     cost = cost_line(records)
     if cost:
@@ -91,11 +91,11 @@ def terminal_summary(
             "tests' processes shown once (--gpu-isolate-warnings=each shows each)"
         )
     for r in timed_out:
-        tr.write_line(f"  TIMEOUT {r['nodeid']}{_attempt(r)} ({bound(r, test='after')})")
+        _flagged(tr, "TIMEOUT", f"{r['nodeid']}{_attempt(r)} ({bound(r, test='after')})")
     for r in crashed:
-        tr.write_line(f"  CRASHED {r['nodeid']}{_attempt(r)} ({r['exit']['signal']})")
+        _flagged(tr, "CRASHED", f"{r['nodeid']}{_attempt(r)} ({r['exit']['signal']})")
     for nodeid, device, problem, _ in quarantines(records):
-        tr.write_line(f"  QUARANTINED GPU {device} after {nodeid}: {problem}")
+        _flagged(tr, "QUARANTINED", f"GPU {device} after {nodeid}: {problem}")
     if path is not None:
         tr.write_line(f"gpu-isolate: JSON report written to {path}")
     leaky = [r for r in records if r.get("leaks")]
@@ -104,6 +104,19 @@ def terminal_summary(
     if baseline is not None:
         for line in baseline_lines(baseline, WORST):
             tr.write_line(line)
+
+
+def _count(n: int, one: str, many: str = "") -> str:
+    """``n`` and the noun, singular or plural: "1 leak", "2 leaks", "1 escaped process"."""
+    return f"{n:,} {one if n == 1 else many or one + 's'}"
+
+
+def _flagged(tr: Any, word: str, rest: str, color: str = "red") -> None:
+    """A summary line led by a word in pytest's colours (none without a terminal or with
+    ``--color=no``: the terminal writer decides), as pytest's own FAILED lines."""
+    tw = getattr(tr, "_tw", None)
+    flag = tw.markup(word, **{color: True, "bold": True}) if tw is not None else word
+    tr.write_line(f"  {flag} {rest}")
 
 
 def notable(records: list[dict[str, Any]]) -> bool:
@@ -206,7 +219,8 @@ def leak_summary(tr: Any, records: list[dict[str, Any]]) -> None:
         if counted_leaks(r):
             by_test.setdefault(r["nodeid"], []).extend(counted_leaks(r))
     line = ", ".join(f"{counts[kind]} {kind}" for kind in KINDS)
-    tr.write_line(f"gpu-isolate: {sum(counts.values())} leaks in {len(by_test)} tests ({line})")
+    total = _count(sum(counts.values()), "leak")
+    tr.write_line(f"gpu-isolate: {total} in {_count(len(by_test), 'test')} ({line})", yellow=True)
     if allowed:
         tr.write_line(f"gpu-isolate: {allowed} more allowed by allow_leaks markers")
     known = known_count(records)
@@ -216,11 +230,15 @@ def leak_summary(tr: Any, records: list[dict[str, Any]]) -> None:
     for nodeid, leaks in worst[:WORST]:
         kinds = Counter(leak["kind"] for leak in leaks)
         what = ", ".join(f"{n} {kind}" for kind, n in kinds.items())
+        # A leak that failed its test was shown with that failure, in full: named only here.
+        shown = [leak for leak in leaks if leak.get("level") != "fail"]
+        if len(shown) < len(leaks):
+            what += " (the test's error above has the detail)" if not shown else ""
         tr.write_line(f"  {nodeid}: {what}")
-        for leak in leaks[:3]:
+        for leak in shown[:3]:
             tr.write_line(f"    {leak['kind']}: {leak['detail']}")
-        if len(leaks) > 3:
-            tr.write_line(f"    ... {len(leaks) - 3} more in the JSON report")
+        if len(shown) > 3:
+            tr.write_line(f"    ... {len(shown) - 3} more in the JSON report")
     if len(worst) > WORST:
         tr.write_line(f"  ... {len(worst) - WORST} more tests with leaks")
 
@@ -272,19 +290,37 @@ def markdown(
                 "",
                 f"{more} more {'leak is' if more == 1 else 'leaks are'} in the JSON report.",
             ]
-    if ended:
-        lines += ["", "### Timeouts and crashes", "", "| test | outcome | how it ended |"]
+    failed = [(r, how or _failure(r)) for r in records if (how := _ended(r)) or _failed(r)]
+    if failed:
+        lines += ["", f"### {FAILED_TITLE}", "", "| test | outcome | how it ended |"]
         lines.append("|---|---|---|")
-        for r, how in ended[:MARKDOWN_ROWS]:
+        for r, how in failed[:MARKDOWN_ROWS]:
             lines.append(f"| {_code_cell(r['nodeid'])} | {_cell(r['outcome'])} | {_cell(how)} |")
-        if len(ended) > MARKDOWN_ROWS:
-            more = len(ended) - MARKDOWN_ROWS
-            what = "timeout or crash is" if more == 1 else "timeouts and crashes are"
-            lines += ["", f"{more} more {what} in the JSON report."]
+        if len(failed) > MARKDOWN_ROWS:
+            more = len(failed) - MARKDOWN_ROWS
+            lines += [
+                "",
+                f"{more} more failed {'test is' if more == 1 else 'tests are'} in the JSON report.",
+            ]
     if not leaky and not ended:
         lines += ["", "No leaks, timeouts or crashes."]
     more = _health(records) + fixed_table(baseline, MARKDOWN_ROWS) + _right_size(records)
     return "\n".join(lines + more) + "\n"
+
+
+FAILED_TITLE = "Failed tests, timeouts and crashes"
+
+
+def _failed(record: dict[str, Any]) -> bool:
+    return record["outcome"] in ("failed", "error")
+
+
+def _failure(record: dict[str, Any]) -> str:
+    """How a test that ended normally failed: by its leaks, or in its own code."""
+    kinds = sorted({leak["kind"] for leak in counted_leaks(record) if leak.get("level") == "fail"})
+    if kinds:
+        return f"its leaks failed it ({', '.join(kinds)})"
+    return "failed" if record["outcome"] == "failed" else "error in setup or teardown"
 
 
 def _health(records: list[dict[str, Any]]) -> list[str]:

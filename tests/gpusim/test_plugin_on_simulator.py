@@ -161,7 +161,7 @@ def test_a_conftest_that_initialises_cuda_makes_the_fork_server_refuse(
     iso = make_gpuiso(pytester, monkeypatch, "forkserver")
     _copy(iso, MOD, "sim_process.py")
     (iso.path / "conftest.py").write_text("import ctypes\nctypes.CDLL('libcuda.so.1').cuInit(0)\n")
-    result = iso.run(REPORT, "--gpu-isolate-prewarm=0", f"{MOD}::test_clean_cuda")
+    result = iso.run("-v", REPORT, "--gpu-isolate-prewarm=0", f"{MOD}::test_clean_cuda")
     result.assert_outcomes(passed=1, warnings=1)
     result.stdout.fnmatch_lines(
         [

@@ -137,3 +137,27 @@ def test_fixture_inside_an_isolated_test_uses_the_tests_gpus(gpuiso, tmp_path, m
         """
     )
     gpuiso.run("--gpu-isolate-devices=0,1").assert_outcomes(passed=1)
+
+
+def test_a_failing_call_shows_the_test_not_the_plugin(gpuiso_spawn):
+    """The traceback of a failing run_isolated call (and of the fixture's) leads from the
+    test to the remote error: the plugin's frames are hidden (``__tracebackhide__``)."""
+    gpuiso_spawn.copy("isolated_funcs.py")
+    gpuiso_spawn.pytester.makepyfile(
+        test_fail="""
+        import isolated_funcs
+        from pytest_gpuiso import run_isolated
+
+        def test_direct():
+            run_isolated(isolated_funcs.raise_value_error, "remote boom")
+
+        def test_fixture(gpu_isolated_run):
+            gpu_isolated_run(isolated_funcs.raise_value_error, "remote boom")
+        """
+    )
+    result = gpuiso_spawn.run()
+    result.assert_outcomes(failed=2)
+    out = result.stdout.str()
+    assert out.count("ValueError: remote boom") >= 2, out
+    assert "pytest_gpuiso/parent/call.py" not in out, out
+    assert "pytest_gpuiso/plugin.py" not in out, out

@@ -58,7 +58,7 @@ def _check_against_in_process(gpuiso: GpuIso, isolated: dict, seed: int) -> None
 @pytest.mark.parametrize("workers", [0, 2], ids=["serial", "xdist"])
 def test_isolated_tests_use_the_sessions_seed(gpuiso: GpuIso, workers: int) -> None:
     gpuiso.copy(PROGRAM)
-    result = _run(gpuiso, *(("-n", str(workers)) if workers else ()))
+    result = _run(gpuiso, "-v", *(("-n", str(workers)) if workers else ()))
     result.assert_outcomes(passed=3)
     seed = _header_seed(result)
     if gpuiso.start == "forkserver" and not workers:  # the template configured for them

@@ -91,7 +91,7 @@ def _check_run(gpuiso, result: pytest.RunResult) -> None:
 @supported
 def test_each_attempt_runs_in_a_fresh_process(gpuiso) -> None:
     gpuiso.copy(PROGRAM)
-    result = gpuiso.run("--reruns=2", "--gpu-isolate-report=report.json", MODULE)
+    result = gpuiso.run("-v", "--reruns=2", "--gpu-isolate-report=report.json", MODULE)
     _check_run(gpuiso, result)
 
 
@@ -99,7 +99,7 @@ def test_each_attempt_runs_in_a_fresh_process(gpuiso) -> None:
 def test_under_xdist(gpuiso) -> None:
     pytest.importorskip("xdist")
     gpuiso.copy(PROGRAM)
-    result = gpuiso.run("-n", "2", "--reruns=2", "--gpu-isolate-report=report.json", MODULE)
+    result = gpuiso.run("-v", "-n", "2", "--reruns=2", "--gpu-isolate-report=report.json", MODULE)
     _check_run(gpuiso, result)
 
 

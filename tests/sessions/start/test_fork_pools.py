@@ -76,7 +76,9 @@ def test_forked_tests_get_the_pools_they_would_have_had_in_process(
         monkeypatch.setenv("OPENBLAS_NUM_THREADS", user_threads)
         monkeypatch.setenv("OMP_NUM_THREADS", user_threads)
     expected = _in_process(iso, pools_log)
-    result = iso.run("--gpu-isolate", f"--gpu-isolate-preload={preload}", BOUND, REPORT, POOLS)
+    result = iso.run(
+        "-v", "--gpu-isolate", f"--gpu-isolate-preload={preload}", BOUND, REPORT, POOLS
+    )
     outcomes = result.parseoutcomes()
     assert outcomes.get("passed", 0) + outcomes.get("skipped", 0) == 4, result.stdout.str()
     assert not _start_warnings(result)
@@ -151,7 +153,7 @@ def test_forty_tiny_torch_tests_are_all_forked(iso: GpuIso) -> None:
         for i in range(40)
     )
     iso.pytester.makepyfile(test_tiny_torch="import torch" + tests)
-    result = iso.run("--gpu-isolate", "--gpu-isolate-preload=torch", "test_tiny_torch.py")
+    result = iso.run("-v", "--gpu-isolate", "--gpu-isolate-preload=torch", "test_tiny_torch.py")
     result.assert_outcomes(passed=40)
     assert not _start_warnings(result)
     result.stdout.fnmatch_lines(["gpu-isolate: started 40 forkserver; *"])

@@ -120,7 +120,7 @@ def test_the_default_start_method_is_the_fork_server(
     """No start method named: the header says forkserver, and every test was forked."""
     iso = make_gpuiso(pytester, monkeypatch, None)
     iso.copy("start_log.py", "start_preload_mod.py", PROCS)
-    result = iso.run("--gpu-isolate", REPORT, PROCS)
+    result = iso.run("-v", "--gpu-isolate", REPORT, PROCS)
     result.assert_outcomes(passed=4)
     result.stdout.fnmatch_lines(
         [
@@ -227,7 +227,7 @@ def test_preload_and_where_the_processes_come_from(
     iso = make_gpuiso(pytester, monkeypatch, start)
     iso.copy("start_log.py", "start_preload_mod.py", PROCS)
     preload, prewarming = f"--gpu-isolate-preload={PRELOAD}", f"--gpu-isolate-prewarm={prewarm}"
-    result = iso.run("--gpu-isolate", preload, prewarming, REPORT, PROCS)
+    result = iso.run("-v", "--gpu-isolate", preload, prewarming, REPORT, PROCS)
     result.assert_outcomes(passed=4)
     runs = logs.by_test()
     records = iso.records()
@@ -289,7 +289,7 @@ def test_server_with_cuda_refuses_to_fork_and_tests_start_with_spawn(
     iso = forkserver_iso
     iso.copy("start_log.py", "start_preload_mod.py", PROCS)
     _cuda_conftest(iso, monkeypatch, fake_libcuda)
-    result = iso.run("--gpu-isolate", f"--gpu-isolate-prewarm={prewarm}", REPORT, PROCS)
+    result = iso.run("-v", "--gpu-isolate", f"--gpu-isolate-prewarm={prewarm}", REPORT, PROCS)
     result.assert_outcomes(passed=4, warnings=1)
     [warning] = _start_warnings(result)
     assert "the fork server refused to fork: the CUDA driver is initialised" in warning
@@ -308,7 +308,7 @@ def test_a_driver_only_mapped_keeps_the_fork_server_forking(
     iso.copy("start_log.py", "start_preload_mod.py", PROCS)
     _cuda_conftest(iso, monkeypatch, fake_libcuda)
     monkeypatch.setenv("GPUISO_FAKE_LIBCUDA_MAPPED", "1")
-    result = iso.run("--gpu-isolate", "--gpu-isolate-prewarm=1", REPORT, PROCS)
+    result = iso.run("-v", "--gpu-isolate", "--gpu-isolate-prewarm=1", REPORT, PROCS)
     result.assert_outcomes(passed=4)
     assert _start_warnings(result) == []
     assert {start["method"] for start in _starts(iso).values()} == {"forkserver"}
@@ -352,7 +352,7 @@ def test_our_processes_are_not_in_active_children(spawn_iso: GpuIso) -> None:
         """
     )
     for start in ("spawn", "forkserver"):
-        result = spawn_iso.run(f"--gpu-isolate-start={start}", "--gpu-isolate-prewarm=2")
+        result = spawn_iso.run("-v", f"--gpu-isolate-start={start}", "--gpu-isolate-prewarm=2")
         result.assert_outcomes(passed=3)
         result.stdout.fnmatch_lines([f"gpu-isolate: started 2 {start}; 1 prewarmed*"])
 
@@ -446,7 +446,9 @@ def test_preload_module_failing_at_import_falls_back_to_spawn(
     session still passes, started with spawn, and says why once."""
     iso = forkserver_iso
     iso.copy("start_log.py", "start_preload_mod.py", "start_preload_broken.py", PROCS)
-    result = iso.run("--gpu-isolate", "--gpu-isolate-preload=start_preload_broken", REPORT, PROCS)
+    result = iso.run(
+        "-v", "--gpu-isolate", "--gpu-isolate-preload=start_preload_broken", REPORT, PROCS
+    )
     result.assert_outcomes(passed=4, warnings=1)
     [warning] = _start_warnings(result)
     assert "the fork server could not start:" in warning
@@ -496,7 +498,7 @@ def test_prewarm_starts_the_next_process_while_a_test_runs(
     if prewarm:  # the first test waits for the second's process (a sleep would race it)
         monkeypatch.setenv("GPUISO_PREWARMED", "1")
     result = gpuiso.run(
-        "--gpu-isolate", f"--gpu-isolate-prewarm={prewarm}", REPORT, "test_start_order.py"
+        "-v", "--gpu-isolate", f"--gpu-isolate-prewarm={prewarm}", REPORT, "test_start_order.py"
     )
     result.assert_outcomes(passed=2)
     runs = logs.by_test()

@@ -162,7 +162,7 @@ def test_forked_tests_keep_pytest_semantics(env: Env) -> None:
     common = ("-rA", "-o", "junit_family=xunit1", SEMANTICS)
     spawn = env.run("--basetemp=bt-spawn", "--junitxml=spawn.xml", *common, start="spawn")
     env.log.unlink(missing_ok=True)
-    result = env.run("--basetemp=bt", "--junitxml=fork.xml", *common)
+    result = env.run("-v", "--basetemp=bt", "--junitxml=fork.xml", *common)
     result.assert_outcomes(failed=2, passed=4, skipped=1, xfailed=1, xpassed=1, warnings=1)
     same_as_spawn(result, spawn)
     assert set(starts(env.iso).values()) == {(True, None)}
@@ -256,7 +256,9 @@ def test_unusable_template_falls_back(env: Env, request, cause: str) -> None:
             "shm": re.escape(f"it created /dev/shm/{env.shm_name}-") + r"(\d+)",
         }[cause]
     # A daemon made before its test's go is charged to the test running then: no prewarm.
-    result = env.run("--gpu-isolate-cleanup", *(["--gpu-isolate-prewarm=0"] * (cause == "daemon")))
+    result = env.run(
+        "-v", "--gpu-isolate-cleanup", *(["--gpu-isolate-prewarm=0"] * (cause == "daemon"))
+    )
     leaks = cause in ("process", "daemon", "shm")  # each test's own process made its own
     assert result.parseoutcomes() == {"passed": len(nodeids), **({"warnings": 8} if leaks else {})}
     [(collected, why)] = set(starts(env.iso).values())
@@ -289,7 +291,7 @@ def test_log_file_kept_open_keeps_the_template(env: Env) -> None:
     /dev/shm entry made and removed again at session start."""
     env.iso.copy(IDS)
     env.conftest("logfile,shm_unlinked")
-    result = env.run(IDS)
+    result = env.run("-v", IDS)
     result.assert_outcomes(passed=8)
     assert set(starts(env.iso).values()) == {(True, None)}
     result.stdout.fnmatch_lines(["gpu-isolate: started 8 forkserver; 7 prewarmed; 8 pre-collected"])
@@ -382,7 +384,7 @@ def test_no_precollect_forks_from_the_parsed_configuration(env: Env) -> None:
     configures and collects for itself, and the header says so. A bad ini value is a
     one-line usage error naming it."""
     env.iso.copy(IDS)
-    result = env.run("--gpu-isolate-no-precollect", IDS)
+    result = env.run("-v", "--gpu-isolate-no-precollect", IDS)
     result.assert_outcomes(passed=8)
     assert set(starts(env.iso).values()) == {(False, None)}
     result.stdout.fnmatch_lines(["*forks from a parsed configuration*", "*; 0 pre-collected"])
@@ -484,7 +486,7 @@ def test_a_template_stuck_collecting_is_waited_for_only_until_its_deadline(env: 
     why; the stuck template goes with the session."""
     env.iso.pytester.makepyfile(test_template_stuck=STUCK_TEMPLATE)
     env.monkeypatch.setenv(TEMPLATE_WAIT_ENV, "1")
-    result = env.run("test_template_stuck.py")
+    result = env.run("-v", "test_template_stuck.py")
     result.assert_outcomes(passed=3)
     why = "the template was still collecting after 1 s"
     assert set(starts(env.iso).values()) == {(False, why)}
@@ -529,7 +531,7 @@ def test_hook_wrappers_around_the_run_loop_see_the_tests_gpus(env: Env) -> None:
     sees CUDA_VISIBLE_DEVICES of the test's lease, not the prewarm's empty one."""
     env.iso.pytester.makeconftest(LOOP_WRAPPER)
     env.iso.pytester.makepyfile(test_template_gpus=GPU_TESTS)
-    result = env.run("--gpu-isolate-devices=0", "test_template_gpus.py")
+    result = env.run("-v", "--gpu-isolate-devices=0", "test_template_gpus.py")
     result.assert_outcomes(passed=3)
     # every one prewarmed: the first while it waited for its lease
     result.stdout.fnmatch_lines(["*started 3 forkserver; 3 prewarmed; 3 pre-collected"])
@@ -575,7 +577,7 @@ def test_marked_tests_are_pre_collected_from_their_modules_only(env: Env) -> Non
     modules that hold them (once pytest has collected), and both marked tests of
     test_mixed.py are forked from it; the unmarked ones run in pytest."""
     env.iso.copy("test_mixed.py", IDS)
-    result = env.iso.run(REPORT, "test_mixed.py", IDS)
+    result = env.iso.run("-v", REPORT, "test_mixed.py", IDS)
     result.assert_outcomes(passed=13)
     starts_ = starts(env.iso)
     assert starts_ == {

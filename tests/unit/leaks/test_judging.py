@@ -533,7 +533,7 @@ def test_timeout_rows_render_the_nodeid_literally(nodeid):
     text = report.markdown(
         [record(nodeid, "failed", timed_out=True, signal="SIGKILL", timeout=3.0)]
     )
-    [row] = table(text, "Timeouts and crashes")
+    [row] = table(text, report.FAILED_TITLE)
     assert read_row(row) == [nodeid, "failed", "timed out after 3 s, ended by SIGKILL"]
 
 
@@ -576,7 +576,8 @@ def test_totals_leaks_and_timeouts_add_up():
         ["t.py::test_two_segments", "shm", "segment /dev/shm/b (4 KiB)"],
         ["t.py::test_gpu", "gpu_memory", "GPU 0: 512 MiB more in use"],
     ]
-    assert [read_row(row) for row in table(text, "Timeouts and crashes")] == [
+    assert [read_row(row) for row in table(text, report.FAILED_TITLE)] == [
+        ["t.py::test_gpu", "failed", "failed"],  # every failed test, not only timeouts
         ["t.py::test_hangs", "failed", "timed out after 3 s, ended by SIGKILL"],
         ["t.py::test_hangs_term", "failed", "timed out after 2.5 s"],
         ["t.py::test_segfault", "failed", "crashed with SIGSEGV"],
@@ -623,12 +624,12 @@ def test_tables_are_cut_at_markdown_rows(monkeypatch):
         "segment 2",
     ]
     assert "2 more leaks are in the JSON report." in lines
-    assert [read_row(row)[0] for row in table(text, "Timeouts and crashes")] == [
+    assert [read_row(row)[0] for row in table(text, report.FAILED_TITLE)] == [
         "t.py::test_crash_0",
         "t.py::test_crash_1",
         "t.py::test_crash_2",
     ]
-    assert "1 more timeout or crash is in the JSON report." in lines
+    assert "1 more failed test is in the JSON report." in lines
 
 
 def test_the_default_cut_is_markdown_rows():
@@ -715,3 +716,17 @@ print(child.pid, flush=True)
 time.sleep(60)
 """
 GIB = 1 << 30
+
+
+def test_failed_tests_table_names_every_failed_test_and_why():
+    records = [
+        record("t.py::test_ok"),
+        record("t.py::test_assert", "failed"),
+        record("t.py::test_leaky", "error", leak("shm", "segment /dev/shm/a", level="fail")),
+        record("t.py::test_warned", "passed", leak("shm", "segment /dev/shm/b", level="warn")),
+    ]
+    rows = [read_row(row) for row in table(report.markdown(records), report.FAILED_TITLE)]
+    assert rows == [
+        ["t.py::test_assert", "failed", "failed"],
+        ["t.py::test_leaky", "error", "its leaks failed it (shm)"],
+    ]
