@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import re
+
 import pytest
 
 from pytest_gpuiso.reports.record import Exit, Record, Start
@@ -122,6 +125,35 @@ def test_terminal_summary_lists_timeouts_and_crashes(gpuiso_spawn):
             "  CRASHED test_crashes.py::test_segfault (SIGSEGV)",
         ]
     )
+
+
+def test_summary_colours_follow_color_and_a_failing_leak_is_said_once(gpuiso_spawn, monkeypatch):
+    """--color=yes: TIMEOUT and CRASHED in pytest's red, the leak line yellow; --color=no:
+    no escape at all. Under --gpu-isolate-leaks=fail, the leak's detail is in its test's
+    error only, not again in a section or in the leak summary."""
+    name = f"gpuiso-once-{os.getpid()}"
+    monkeypatch.setenv("GPUISO_SHM_NAME", name)
+    gpuiso_spawn.copy("test_crashes.py", "test_hangs.py", "test_leak_shm.py")
+    args = (
+        "--gpu-isolate",
+        "--gpu-isolate-timeout=1",
+        "--gpu-isolate-grace=0",
+        "--gpu-isolate-leaks=fail",
+        "--gpu-isolate-cleanup",
+        "test_crashes.py::test_segfault",
+        "test_hangs.py::test_sleeps_forever",
+        "test_leak_shm.py::test_leaks_raw_file",
+    )
+    result = gpuiso_spawn.run("--color=yes", *args)
+    out = result.stdout.str()
+    assert re.search(r"\x1b\[31m\x1b\[1mTIMEOUT\x1b\[0m test_hangs.py", out), out
+    assert re.search(r"\x1b\[31m\x1b\[1mCRASHED\x1b\[0m test_crashes.py", out), out
+    assert re.search(r"\x1b\[33mgpu-isolate: 1 leak in 1 test \(1 shm", out), out
+    assert out.count(f"/dev/shm/{name}-raw") == 1, out
+    assert "(the test's error above has the detail)" in out
+    plain = gpuiso_spawn.run("--color=no", *args).stdout.str()
+    assert "\x1b[" not in plain
+    assert "  TIMEOUT test_hangs.py::test_sleeps_forever (after 1 s)" in plain
 
 
 def _ended_record(timed_out: bool, signal: str | None, outcome: str, expired=None) -> dict:
