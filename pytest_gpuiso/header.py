@@ -72,8 +72,10 @@ def _brief(config: pytest.Config, state: State, scope: str, timeout: str) -> lis
         gpus += f"each test leases {each}"
     else:
         gpus = f"gpu-isolate: no GPUs to lease (from {d.source})"
-    levels = ", ".join(f"{kind}={level}" for kind, level in s.leaks)
-    return [first, gpus, f"gpu-isolate: leak checks {levels} (-v: details)"]
+    auto = config.stash.get(workers.AUTO, None)
+    if auto is not None:  # -n auto counted the workers from the GPUs: said on their line
+        gpus += "; " + auto.describe().removeprefix("gpu-isolate: ")
+    return [first, gpus, _leak_header(s, state)]
 
 
 def _each_test_leases(s: Settings, state: State) -> str:

@@ -124,6 +124,8 @@ def pytest_report_collectionfinish(config: pytest.Config, items: list[pytest.Ite
     state = config.stash.get(STATE, None)
     if state is None or state.settings.mode != "marked" or state.settings.pin_workers:
         return []
+    if config.get_verbosity() < 0 or config.option.no_header:  # as pytest's header
+        return []
     if not state.prepared:
         return []
     from . import header

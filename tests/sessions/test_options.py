@@ -138,7 +138,8 @@ def test_report_header_describes_settings(gpuiso_spawn):
     assert header == [
         "gpu-isolate: every test in a fresh process (spawn), timeout 30 s (--gpu-isolate-timeout)",
         "gpu-isolate: no GPUs to lease (from NVML)",
-        "gpu-isolate: leak checks shm=warn, process=warn, gpu_memory=warn (-v: details)",
+        "gpu-isolate: leak checks shm=warn, process=warn, gpu_memory=warn "
+        "(gpu_memory: no GPUs to check)",
     ]
     assert not any(line.startswith("gpu-isolate: started") for line in _ours(result))
     result = gpuiso_spawn.run(*args, "-v")

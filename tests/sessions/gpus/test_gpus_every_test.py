@@ -46,7 +46,7 @@ def seen_log(gpuiso: GpuIso, lease_region, fake_libcuda: Path, tmp_path, monkeyp
 def test_gpu_isolate_gives_every_test_a_gpu_and_a_port(gpuiso: GpuIso, seen_log: Path):
     """Under xdist: the unmarked tests lease one GPU each, gpus=2 both, gpus=0 none (its
     driver load is recorded, not warned: its marker said so); every test its port."""
-    result = gpuiso.run("--gpu-isolate", DEVICES, "-n", "2", "-p", "no:randomly", REPORT)
+    result = gpuiso.run("--gpu-isolate", DEVICES, "-n", "2", "-p", "no:randomly", REPORT, "-v")
     result.assert_outcomes(passed=5)
     result.stdout.fnmatch_lines(
         [
@@ -79,7 +79,7 @@ def test_no_gpus_by_default_names_the_tests_that_load_cuda(
     monkeypatch.setenv("GPUISO_SEEN", str(tmp_path / "seen"))
     monkeypatch.setenv("MASTER_PORT", "12345")
     gpuiso_spawn.copy(PROGRAM)
-    args = ("--gpu-isolate", DEVICES, "--gpu-isolate-gpus=0", REPORT, "-k", "driver")
+    args = ("--gpu-isolate", DEVICES, "--gpu-isolate-gpus=0", REPORT, "-k", "driver", "-v")
     result = gpuiso_spawn.run(*args)
     result.assert_outcomes(passed=2, warnings=1)
     result.stdout.fnmatch_lines(
@@ -210,7 +210,7 @@ def test_n_auto_starts_one_worker_per_gpu_slot(
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(
         [
-            "*gpu-isolate: -n auto: 3 workers, one per GPU slot (3 GPUs x 1 test each; GPUs "
+            "*-n auto: 3 workers, one per GPU slot (3 GPUs x 1 test each; GPUs "
             "from --gpu-isolate-devices)*",
             "*created: 3/3 workers*",
         ]

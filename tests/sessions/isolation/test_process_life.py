@@ -52,6 +52,7 @@ def test_a_spawned_process_preloads_only_what_its_test_imports(gpuiso_spawn: Gpu
         "--gpu-isolate",
         "--gpu-isolate-preload=heavy_mod",
         "--gpu-isolate-prewarm=2",
+        "-v",
         "-p",
         "no:randomly",
         "preload_used/test_plain.py",

@@ -59,7 +59,7 @@ def _check_all_counted(gpuiso, result: pytest.RunResult, isolated: int = 5) -> N
 
 def test_isolated_lines_count(gpuiso) -> None:
     gpuiso.copy(PROGRAM)
-    result = gpuiso.run(CALC, "--cov-report=term-missing", f"{PROGRAM}/test_calc.py")
+    result = gpuiso.run("-v", CALC, "--cov-report=term-missing", f"{PROGRAM}/test_calc.py")
     _check_all_counted(gpuiso, result)
 
 
@@ -75,7 +75,7 @@ def test_every_test_isolated(gpuiso) -> None:
     """--gpu-isolate: the in-process test's lines are measured in its own process too."""
     gpuiso.copy(PROGRAM)
     result = gpuiso.run(
-        "--gpu-isolate", CALC, "--cov-report=term-missing", f"{PROGRAM}/test_calc.py"
+        "-v", "--gpu-isolate", CALC, "--cov-report=term-missing", f"{PROGRAM}/test_calc.py"
     )
     _check_all_counted(gpuiso, result, isolated=6)
 
@@ -147,7 +147,7 @@ def test_coverage_subprocess_patch(gpuiso) -> None:
         pytest.skip(f"coverage {coverage.__version__} has no [run] patch = subprocess")
     gpuiso.copy(PROGRAM)
     (gpuiso.path / ".coveragerc").write_text("[run]\npatch = subprocess\n")
-    result = gpuiso.run(CALC, "--cov-report=term-missing", f"{PROGRAM}/test_calc.py")
+    result = gpuiso.run("-v", CALC, "--cov-report=term-missing", f"{PROGRAM}/test_calc.py")
     time.sleep(1)  # the resource tracker exits after pytest: a file of its own comes then
     _check_all_counted(gpuiso, result)
 

@@ -163,7 +163,7 @@ def test_a_start_method_chosen_in_the_ini_file_is_kept(
     iso = make_gpuiso(pytester, monkeypatch, None)
     iso.copy("start_log.py", "start_preload_mod.py", PROCS)
     pytester.makeini("[pytest]\ngpu_isolate_start = spawn\n")
-    result = iso.run("--gpu-isolate", "--gpu-isolate-prewarm=0", REPORT, PROCS)
+    result = iso.run("-v", "--gpu-isolate", "--gpu-isolate-prewarm=0", REPORT, PROCS)
     result.assert_outcomes(passed=4)
     result.stdout.fnmatch_lines(["gpu-isolate: start spawn, preload none, prewarm off"])
     assert {start["method"] for start in _starts(iso).values()} == {"spawn"}
@@ -544,7 +544,7 @@ def test_prewarmed_process_that_touched_cuda_is_replaced(
     _cuda_conftest(iso, monkeypatch, lib)
     if conftest == "reads-cvd":
         monkeypatch.setenv("GPUISO_CONFTEST_READS_CVD", "1")
-    result = iso.run("--gpu-isolate-devices=0,1", REPORT, "test_start_gpus.py")
+    result = iso.run("-v", "--gpu-isolate-devices=0,1", REPORT, "test_start_gpus.py")
     runs = logs.by_test()
     assert sorted(runs) == GPU_TESTS
     assert {run["cvd"] for run in runs.values()} <= {"0", "1"}, runs

@@ -160,7 +160,7 @@ def test_forked_tests_keep_pytest_semantics(env: Env) -> None:
     process; record_property reaches the junitxml. Every record says `collected`."""
     env.iso.copy(SEMANTICS)
     common = ("-rA", "-o", "junit_family=xunit1", SEMANTICS)
-    spawn = env.run("--basetemp=bt-spawn", "--junitxml=spawn.xml", *common, start="spawn")
+    spawn = env.run("-v", "--basetemp=bt-spawn", "--junitxml=spawn.xml", *common, start="spawn")
     env.log.unlink(missing_ok=True)
     result = env.run("-v", "--basetemp=bt", "--junitxml=fork.xml", *common)
     result.assert_outcomes(failed=2, passed=4, skipped=1, xfailed=1, xpassed=1, warnings=1)
