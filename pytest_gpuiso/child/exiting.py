@@ -24,7 +24,7 @@ from typing import NoReturn
 
 from ..proc import workdir
 from ..wire import frames
-from . import cuda_state
+from . import cuda_state, tracker
 
 
 def flush_and_exit(status: int, conn: Connection | None = None) -> NoReturn:
@@ -41,10 +41,16 @@ def flush_and_exit(status: int, conn: Connection | None = None) -> NoReturn:
     running (they would keep the process alive; in-process they would keep pytest alive)
     and the interpreter's teardown of every module.
 
+    Then the shared memory segments the test left registered with multiprocessing's
+    resource tracker go to its leak check (``tracker.hand_over``), not to the tracker,
+    which would warn of them on pytest's terminal when pytest exits.
+
     ``conn``: the pipe to the parent, which is told ``EXITING`` last (``say_exiting``)."""
     _flush()
     run_exit_hooks()
     _flush()
+    with contextlib.suppress(Exception):
+        tracker.hand_over()
     with contextlib.suppress(Exception):  # os._exit() runs no atexit handler: ours now
         workdir.remove_process_dir()
     if conn is not None and status == 0:
@@ -72,6 +78,8 @@ def mark_exit_handlers() -> None:
     with contextlib.suppress(Exception):
         atexit._clear()
         _ExitMark.finalizers = next(weakref.finalize._index_iter)
+    with contextlib.suppress(Exception):
+        tracker.watch()  # likewise, the segments it registers with the resource tracker
 
 
 def _run_finalizers_since(first: int) -> None:

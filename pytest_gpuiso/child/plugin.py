@@ -262,6 +262,15 @@ class ChildPlugin:
         self.channel.send(frames.WARNING, frames.encode_warning(message, item.nodeid))
 
     @pytest.hookimpl(wrapper=True)
+    def pytest_fixture_setup(self, fixturedef: Any, request: Any) -> Any:
+        """Say which fixtures of a scope broader than the test this process sets up (as
+        each begins: one that hangs or crashes the process is named too), but for
+        machinery (``machinery``); the test's JSON record lists them."""
+        if self.ran is not None and fixturedef.scope != "function" and not machinery(fixturedef):
+            self.channel.send(frames.FIXTURE, (fixturedef.argname, fixturedef.scope))
+        return (yield)
+
+    @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(self, item: Any, call: Any) -> Any:
         report = yield
         overrun = memory_cap.describe_overrun(call.excinfo)
@@ -297,6 +306,21 @@ class ChildPlugin:
         self.channel.send(
             frames.ERROR, f"internal pytest error in the isolated process:\n{excrepr}"
         )
+
+
+_MACHINERY = ("_pytest", "pytest", "pytest_gpuiso")  # modules whose fixtures are not named
+
+
+def machinery(fixturedef: Any) -> bool:
+    """Whether a fixture is machinery rather than what the session's code or plugins set
+    up: pytest's own (``tmp_path_factory``, which every ``tmp_path`` sets up), ours, or a
+    private one (a leading ``_``, which ``pytest --fixtures`` hides too: a plugin's autouse
+    internals)."""
+    if fixturedef.argname.startswith("_"):
+        return True
+    func = getattr(fixturedef.func, "__func__", fixturedef.func)
+    module = str(getattr(func, "__module__", None) or "")
+    return module.split(".", 1)[0] in _MACHINERY
 
 
 SECTION_KEEP = 16 << 20  # characters of one captured output section sent to pytest

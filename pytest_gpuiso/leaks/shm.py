@@ -30,7 +30,13 @@ inode and it is ours (``lstat``, no symlink followed on the way), and a
 entry attributed by anything weaker is reported, never deleted. The same rule
 holds for a prewarmed process that is discarded and for the fork server's
 template when it gives up (``remove_created``): without the option, what they
-created is left in place.
+created is left in place. One exception, whatever the options: a segment the
+test's process created and left registered with multiprocessing's resource
+tracker, which would delete it at its own exit (after pytest's, with a warning
+on pytest's terminal). The test's process hands it over in the log instead
+(``child.tracker``; only with ``CHECKED_ENV``, when this check reads that log), and
+it is deleted once checked (``_handed_over``: still the logged inode, ours, made
+since the process started, never one of our own files), reported or not.
 
 The holder check reads ``/proc/*/fd`` and ``/proc/*/maps`` and runs only when
 there is a candidate, so a clean test pays for one ``scandir`` before and after.
@@ -45,7 +51,8 @@ import re
 import stat
 
 from ..proc.proctree import exists
-from ..wire.environment import LOG_ENV
+from ..values import size_text
+from ..wire.environment import CHECKED_ENV, LOG_ENV
 from . import Leak, Probe, RunInfo, StartedProcess
 from .shm_log import SHM_DIR, Logged, deepest_first, preload_env, read_log, remove_entry
 
@@ -127,14 +134,35 @@ class ShmProbe(Probe):
 
     def child_env(self) -> dict[str, str]:
         # It got LD_PRELOAD when it was started (maybe before its turn); with its go,
-        # what its own processes inherit says the same.
-        return {**preload_env(), LOG_ENV: self.log} if self.log else {}
+        # what its own processes inherit says the same, and that this check reads it.
+        return {**preload_env(), LOG_ENV: self.log, CHECKED_ENV: self.log} if self.log else {}
 
     def snapshot(self) -> dict[str, int]:
         return scan(self.directory)
 
     def _ignored(self, name: str) -> bool:
         return any(fnmatch.fnmatchcase(name, pat) for pat in self.ignore)
+
+    def _handed_over(
+        self, logged: dict[str, Logged] | None, run: RunInfo
+    ) -> dict[str, os.stat_result]:
+        """The entries the test's process handed over (``child.tracker``: a segment it left
+        to multiprocessing's resource tracker, which would have deleted it at exit), that
+        are still what the log says it created, ours and made since its start, and not one
+        of our own files: deleted once looked at, reported or not."""
+        found: dict[str, os.stat_result] = {}
+        for name, entry in (logged or {}).items():
+            if not entry.tracked or any(fnmatch.fnmatchcase(name, p) for p in OWN_PATTERNS):
+                continue
+            with contextlib.suppress(OSError):
+                st = os.lstat(os.path.join(self.directory, name))
+                if (
+                    st.st_ino == entry.inode
+                    and st.st_uid == self.uid
+                    and st.st_ctime >= run.started - _CTIME_SLACK
+                ):
+                    found[name] = st
+        return found
 
     def check(self, before: dict[str, int], run: RunInfo) -> list[Leak]:
         logged: dict[str, Logged] | None = None
@@ -176,9 +204,8 @@ class ShmProbe(Probe):
                 del stats[name]  # nothing says whose it is, and other tests ran beside it
             elif pid is not None:
                 creators[name] = pid
-        if not stats:
-            return []
-        held = held_inodes({(st.st_dev, st.st_ino) for st in stats.values()})
+        handed = self._handed_over(logged, run)
+        held = held_inodes({(st.st_dev, st.st_ino) for st in stats.values()}) if stats else set()
         leaks: dict[str, Leak] = {}
         for name in deepest_first(list(stats)):  # a directory after what it holds
             st = stats[name]
@@ -191,11 +218,11 @@ class ShmProbe(Probe):
                 fields["pid"] = pid
             # Only what the test is known to have made: never an entry it only opened.
             cleaned = (
-                self.cleanup
-                and (name in traced or name in named)
-                and remove_entry(self.directory, name, st.st_ino, self.uid)
-            )
+                name in handed or (self.cleanup and (name in traced or name in named))
+            ) and remove_entry(self.directory, name, st.st_ino, self.uid)
             fields["cleaned"] = cleaned
+            if name in handed:
+                fields["tracked"] = True
             if stat.S_ISDIR(st.st_mode):
                 kind = "directory"
             else:
@@ -206,6 +233,12 @@ class ShmProbe(Probe):
                 by = f", named for pid {pid}"  # its name says so; the shim did not see it
             else:
                 by = ""
-            detail = f"{kind} {path} ({st.st_size} bytes{by}) left in /dev/shm"
-            leaks[name] = Leak("shm", detail + (" (deleted)" if cleaned else ""), fields)
+            detail = f"{kind} {path} ({size_text(st.st_size)}{by}) left in /dev/shm"
+            if cleaned:
+                why = ", as Python's resource tracker would" if name in handed else ""
+                detail += f" (deleted{why})"
+            leaks[name] = Leak("shm", detail, fields)
+        # What was handed over and is no leak of the test (ignored, in use) goes too
+        for name in deepest_first([name for name in handed if name not in leaks]):
+            remove_entry(self.directory, name, handed[name].st_ino, self.uid)
         return [leaks[name] for name in sorted(leaks)]

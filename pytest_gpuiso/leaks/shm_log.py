@@ -6,7 +6,9 @@ the creator's pid, the inode the entry got and its name. The launcher gives each
 process its log at its start (``LOG_ENV``); the leak check (``leaks.shm``) reads it
 after the test, the launcher for a process discarded before its turn, and the fork
 server's template for what it created itself. Only an entry that still holds the logged
-inode and is ours is ever deleted (``remove_created``), and only on request.
+inode and is ours is ever deleted (``remove_created``), and only on request, or when the
+test's process handed it over (``hand_over``): a segment it created and left registered
+with multiprocessing's resource tracker, which would have deleted it at exit.
 """
 
 from __future__ import annotations
@@ -58,15 +60,21 @@ def preload_env() -> dict[str, str]:
 
 
 class Logged(NamedTuple):
-    """One creation the shim logged: who made the entry, and which inode it got."""
+    """One creation the shim logged: who made the entry, and which inode it got;
+    ``tracked``: the test's process handed it over (``hand_over``)."""
 
     pid: int
     inode: int
+    tracked: bool = False
+
+
+_TRACKED = b"tracked"  # a hand-over's line: "tracked <inode> <escaped name>"
 
 
 def read_log(path: str) -> dict[str, Logged]:
     """name (relative to /dev/shm, "dir/name" in a subdirectory) -> its creation, from the
-    shim's log; the last creation of a name wins."""
+    shim's log; the last creation of a name wins. A hand-over counts for the creation it
+    follows, of the same inode."""
     created: dict[str, Logged] = {}
     with contextlib.suppress(OSError), open(path, "rb") as f:
         for line in f:
@@ -74,10 +82,41 @@ def read_log(path: str) -> dict[str, Logged]:
             if len(parts) != 3:
                 continue
             pid, inode, name = parts
-            if pid.isdigit() and inode.isdigit() and name:
-                text = os.fsdecode(_ESCAPED.sub(lambda m: bytes([int(m[1], 16)]), name))
+            if not (inode.isdigit() and name):
+                continue
+            text = os.fsdecode(_ESCAPED.sub(lambda m: bytes([int(m[1], 16)]), name))
+            if pid.isdigit():
                 created[text] = Logged(int(pid), int(inode))
+            elif pid == _TRACKED and text in created and created[text].inode == int(inode):
+                created[text] = created[text]._replace(tracked=True)
     return created
+
+
+def _escape(name: str) -> bytes:
+    """``name`` as the shim writes it: bytes <= 0x20, % and 0x7f as %XX."""
+    return b"".join(
+        b"%%%02X" % byte if byte <= 0x20 or byte in (0x25, 0x7F) else bytes([byte])
+        for byte in os.fsencode(name)
+    )
+
+
+def hand_over(log: str, name: str, inode: int) -> bool:
+    """Say in ``log`` that the entry ``name`` (relative to /dev/shm), which the log says
+    this test's processes created as ``inode``, is left for the leak check to delete once
+    it has looked (a test's process, for what multiprocessing's resource tracker would
+    have deleted at exit: ``child.tracker``). One ``write``, appended, as the shim writes
+    its lines; whether it was written."""
+    line = b"%s %d %s\n" % (_TRACKED, inode, _escape(name))
+    try:
+        fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        return os.write(fd, line) == len(line)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def _walk(directory: str, name: str) -> tuple[int, str]:

@@ -12,6 +12,7 @@ import gc
 import sys
 from typing import Any
 
+from ..values import size_text
 from . import Leak
 
 
@@ -37,7 +38,7 @@ def leak(data: dict[str, Any]) -> Leak:
     """The leak of one growth the test's process reported ({device, bytes})."""
     return Leak(
         "gpu_memory",
-        f"cuda:{data['device']}: torch.cuda.memory_allocated() grew by {data['bytes']} bytes "
+        f"cuda:{data['device']}: torch.cuda.memory_allocated() grew by {size_text(data['bytes'])} "
         "during the test (tensors still referenced after teardown)",
         {"device": f"cuda:{data['device']}", "bytes": data["bytes"], "source": "torch"},
     )

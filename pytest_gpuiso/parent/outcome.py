@@ -55,6 +55,7 @@ class Outcome:
     torch_leaks: list[dict[str, Any]] = field(default_factory=list)
     driver: list[str] = field(default_factory=list)  # CUDA libraries loaded with no GPU
     imported: list[dict[str, Any]] = field(default_factory=list)  # learnable imports
+    fixtures: list[tuple[str, str]] = field(default_factory=list)  # broader than the test
     exits: list[dict[str, Any]] = field(default_factory=list)  # pytest.exit() or Ctrl-C
     errors: list[str] = field(default_factory=list)
     results: list[bytes] = field(default_factory=list)  # run_isolated: the value, pickled
@@ -145,6 +146,7 @@ _HANDLERS: dict[str, tuple[bool, Callable[[Outcome, Any], None]]] = {
     frames.TORCH_LEAK: (False, _add("torch_leaks")),
     frames.DRIVER: (False, _first("driver")),
     frames.IMPORTED: (False, _add("imported")),
+    frames.FIXTURE: (False, _add("fixtures")),
     frames.EXIT: (False, _add("exits")),
     frames.ERROR: (False, _add("errors")),
     frames.RESULT: (False, _add("results")),

@@ -108,6 +108,10 @@ def build_record(
     }
     if location is not None and location[1] is not None:  # a file and line: where it is
         record["location"] = {"file": location[0], "line": location[1] + 1}
+    if outcome is not None and outcome.fixtures:  # set up anew in its process
+        record["fixtures"] = [
+            {"name": name, "scope": scope} for name, scope in dict.fromkeys(outcome.fixtures)
+        ]
     if outcome is not None and outcome.driver:  # it leased no GPU (there were GPUs)
         record["cuda_without_gpu"] = outcome.driver  # and loaded CUDA's driver or NVML
     if port is not None:

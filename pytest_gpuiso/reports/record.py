@@ -37,6 +37,13 @@ class Location(TypedDict, total=False):
     path: str  # relative to the checkout (added where findings are made)
 
 
+class Fixture(TypedDict):
+    """A fixture of a scope broader than the test that the test's process set up."""
+
+    name: str
+    scope: str  # "session", "package", "module" or "class"
+
+
 class _Always(TypedDict):
     nodeid: str
     outcome: str
@@ -58,6 +65,7 @@ class Record(_Always, total=False):
     """One isolated test's attempt in the JSON report (schema ``SCHEMA_VERSION``)."""
 
     location: Location
+    fixtures: list[Fixture]
     cuda_without_gpu: str
     master_port: int
     gpus: list[str]

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..values import KINDS, size_text
+from . import fixtures
 from .baseline import baseline_lines, fixed_table
 from .files import STEP_SUMMARY_ENV, append_step_summary, step_summary_path, write_text
 from .mdtext import cell as _cell
@@ -84,6 +85,9 @@ def terminal_summary(
     cost = cost_line(records)
     if cost:
         tr.write_line("gpu-isolate: " + cost)
+    again = fixtures.rebuilt(records)  # said once a session, where it surprises
+    if again:
+        tr.write_line("gpu-isolate: " + again, yellow=True)
     folded = sum(r["warnings_folded"] for r in records if is_number(r.get("warnings_folded")))
     if folded:
         tr.write_line(

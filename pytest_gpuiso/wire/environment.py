@@ -35,6 +35,12 @@ MARK_ENV = "PYTEST_GPUISO_CALL"
 # by the shim; ``leaks.shm_log`` reads the file.
 LOG_ENV = "PYTEST_GPUISO_SHM_LOG"
 
+# Set by pytest's process (``leaks.shm``'s probe) in a test's process at its go: the log
+# (LOG_ENV's) that its /dev/shm check reads after the test. Read by ``child.tracker``,
+# which then hands the check the segments the test left to multiprocessing's resource
+# tracker (without it, they stay the tracker's).
+CHECKED_ENV = "PYTEST_GPUISO_SHM_CHECKED"
+
 # Set by a test suite (not "" or "0"): the fork server forks each test's process twice
 # instead of as its template's sibling. Read by ``forkserver.fork``.
 FORK_TWICE_ENV = "PYTEST_GPUISO_FORK_TWICE"

@@ -39,6 +39,7 @@ JUNIT = "junit"  # a record_xml_attribute / record_testsuite_property call, to r
 TORCH_LEAK = "torch_leak"  # torch's CUDA allocator grew during the test ({device, bytes})
 DRIVER = "driver"  # a test that leased no GPU loaded CUDA's driver or NVML (their file names)
 IMPORTED = "imported"  # what the test imported ({names: [(name, origin)], modules}: learnable)
+FIXTURE = "fixture"  # a fixture of a scope broader than the test is set up ((name, scope))
 EXIT = "exit"  # pytest.exit() or Ctrl-C in the test: the session ends ({interrupt, ...})
 ERROR = "error"  # why the process could not run its test (text)
 RESULT = "result"  # run_isolated: the function's value
@@ -79,6 +80,7 @@ SHAPES: dict[str, Any] = {
     TORCH_LEAK: {"device": (int, str), "bytes": _INT},
     DRIVER: [_TEXT],
     IMPORTED: {"names": [(_TEXT, _TEXT)], "modules": _INT},
+    FIXTURE: (_TEXT, _TEXT),
     EXIT: {"interrupt": (bool,), "message": _TEXT, "returncode": (int, type(None))},
     ERROR: _TEXT,
     RESULT: (bytes,),  # run_isolated's value, pickled: only its caller unpickles it

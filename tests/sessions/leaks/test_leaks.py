@@ -65,8 +65,7 @@ def test_shm_leaks_are_reported_with_name_size_and_creator(gpuiso, shm_name):
     assert seg["pid"] == records[f"{MOD}::test_leaks_segment"]["pid"]  # the shim saw it
     assert seg["cleaned"] is False
     assert seg["detail"] == (
-        f"segment /dev/shm/{shm_name}-seg (8192 bytes, created by pid {seg['pid']}) "
-        "left in /dev/shm"
+        f"segment /dev/shm/{shm_name}-seg (8 KiB, created by pid {seg['pid']}) left in /dev/shm"
     )
     [raw] = leaks_of(records, "test_leaks_raw_file")
     assert (raw["path"], raw["size"]) == (f"/dev/shm/{shm_name}-raw", 100)
@@ -82,7 +81,7 @@ def test_shm_leaks_are_reported_with_name_size_and_creator(gpuiso, shm_name):
     assert not (SHM / f"{shm_name}-clean").exists()
     result.stdout.fnmatch_lines(
         [
-            "*GpuIsoLeakWarning: shm: segment /dev/shm/*-seg (8192 bytes, created by pid *",
+            "*GpuIsoLeakWarning: shm: segment /dev/shm/*-seg (8 KiB, created by pid *",
             "*- gpu-isolate leak summary -*",
             "gpu-isolate: 4 leaks in 4 tests (4 shm, 0 process, 0 gpu_memory)",
             f"  {MOD}::test_leaks_segment: 1 shm",
@@ -121,7 +120,7 @@ def test_fail_policy_turns_a_leak_into_a_teardown_error(gpuiso_spawn, shm_name):
             "*_ ERROR at teardown of test_leaks_segment _*",
             "gpu-isolate: the test left 1 leak behind "
             "(--gpu-isolate-leaks shm=fail,process=warn,gpu_memory=warn):",
-            f"  shm: segment /dev/shm/{shm_name}-seg (8192 bytes, created by pid *",
+            f"  shm: segment /dev/shm/{shm_name}-seg (8 KiB, created by pid *",
         ]
     )
     records = gpuiso_spawn.records()

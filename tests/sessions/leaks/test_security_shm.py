@@ -2,7 +2,8 @@
 
 An entry counts as the test's creation only if it did not exist before the call that
 made it (the shim tries O_EXCL first): an existing entry opened with O_CREAT is not the
-test's. Nothing is deleted without --gpu-isolate-cleanup; with it, only entries the
+test's. Nothing is deleted without --gpu-isolate-cleanup (but a segment left registered with
+Python's resource tracker, which it would delete anyway); with it, only entries the
 shim saw the test create, still that inode and ours. Another user's entry is never the
 test's. The shim's log cannot be forged by a name, and sees directory-relative and
 nested creations. Sessions run fixtures/programs/leaks/sec_shm_tests.py (and
