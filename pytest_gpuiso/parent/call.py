@@ -15,6 +15,7 @@ import secrets
 from collections.abc import Callable
 from typing import Any
 
+from .. import native
 from ..gpu.devices import discover
 from ..gpu.health import Health
 from ..gpu.leases import Leases, held_lease, visible_env
@@ -96,6 +97,9 @@ def call_isolated(
     grace = parse_seconds(grace, "run_isolated argument grace", allow_zero=True)
     parse_count(gpus, "run_isolated argument gpus")
     name = _label(func)
+    unavailable = native.missing()
+    if unavailable:  # not Linux, or installed without the C extensions
+        raise IsolationError(f"run_isolated({name}): {unavailable.split(';')[0]}")
     lease, env = None, {}
     have = held_lease(os.environ)
     if have is not None:  # inside an isolated test: use the GPUs it holds

@@ -111,3 +111,14 @@ def test_it_looks_without_importing(tmp_path: Path):
         check=True,
     )
     assert result.stdout.strip() == "[]"
+
+
+def test_run_isolated_says_why_it_cannot_run_here(monkeypatch: pytest.MonkeyPatch):
+    """Where isolation cannot work, run_isolated is one clear error, not an ImportError of
+    a missing extension."""
+    from pytest_gpuiso import IsolationError, run_isolated
+
+    monkeypatch.setattr(sys, "platform", "darwin")
+    with pytest.raises(IsolationError) as raised:
+        run_isolated(len, "abc")
+    assert str(raised.value) == "run_isolated(len): isolation needs Linux (this is darwin)"
