@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import uuid
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 from pytest_gpuiso._lease import Region
 
-from tests.helpers import GPUSIM, GpuIso, make_gpuiso, program
+from tests.helpers import GPUSIM, SHM, GpuIso, make_gpuiso, program
 from tests.helpers.lease_table import Client
 
 # The markers that say why a test must run in a CI stage that runs a sample of the suite.
@@ -118,6 +119,17 @@ def gpuiso_spawn(request: pytest.FixtureRequest) -> GpuIso:
     alone decides (options, ini keys, the header, leases, leak policies, the reports'
     formats), which the start method does not change."""
     return _make(request, "spawn")
+
+
+@pytest.fixture
+def shm_name(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A unique prefix for the /dev/shm entries a program makes (``GPUISO_SHM_NAME``);
+    whatever is left under it is removed after the test."""
+    name = f"gpuiso-t-{uuid.uuid4().hex[:10]}"
+    monkeypatch.setenv("GPUISO_SHM_NAME", name)
+    yield name
+    for path in SHM.glob(f"*{name}*"):
+        path.unlink(missing_ok=True)
 
 
 @pytest.fixture

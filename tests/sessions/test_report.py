@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 
 import pytest
@@ -127,12 +126,11 @@ def test_terminal_summary_lists_timeouts_and_crashes(gpuiso_spawn):
     )
 
 
-def test_summary_colours_follow_color_and_a_failing_leak_is_said_once(gpuiso_spawn, monkeypatch):
+def test_summary_colours_follow_color_and_a_failing_leak_is_said_once(gpuiso_spawn, shm_name):
     """--color=yes: TIMEOUT and CRASHED in pytest's red, the leak line yellow; --color=no:
     no escape at all. Under --gpu-isolate-leaks=fail, the leak's detail is in its test's
     error only, not again in a section or in the leak summary."""
-    name = f"gpuiso-once-{os.getpid()}"
-    monkeypatch.setenv("GPUISO_SHM_NAME", name)
+    name = shm_name
     gpuiso_spawn.copy("test_crashes.py", "test_hangs.py", "test_leak_shm.py")
     args = (
         "--gpu-isolate",

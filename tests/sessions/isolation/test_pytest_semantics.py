@@ -7,12 +7,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import uuid
 
 import pytest
 
 import pytest_gpuiso
-from tests.helpers import SHM, program
+from tests.helpers import program
 
 # pytest's report formats, hooks and internals: CI's lowest-versions stage runs them all
 pytestmark = pytest.mark.versions
@@ -20,16 +19,6 @@ pytestmark = pytest.mark.versions
 LEAKS = "sem_leak_warnings.py"
 FIXTURES = "sem_debugger_fixtures.py"
 LEAK_ERROR = "-W error::pytest_gpuiso.GpuIsoLeakWarning"
-
-
-@pytest.fixture
-def shm_name(monkeypatch: pytest.MonkeyPatch):
-    """A unique prefix for the files the program leaves; whatever is left is removed."""
-    name = f"gpuiso-sem-leak-{uuid.uuid4().hex[:10]}"
-    monkeypatch.setenv("GPUISO_SHM_NAME", name)
-    yield name
-    for path in SHM.glob(f"*{name}*"):
-        path.unlink(missing_ok=True)
 
 
 def _warning_lines(result: pytest.RunResult, category: str) -> list[str]:

@@ -19,16 +19,6 @@ from tests.helpers import REPORT, SHM, kill_quietly, pid_alive, wait_gone
 MOD = "test_leak_shm.py"
 
 
-@pytest.fixture
-def shm_name(monkeypatch: pytest.MonkeyPatch):
-    """A unique prefix for the segments the program creates; whatever is left is removed."""
-    name = f"gpuiso-t-{uuid.uuid4().hex[:10]}"
-    monkeypatch.setenv("GPUISO_SHM_NAME", name)
-    yield name
-    for path in SHM.glob(f"*{name}*"):
-        path.unlink(missing_ok=True)
-
-
 @contextlib.contextmanager
 def leftovers_run(gpuiso, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, program, *args):
     """Run ``program`` with every test isolated and $GPUISO_PIDFILE set; yield the result

@@ -5,24 +5,10 @@ fixtures/programs/leaks/test_tracked_shm.py."""
 
 from __future__ import annotations
 
-import uuid
-
-import pytest
-
 from tests.helpers import REPORT, SHM
 
 PROGRAM = "test_tracked_shm.py"
 TRACKER = "resource_tracker"  # in the tracker's warning: ".../resource_tracker.py:254: ..."
-
-
-@pytest.fixture
-def shm_name(monkeypatch: pytest.MonkeyPatch):
-    """A unique prefix for the segments the program creates; whatever is left is removed."""
-    name = f"gpuiso-rt-{uuid.uuid4().hex[:10]}"
-    monkeypatch.setenv("GPUISO_SHM_NAME", name)
-    yield name
-    for path in SHM.glob(f"{name}*"):
-        path.unlink(missing_ok=True)
 
 
 def output_to_the_end(gpuiso, *args: str) -> str:
