@@ -41,7 +41,7 @@ def test_the_demo_reports_each_failure_mode(pytester: pytest.Pytester):
             "Timeout: the isolated test timed out after 3 s (timeout from marker) during call*",
             "*Crashed: the isolated test process crashed with SIGSEGV*",
             "*exited with code 0 during call before reporting a complete result*",
-            "gpu-isolate: 11 isolated, 1 timed out, 2 crashed, 1 escaped processes killed",
+            "gpu-isolate: 11 isolated, 1 timed out, 2 crashed, 1 escaped process killed",
             "  TIMEOUT test_demo.py::test_hangs_and_times_out (after 3 s)",
             "  CRASHED test_demo.py::test_segfaults (SIGSEGV)",
             "gpu-isolate: 2 leaks in 2 tests (1 shm, 1 process, 0 gpu_memory)",

@@ -182,7 +182,7 @@ def test_the_summaries_count_a_rerun_test_once() -> None:
     tr = _Terminal()
     report.terminal_summary(tr, records, None)
     assert "gpu-isolate: 1 isolated, 1 rerun, 0 timed out, 0 crashed" in tr.lines
-    assert "gpu-isolate: 3 leaks in 1 tests (3 shm, 0 process, 0 gpu_memory)" in tr.lines
+    assert "gpu-isolate: 3 leaks in 1 test (3 shm, 0 process, 0 gpu_memory)" in tr.lines
     assert tr.lines.count("  t.py::test_x: 3 shm") == 1
     text = report.markdown(records)
     assert "**1 isolated tests** (1 passed, 1 rerun)" in text

@@ -448,7 +448,7 @@ def test_merge_refuses_what_is_not_a_report_file(tmp_path, source):
         text=True,
         timeout=60,
     )
-    assert result.returncode == 1
+    assert result.returncode == 2  # unusable input
     assert result.stderr == f"error: {source}: {problem}\n"
     assert not (tmp_path / "o").exists()
 
