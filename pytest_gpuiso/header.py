@@ -15,7 +15,7 @@ import pytest
 from .gpu import ports, workers
 from .parent.session import State, default_gpus
 from .settings import MARKER, Settings, pytest_timeout
-from .values import DEFAULT_TIMEOUT
+from .values import DEFAULT_TIMEOUT, count_text
 
 
 def lines(config: pytest.Config, state: State, debugger: str, marked: int = 0) -> list[str]:
@@ -27,7 +27,7 @@ def lines(config: pytest.Config, state: State, debugger: str, marked: int = 0) -
         return [f"gpu-isolate: off ({why}): every test runs in-process"]
     scope = "every test"
     if s.mode != "all":
-        scope = f"{_count(marked, 'test')} marked {MARKER}" if marked else f"tests marked {MARKER}"
+        scope = f"{count_text(marked, 'test') if marked else 'tests'} marked {MARKER}"
     seconds, source = s.timeout, s.timeout_source
     if seconds is None:  # markers aside, pytest-timeout's value applies, else ours
         seconds, source = pytest_timeout(config) or (DEFAULT_TIMEOUT, "default")
@@ -55,10 +55,6 @@ def lines(config: pytest.Config, state: State, debugger: str, marked: int = 0) -
     return lines
 
 
-def _count(n: int, word: str) -> str:
-    return f"{n} {word}{'' if n == 1 else 's'}"
-
-
 def _brief(config: pytest.Config, state: State, scope: str, timeout: str) -> list[str]:
     """The header at pytest's default verbosity: three lines."""
     s, d = state.settings, state.devices
@@ -67,7 +63,7 @@ def _brief(config: pytest.Config, state: State, scope: str, timeout: str) -> lis
         gpus = _pin_header(config, s, state)
     elif d.names:
         n = default_gpus(s, d)
-        each = "none" if n == 0 else _count(n, "GPU")
+        each = "none" if n == 0 else count_text(n, "GPU")
         gpus = f"gpu-isolate: GPUs {d.describe()} (from {d.source}), {_packing(s)}; "
         gpus += f"each test leases {each}"
     else:

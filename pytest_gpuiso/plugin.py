@@ -64,12 +64,10 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     settings = read_settings(config)
     debugger = _debugger(config)
-    if debugger and settings.mode != "off":  # marked tests: said once one is collected
-        if settings.mode == "all":
-            warn_start(config, f"{debugger}: {_IN_PROCESS}")
-        settings = dataclasses.replace(settings, mode="off")
+    if debugger and settings.mode == "all":  # marked tests: said once one is collected
+        warn_start(config, f"{debugger}: {_IN_PROCESS}")
     unavailable = native.missing()  # not Linux, or built without the C extensions
-    if unavailable:
+    if debugger or unavailable:
         settings = dataclasses.replace(settings, mode="off")
     controller = None
     if not hasattr(config, "workerinput"):  # under xdist, the controller writes the reports

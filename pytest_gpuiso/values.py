@@ -194,6 +194,12 @@ def parse_size(value: Any, what: str) -> int:
     return size
 
 
+def count_text(n: int, one: str, many: str = "") -> str:
+    """``n`` and the noun, singular or plural, for messages: "1 leak", "2 leaks",
+    "1 escaped process" (``many``: the plural where it is not ``one`` + "s")."""
+    return f"{n:,} {one if n == 1 else many or one + 's'}"
+
+
 def size_text(size: int, form: str = ".4g") -> str:
     """Bytes for messages, in the largest binary unit they reach: 12 GiB, 1.5 GiB, 512 MiB
     (``form``: the number's format, ``.2f`` for a table's column)."""

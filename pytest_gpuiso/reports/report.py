@@ -11,7 +11,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from ..values import KINDS, size_text
+from ..values import KINDS, count_text, size_text
 from . import fixtures
 from .baseline import baseline_lines, fixed_table
 from .files import STEP_SUMMARY_ENV, append_step_summary, step_summary_path, write_text
@@ -77,7 +77,7 @@ def terminal_summary(
     parts = [f"{_tests(records)} isolated"] + ([f"{reruns} rerun"] if reruns else [])
     parts += [f"{len(timed_out)} timed out", f"{len(crashed)} crashed"]
     if escaped:
-        parts.append(f"{_count(escaped, 'escaped process', 'escaped processes')} killed")
+        parts.append(f"{count_text(escaped, 'escaped process', 'escaped processes')} killed")
     tr.write_line("gpu-isolate: " + ", ".join(parts))
     starts = start_counts(records)
     if starts and getattr(tr, "verbosity", 0) > 0:  # how processes started: a detail
@@ -108,11 +108,6 @@ def terminal_summary(
     if baseline is not None:
         for line in baseline_lines(baseline, WORST):
             tr.write_line(line)
-
-
-def _count(n: int, one: str, many: str = "") -> str:
-    """``n`` and the noun, singular or plural: "1 leak", "2 leaks", "1 escaped process"."""
-    return f"{n:,} {one if n == 1 else many or one + 's'}"
 
 
 def _flagged(tr: Any, word: str, rest: str, color: str = "red") -> None:
@@ -223,8 +218,9 @@ def leak_summary(tr: Any, records: list[dict[str, Any]]) -> None:
         if counted_leaks(r):
             by_test.setdefault(r["nodeid"], []).extend(counted_leaks(r))
     line = ", ".join(f"{counts[kind]} {kind}" for kind in KINDS)
-    total = _count(sum(counts.values()), "leak")
-    tr.write_line(f"gpu-isolate: {total} in {_count(len(by_test), 'test')} ({line})", yellow=True)
+    total = count_text(sum(counts.values()), "leak")
+    tests = count_text(len(by_test), "test")
+    tr.write_line(f"gpu-isolate: {total} in {tests} ({line})", yellow=True)
     if allowed:
         tr.write_line(f"gpu-isolate: {allowed} more allowed by allow_leaks markers")
     known = known_count(records)
@@ -236,8 +232,8 @@ def leak_summary(tr: Any, records: list[dict[str, Any]]) -> None:
         what = ", ".join(f"{n} {kind}" for kind, n in kinds.items())
         # A leak that failed its test was shown with that failure, in full: named only here.
         shown = [leak for leak in leaks if leak.get("level") != "fail"]
-        if len(shown) < len(leaks):
-            what += " (the test's error above has the detail)" if not shown else ""
+        if not shown:
+            what += " (the test's error above has the detail)"
         tr.write_line(f"  {nodeid}: {what}")
         for leak in shown[:3]:
             tr.write_line(f"    {leak['kind']}: {leak['detail']}")
