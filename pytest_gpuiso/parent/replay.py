@@ -1,12 +1,15 @@
 """What an isolated test's process did that pytest must see in this process, replayed:
-its warnings, junit records and uncaptured output, its leaks as warnings, and a test
-that loaded CUDA while it leased no GPU (``warn_cuda_without_gpu``).
+its warnings (their categories rebuilt importing nothing), junit records and uncaptured
+output, its leaks as warnings, and a test that loaded CUDA while it leased no GPU
+(``warn_cuda_without_gpu``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
+import types
 import warnings
 from dataclasses import replace
 from typing import Any
@@ -15,6 +18,7 @@ import pytest
 
 from .. import _compat
 from ..leaks import Verdict
+from ..reports.termtext import inert
 from ..warning_types import GpuIsoLeakWarning, GpuIsoStartWarning, issue_for_test, warn_for_test
 from ..wire import frames
 
@@ -27,7 +31,7 @@ def warn_leaks(item: pytest.Item, verdict: Verdict) -> Verdict:
     warned: list = []
     errors: list = []
     for leak in verdict.warning:
-        warning = GpuIsoLeakWarning(f"{leak.kind}: {leak.detail}")
+        warning = GpuIsoLeakWarning(f"{leak.kind}: {inert(leak.detail)}")
         how = issue_for_test(warning, str(item.path), lineno)
         (errors if how == "error" else warned).append(leak)
         if how == "ignored":  # reported still, but not annotated
@@ -100,7 +104,7 @@ def replay_warnings(
             folded += 1
             continue
         fresh.add(key)
-        message, category = frames.decode_warning(data)
+        message, category = decode_warning(data)
         record = warnings.WarningMessage(
             message=message, category=category, filename=data["filename"], lineno=data["lineno"]
         )
@@ -112,6 +116,61 @@ def replay_warnings(
     if seen is not None:
         seen |= fresh
     return folded
+
+
+def decode_warning(data: dict[str, Any]) -> tuple[Warning, type[Warning]]:
+    """The warning of a ``frames.WARNING`` frame and its category, importing nothing: the
+    frame names the category's module, which is the test's to choose (importing it here
+    would run the test's code in pytest, or load torch and its CUDA driver). The category
+    itself where pytest's process has its module already, else its ``stand_in``;
+    ``UserWarning`` for the message when the category will not take it."""
+    category = _imported(data["category_module"], data["category_name"])
+    if category is None:
+        base = frames.BUILTIN_WARNINGS.get(data["category_base"], UserWarning)
+        category = stand_in(data["category_module"], data["category_name"], base)
+    try:
+        message: Warning = category(data["message"])
+    except Exception:
+        message = UserWarning(data["message"])
+    return message, category
+
+
+# A module's and a class's own namespace, read past any __getattribute__ of theirs
+_MODULE_NAMESPACE = vars(types.ModuleType)["__dict__"]
+_CLASS_NAMESPACE = vars(type)["__dict__"]
+
+
+def _imported(module: str, qualname: str) -> type[Warning] | None:
+    """The category ``module.qualname`` when its module is in ``sys.modules``, looked up
+    in the module's and classes' namespaces so that no code runs: no import, no module
+    ``__getattr__`` (a lazy module's imports), no descriptor."""
+    found: Any = sys.modules.get(module)
+    if not issubclass(type(found), types.ModuleType):
+        return None
+    namespace = _MODULE_NAMESPACE.__get__(found) or {}
+    for part in qualname.split("."):
+        found = namespace.get(part)
+        if not issubclass(type(found), type):
+            return None
+        namespace = _CLASS_NAMESPACE.__get__(found)
+    return found if issubclass(found, Warning) else None
+
+
+# One class per category in this process, as its module would give (the same category
+# of two tests is one); bounded, as a test's process may name any number of them.
+@functools.lru_cache(maxsize=1024)
+def stand_in(module: str, qualname: str, base: type[Warning]) -> type[Warning]:
+    """A subclass of ``base`` (the category's nearest builtin base) named as the category
+    is (``__name__``, ``__qualname__``, ``__module__``), for a category whose module
+    pytest's process has not imported: the warnings summary shows its name, and what
+    looks for a builtin category (``DeprecationWarning``) finds it. ``base`` itself for a
+    name no class can have."""
+    try:
+        return type(
+            qualname.rpartition(".")[2], (base,), {"__module__": module, "__qualname__": qualname}
+        )
+    except ValueError:  # a NUL or a lone surrogate (UnicodeEncodeError) in the name
+        return base
 
 
 NO_GPU = (

@@ -15,6 +15,7 @@ import pytest
 
 from .._compat import evaluate_xfail_marks
 from ..leaks import Verdict
+from ..reports.termtext import inert
 from ..settings import IsolationSpec
 from ..wire import frames
 from .outcome import Outcome
@@ -63,7 +64,7 @@ def _attach_leaks(item: pytest.Item, reports: list[pytest.TestReport], verdict: 
     """
     last = reports[-1]
     lines = [
-        f"{r['kind']}: {r['detail']}"
+        f"{r['kind']}: {inert(r['detail'])}"
         + (" (allowed)" if r.get("allowed") else " (known)" if r.get("level") == "known" else "")
         for r in verdict.records
     ]
@@ -73,7 +74,7 @@ def _attach_leaks(item: pytest.Item, reports: list[pytest.TestReport], verdict: 
             f"gpu-isolate: the test left {len(verdict.failing)} leak"
             f"{'s' if len(verdict.failing) != 1 else ''} behind "
             f"(--gpu-isolate-leaks {verdict.policy_text}):\n"
-            + "\n".join(f"  {leak.kind}: {leak.detail}" for leak in verdict.failing)
+            + "\n".join(f"  {leak.kind}: {inert(leak.detail)}" for leak in verdict.failing)
         )
         failed = synthetic_report(item, "teardown", problem)
         failed.sections = list(last.sections)

@@ -9,6 +9,12 @@ comparison with the base branch (what is new), is written out as
   ``PER_LEVEL`` of each level, as GitHub shows no more per step (the rest summarised in
   one annotation naming them);
 * a GitLab Code Quality report (JSON), which a merge request shows in its widget.
+
+Each workflow command is a line of its own that needs no earlier line, with one limit:
+GitHub reads none after ``::stop-commands::TOKEN`` until ``::TOKEN::``. The test's text
+pytest-gpuiso prints (a leak's detail) starts no line (``termtext.inert``), but what a
+test writes to the step's output itself (``-s``, ``capsys.disabled()``, a process of its
+own) can stop them, and no later line resumes without its token (docs/security.md).
 """
 
 from __future__ import annotations

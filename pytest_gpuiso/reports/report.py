@@ -19,6 +19,7 @@ from .mdtext import cell as _cell
 from .mdtext import code_cell as _code_cell
 from .mdtext import kind_cell as _kind
 from .record import counted_leaks, ending, is_number, known_count
+from .termtext import inert
 
 MARKDOWN_ROWS = 200  # leak rows in the Markdown table; GitHub truncates huge summaries
 WORST = 5  # tests listed as worst offenders in the terminal
@@ -234,9 +235,9 @@ def leak_summary(tr: Any, records: list[dict[str, Any]]) -> None:
         shown = [leak for leak in leaks if leak.get("level") != "fail"]
         if not shown:
             what += " (the test's error above has the detail)"
-        tr.write_line(f"  {nodeid}: {what}")
+        tr.write_line(f"  {inert(nodeid)}: {what}")
         for leak in shown[:3]:
-            tr.write_line(f"    {leak['kind']}: {leak['detail']}")
+            tr.write_line(f"    {inert(leak['kind'])}: {inert(leak['detail'])}")
         if len(shown) > 3:
             tr.write_line(f"    ... {len(shown) - 3} more in the JSON report")
     if len(worst) > WORST:

@@ -13,6 +13,7 @@ test's deadline, and what it keeps of one test's frames is bounded (``KEEP_BYTES
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import itertools
 import os
@@ -20,7 +21,6 @@ import stat
 import struct
 import time
 import warnings
-from importlib import import_module
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
@@ -55,6 +55,12 @@ _SPILL = "spill"  # a frame in a file: its payload is the file's number
 _HEADER = struct.Struct("!i")  # multiprocessing's framing of send_bytes
 _READ = 1 << 16
 
+# The warning categories every process has without importing anything, by name
+BUILTIN_WARNINGS = {
+    name: value
+    for name, value in vars(builtins).items()
+    if isinstance(value, type) and issubclass(value, Warning)
+}
 _TEXT = (str,)
 _MAYBE_TEXT = (str, type(None))
 _INT = (int,)
@@ -72,6 +78,7 @@ SHAPES: dict[str, Any] = {
         "message": _TEXT,
         "category_module": _TEXT,
         "category_name": _TEXT,
+        "category_base": _TEXT,  # its nearest builtin base (``BUILTIN_WARNINGS``)
         "filename": _TEXT,
         "lineno": (int, type(None)),
         "nodeid": _TEXT,
@@ -366,32 +373,19 @@ def drain(reader: Reader, received: Received) -> None:
 
 
 def encode_warning(message: warnings.WarningMessage, nodeid: str) -> dict[str, Any]:
-    """A warning of the test as plain data (its category by name)."""
+    """A warning of the test as plain data: its category by name, and by the name of its
+    nearest builtin base, which pytest's process can rebuild without importing anything."""
     category = message.category
+    base = next(
+        (c.__name__ for c in category.__mro__ if BUILTIN_WARNINGS.get(c.__name__) is c),
+        "UserWarning",
+    )
     return {
         "message": str(message.message),
         "category_module": category.__module__,
         "category_name": category.__qualname__,
+        "category_base": base,
         "filename": message.filename,
         "lineno": message.lineno,
         "nodeid": nodeid,
     }
-
-
-def decode_warning(data: dict[str, Any]) -> tuple[Warning, type[Warning]]:
-    """The warning and its category again; ``UserWarning`` for a category that cannot be
-    imported here or will not take the message."""
-    category: Any
-    try:
-        category = import_module(data["category_module"])
-        for part in data["category_name"].split("."):
-            category = getattr(category, part)
-        if not (isinstance(category, type) and issubclass(category, Warning)):
-            raise TypeError
-    except Exception:
-        category = UserWarning
-    try:
-        message: Warning = category(data["message"])
-    except Exception:
-        message = UserWarning(data["message"])
-    return message, category

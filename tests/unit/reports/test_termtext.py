@@ -1,0 +1,103 @@
+"""Text a test made, on the terminal: ``termtext.inert`` keeps a leak's detail on one line
+that GitHub's runner does not read as a workflow command; the leak summary prints details
+through it, and the annotations keep them inside their own command (a session over a real
+leak: tests/sessions/trust/test_workflow_commands.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pytest_gpuiso.reports import findings, report
+from pytest_gpuiso.reports.termtext import inert
+
+FORGED = "x\n::stop-commands::pwned\n::error title=F::forged\r\n  ::add-mask::s\n##[error]v1"
+
+
+def _is_command(line: str) -> bool:
+    """Whether GitHub's runner would take the line as a workflow command."""
+    return line.lstrip().startswith("::") or "##[" in line
+
+
+@pytest.mark.parametrize(
+    ("text", "shown"),
+    [
+        ("python -c pass", "python -c pass"),
+        ("t.py::test_x[a-b] ü 中 ∞", "t.py::test_x[a-b] ü 中 ∞"),  # printable: as it is
+        ("a\nb\r\nc\rd", r"a\nb\r\nc\rd"),
+        ("tab\tesc\x1b[31mnul\x00del\x7f", r"tab\tesc\x1b[31mnul\x00del\x7f"),
+        ("next\x85line\u2028para\u2029", r"next\x85line\u2028para\u2029"),
+        ("nbsp\xa0bidi\u202e", r"nbsp\xa0bidi\u202e"),
+        ("bad\udcffname", r"bad\udcffname"),  # an undecodable name's lone surrogate
+        ("##[error]x and ##[add-mask]y", r"#\x23[error]x and #\x23[add-mask]y"),
+        ("###[x", r"##\x23[x"),
+        ("::error::x", r"\x3a:error::x"),
+        ("   ::stop-commands::t", r"   \x3a:stop-commands::t"),
+        ("\n::warning::x", r"\n::warning::x"),  # escaped, it no longer starts a line
+        ("\u3000::notice::x", r"\u3000::notice::x"),
+        (": :x", ": :x"),
+        (7, "7"),
+    ],
+)
+def test_inert_text_is_one_line_that_starts_no_workflow_command(text, shown):
+    assert inert(text) == shown
+    assert len(inert(text).splitlines()) <= 1
+    assert not _is_command(inert(text))
+    assert not _is_command("    shm: " + inert(text))
+
+
+def test_every_control_character_becomes_a_printable_ascii_escape():
+    text = "".join(map(chr, range(0x20))) + "\x7f" + "".join(map(chr, range(0x80, 0xA0)))
+    assert inert(text).isascii() and inert(text).isprintable()
+    assert inert(FORGED).splitlines() == [inert(FORGED)]
+
+
+class _Terminal:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def write_sep(self, sep: str, title: str) -> None:
+        self.lines.append(title)
+
+    def write_line(self, line: str, **markup: bool) -> None:
+        self.lines.append(line)
+
+
+def _record(nodeid: str, detail: str, kind: str = "process", level: str = "warn") -> dict:
+    return {
+        "nodeid": nodeid,
+        "outcome": "passed",
+        "attempt": 1,
+        "exit": {"code": 0, "signal": None, "timed_out": False, "expired": None},
+        "leaks": [{"kind": kind, "detail": detail, "level": level}],
+        "escaped": [],
+        "location": {"file": "t.py", "line": 3},
+    }
+
+
+def test_the_leak_summary_shows_a_forged_detail_on_one_line():
+    tr = _Terminal()
+    report.terminal_summary(tr, [_record("t.py::test_x", f"process 7 (killed): {FORGED}")], None)
+    text = "\n".join(tr.lines)
+    assert [line for line in text.splitlines() if _is_command(line)] == []
+    assert (
+        r"    process: process 7 (killed): x\n::stop-commands::pwned\n::error title=F::forged"
+        r"\r\n  ::add-mask::s\n#\x23[error]v1"
+    ) in tr.lines
+
+
+def test_the_leak_summary_shows_a_forged_node_id_on_one_line():
+    tr = _Terminal()
+    report.terminal_summary(tr, [_record("t.py::test_x[\n::error::id]", "a leak")], None)
+    assert r"  t.py::test_x[\n::error::id]: 1 process" in tr.lines
+    assert [line for line in "\n".join(tr.lines).splitlines() if _is_command(line)] == []
+
+
+@pytest.mark.parametrize("level", ["fail", "warn", "known"])
+def test_an_annotation_keeps_a_forged_detail_inside_its_own_command(level):
+    """The annotation's message is the detail as it is, escaped by GitHub's rules: one
+    line for the runner (which splits at CR and LF only), a command of ours."""
+    found = findings.of_records([_record("t.py::test_x", FORGED, "shm", level)])
+    [line] = findings.github(found)
+    assert "\n" not in line and "\r" not in line
+    assert line.startswith(f"::{findings.LEVEL[level]} file=t.py,line=3,title=pytest-gpuiso")
+    assert "behind: x%0A::stop-commands::pwned%0A::error title=F::forged%0D%0A" in line
