@@ -208,8 +208,9 @@ def _go(item: pytest.Item, plan: Plan, state: State, turn: Turn) -> Running | Ra
     if state.master_port:
         try:
             turn.port = ports.lease()
-        except ports.PortError as exc:
-            return Ran(setup_error_reports(item, str(exc)), spec)
+        except ports.PortError as exc:  # none free, or binding refused: this test and
+            state.master_port = False  # the rest run without one, said once
+            state.launcher.serving.notice(str(exc))
         except OSError as exc:  # out of descriptors: starting its process fails too,
             if exc.errno not in workdir.EXHAUSTED:  # and says why
                 raise
