@@ -21,6 +21,7 @@ from ..leaks import Verdict
 from ..reports.termtext import inert
 from ..warning_types import GpuIsoLeakWarning, GpuIsoStartWarning, issue_for_test, warn_for_test
 from ..wire import frames
+from . import standins
 
 
 def warn_leaks(item: pytest.Item, verdict: Verdict) -> Verdict:
@@ -161,13 +162,19 @@ def _imported(module: str, qualname: str) -> type[Warning] | None:
 @functools.lru_cache(maxsize=1024)
 def stand_in(module: str, qualname: str, base: type[Warning]) -> type[Warning]:
     """A subclass of ``base`` (the category's nearest builtin base) named as the category
-    is (``__name__``, ``__qualname__``, ``__module__``), for a category whose module
-    pytest's process has not imported: the warnings summary shows its name, and what
-    looks for a builtin category (``DeprecationWarning``) finds it. ``base`` itself for a
-    name no class can have."""
+    is (``__name__``, ``__qualname__``; ``category_module`` keeps its module's name), for
+    a category whose module pytest's process has not imported: the warnings summary shows
+    its name, and what looks for a builtin category (``DeprecationWarning``) finds it. Its
+    ``__module__`` is ``standins``, which is what an xdist controller imports to rebuild
+    it. ``base`` itself for a name no class can have."""
+    name = qualname.rpartition(".")[2]
+    if not name.isidentifier() or name.startswith("__"):  # no class the controller can name
+        return base
     try:
         return type(
-            qualname.rpartition(".")[2], (base,), {"__module__": module, "__qualname__": qualname}
+            name,
+            (base,),
+            {"__module__": standins.__name__, "__qualname__": qualname, "category_module": module},
         )
     except ValueError:  # a NUL or a lone surrogate (UnicodeEncodeError) in the name
         return base

@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 
-from pytest_gpuiso.parent import replay
+from pytest_gpuiso.parent import replay, standins
 from pytest_gpuiso.wire import frames
 
 
@@ -47,7 +47,7 @@ def test_a_module_pytest_has_not_imported_is_not_imported(tmp_path, monkeypatch)
     message, category = replay.decode_warning(frame)
     assert name not in sys.modules
     assert not (tmp_path / f"{name}.py.ran").exists()
-    assert (category.__module__, category.__qualname__, category.__name__) == (
+    assert (category.category_module, category.__qualname__, category.__name__) == (
         name,
         "TracerWarning",
         "TracerWarning",
@@ -66,7 +66,7 @@ def test_a_nested_category_keeps_its_qualified_name():
     _, category = replay.decode_warning(
         _frame("gpuiso_unit_absent.jit", "Tracer.InnerWarning", "FutureWarning")
     )
-    assert (category.__module__, category.__qualname__, category.__name__) == (
+    assert (category.category_module, category.__qualname__, category.__name__) == (
         "gpuiso_unit_absent.jit",
         "Tracer.InnerWarning",
         "InnerWarning",
@@ -102,7 +102,7 @@ def test_a_category_that_refuses_the_message_still_is_itself():
 def test_a_name_that_is_no_warning_category_here_is_a_stand_in(module, name):
     message, category = replay.decode_warning(_frame(module, name))
     assert category.__mro__[1:3] == (UserWarning, Warning)
-    assert (category.__module__, category.__qualname__) == (module, name)
+    assert (category.category_module, category.__qualname__) == (module, name)
     assert type(message) is category
 
 
@@ -144,7 +144,9 @@ def test_a_base_that_is_no_builtin_warning_is_user_warning(base):
     assert category.__mro__[1] is UserWarning
 
 
-@pytest.mark.parametrize("name", ["Bad\x00Warning", "Bad\udcffWarning"])
+@pytest.mark.parametrize(
+    "name", ["Bad\x00Warning", "Bad\udcffWarning", "Bad-Warning", "__Dunder__"]
+)
 def test_a_name_no_class_can_have_is_its_base(name):
     message, category = replay.decode_warning(_frame("gpuiso_unit_absent", name, "BytesWarning"))
     assert category is BytesWarning and type(message) is BytesWarning
@@ -162,9 +164,29 @@ def test_what_the_test_process_sends_rebuilds_to_the_same_name_and_base():
     assert payload["category_base"] == "ResourceWarning"
     message, category = replay.decode_warning(frames.check((frames.WARNING, payload))[1])
     assert category is not LocalWarning
-    assert (category.__module__, category.__qualname__) == (
+    assert (category.category_module, category.__qualname__) == (
         __name__,
         LocalWarning.__qualname__,
     )
     assert category.__mro__[1] is ResourceWarning
     assert str(message) == "closed"
+
+
+def test_xdist_controller_rebuilds_a_stand_in_by_importing_only_ours():
+    """xdist's controller rebuilds a worker's warning from the category's module and
+    class name (``importlib.import_module`` then ``getattr``): for a stand-in that is
+    ``standins``, which answers the name with a class of that name."""
+    import importlib
+
+    _, category = replay.decode_warning(_frame("gpuiso_unit_absent", "Outer.TracerWarning"))
+    assert category.__module__ == standins.__name__ == "pytest_gpuiso.parent.standins"
+    rebuilt = getattr(importlib.import_module(category.__module__), category.__name__)
+    assert rebuilt.__name__ == "TracerWarning" and issubclass(rebuilt, UserWarning)
+    assert standins.TracerWarning is rebuilt  # one class per name
+    assert str(rebuilt("traced")) == "traced"
+
+
+@pytest.mark.parametrize("name", ["__path__", "__wrapped__", "not-a-name", ""])
+def test_stand_in_module_answers_no_dunder_or_non_name(name):
+    with pytest.raises(AttributeError):
+        getattr(standins, name)

@@ -34,12 +34,12 @@ def test_a_category_of_a_module_pytest_never_imported_is_named_not_imported(
             "*test_foreign_categories.py:*: PlainWarning: MARKER-NESTED",
         ]
     )
-    seen = json.loads((folder / "categories.json").read_text())
+    seen = json.loads((folder / "categories-main.json").read_text())
     assert seen["imported"] is False
     by_message = {w["message"]: w for w in seen["warnings"]}
     assert set(by_message) == {"MARKER-FOREIGN-1", "MARKER-FOREIGN-2", "MARKER-NESTED"}
     first, again = by_message["MARKER-FOREIGN-1"], by_message["MARKER-FOREIGN-2"]
-    assert (first["module"], first["qualname"], first["name"]) == (
+    assert (first["category_module"], first["qualname"], first["name"]) == (
         "foreign_category",
         "ForeignWarning",
         "ForeignWarning",
@@ -47,9 +47,31 @@ def test_a_category_of_a_module_pytest_never_imported_is_named_not_imported(
     assert first["mro"][:2] == ["ForeignWarning", "DeprecationWarning"]
     assert again["id"] == first["id"]  # one category, one class
     nested = by_message["MARKER-NESTED"]
-    assert (nested["module"], nested["qualname"], nested["name"]) == (
+    assert (nested["category_module"], nested["qualname"], nested["name"]) == (
         "foreign_category",
         "Outer.PlainWarning",
         "PlainWarning",
     )
     assert nested["mro"][:2] == ["PlainWarning", "Warning"]
+
+
+def test_under_xdist_neither_worker_nor_controller_imports_the_category(
+    gpuiso_spawn: GpuIso, lease_region
+):
+    """xdist's controller rebuilds a worker's warnings by importing the category's module:
+    a stand-in's module is the plugin's own, so the controller never imports the test's."""
+    gpuiso_spawn.copy(PROGRAM)
+    folder = gpuiso_spawn.path / PROGRAM
+    result = gpuiso_spawn.run(PROGRAM, "-p", "no:randomly", "-n", "1")
+
+    result.assert_outcomes(passed=3)
+    assert not (folder / "imported-outside-the-test").exists(), result.stdout.str()
+    result.stdout.fnmatch_lines_random(
+        ["*ForeignWarning: MARKER-FOREIGN-1", "*PlainWarning: MARKER-NESTED"]
+    )
+    for who in ("main", "gw0"):
+        seen = json.loads((folder / f"categories-{who}.json").read_text())
+        assert seen["imported"] is False, who
+        names = sorted(w["name"] for w in seen["warnings"])
+        assert names == ["ForeignWarning", "ForeignWarning", "PlainWarning"], who
+        assert {w["module"] for w in seen["warnings"]} == {"pytest_gpuiso.parent.standins"}
