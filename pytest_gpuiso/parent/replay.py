@@ -168,16 +168,10 @@ def stand_in(module: str, qualname: str, base: type[Warning]) -> type[Warning]:
     ``__module__`` is ``standins``, which is what an xdist controller imports to rebuild
     it. ``base`` itself for a name no class can have."""
     name = qualname.rpartition(".")[2]
-    if not name.isidentifier() or name.startswith("__"):  # no class the controller can name
+    if not name.isidentifier() or name.startswith("__"):  # a NUL, a lone surrogate, a dunder
         return base
-    try:
-        return type(
-            name,
-            (base,),
-            {"__module__": standins.__name__, "__qualname__": qualname, "category_module": module},
-        )
-    except ValueError:  # a NUL or a lone surrogate (UnicodeEncodeError) in the name
-        return base
+    names = {"__module__": standins.__name__, "__qualname__": qualname, "category_module": module}
+    return type(name, (base,), names)
 
 
 NO_GPU = (
