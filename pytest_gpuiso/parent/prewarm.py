@@ -17,6 +17,11 @@ test, and prewarming stops for the session (``stale``, then ``disabled``), which
 plugin reports once. If the test module's import did it, prewarmed processes only stop
 collecting ahead (``collect_ahead``). That policy is the prewarmer's (``replaced``);
 the launcher only starts what it is asked to.
+
+A waiting process killed by someone else (a test or a tool that kills its user's
+processes) is the plugin's loss, never its test's: found dead at its turn, a fresh one
+is started (``Launcher.ready``); dead before it read its go, another runs the test
+(``supervisor.Running.unstarted``).
 """
 
 from __future__ import annotations

@@ -226,12 +226,20 @@ def _finish(item: pytest.Item, plan: Plan, state: State, turn: Turn, running: Ru
     """Wait for the test's process, give back its lease and port, and judge what it did."""
     spec = plan.spec
     outcome = running.wait()
-    if outcome.stale is not None:  # it initialised CUDA before it knew its GPUs: run a fresh one
-        if state.prewarmer is not None:  # only a prewarmed process can be stale
+    replaced = 0
+    # It initialised CUDA before it knew its GPUs, or died before it read its go (killed
+    # by someone who cleans up processes): none of the test ran there, a fresh one runs it
+    while outcome.stale is not None or running.unstarted is not None:
+        if running.unstarted is not None:
+            replaced += 1
+            if replaced > supervisor.REPLACEMENTS:
+                raise StartError(supervisor.unstarted_error(running.unstarted, replaced))
+        elif state.prewarmer is not None:  # only a prewarmed process can be stale
             state.prewarmer.replaced(outcome.stale)
         turn.started = state.launcher.start(plan.job, dict(turn.env))
         turn.probes = _probes(spec, state, turn.lease)
-        outcome = turn.go(state, running.bounds).wait()
+        running = turn.go(state, running.bounds)
+        outcome = running.wait()
         outcome.prewarmed = False
     lease = turn.lease
     checked = None  # its GPUs probed, before anyone else may lease them

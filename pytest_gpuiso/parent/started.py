@@ -19,7 +19,7 @@ class Started:
 
     job: Any
     reader: frames.Reader  # frames from the child
-    go: Connection  # the go (and its environment) to the child
+    go: Connection  # the go (and its environment) to the child; open until it ended
     method: str
     output: Path | None
     stack_file: Path

@@ -15,13 +15,22 @@ A test's process that says it is exiting, is past its exit and left no process i
 not waited for while the kernel tears it down (``leaving``): the launcher reaps it
 later. The parent waits on the pipe and on a pidfd of the child together with
 ``multiprocessing.connection.wait``; it never sleep-polls while the child runs.
+
+A process that died before it read its go (killed by whoever cleans up its user's
+processes, after the launcher's last look at it) ran none of its test's code: the go
+is still in its pipe, or could not be written there. ``Running.unstarted`` says so,
+and the runner starts another (``REPLACEMENTS`` at most). One that read it is the
+test's: its death is the test's crash, never run again.
 """
 
 from __future__ import annotations
 
-import contextlib
+import array
 import dataclasses
+import fcntl
 import os
+import signal
+import termios
 import time
 from typing import Any
 
@@ -35,6 +44,17 @@ from .launcher import Launcher
 from .outcome import Outcome, captured_tail, read_output
 from .started import Started
 from .watch import Bounds, Watch
+
+REPLACEMENTS = 2  # processes started in turn for a test whose process died before its go
+
+
+def unstarted_error(how: str, died: int) -> str:
+    """Why a test did not run: ``died`` processes in a row ended before their go."""
+    return (
+        f"the test's process died before the test started ({how}), and so did the "
+        f"{died - 1} started to replace it: another process kills this session's waiting "
+        "processes (a test or a tool that kills its user's processes, such as pkill -f)"
+    )
 
 
 def go(
@@ -60,12 +80,14 @@ def go(
     for probe in every:
         go_env.update(probe.child_env())
     go_at = time.monotonic()
-    with contextlib.suppress(OSError):  # a child that already died has no use for it
+    try:  # kept open until the process ended: whether it read its go (``unstarted``)
         started.go.send(go_env)
-    started.go.close()
+        sent = True
+    except OSError:  # it died before its go: no process holds the other end
+        sent = False
     for probe in every:  # probes that sample while the test runs (GPU memory's peak)
         probe.during(started.pid)
-    return Running(launcher, started, sweep, every, snapshots, bounds, go_at)
+    return Running(launcher, started, sweep, every, snapshots, bounds, go_at, sent)
 
 
 class Running:
@@ -80,6 +102,7 @@ class Running:
         snapshots: list[Any],
         bounds: Bounds,
         go_at: float,
+        sent: bool = True,
     ) -> None:
         self.launcher = launcher
         self.started = started
@@ -89,6 +112,10 @@ class Running:
         self.bounds = bounds
         self.go_at = go_at
         self.waited = False  # ``wait`` was entered: the process is its to end and reap
+        self.sent = sent  # its go reached the pipe
+        # It ended before it read its go, by this signal's name or its exit status:
+        # none of its test's code ran, another process may run the test (``wait`` sets it)
+        self.unstarted: str | None = None
 
     def wait(self) -> Outcome:
         """Watch the process to its end under its bounds, reap it, sweep, check, decode."""
@@ -121,6 +148,8 @@ class Running:
         finally:
             duration = time.monotonic() - self.go_at
             launcher.finished(started, watched.left)
+            if not interrupted and watched.expired is None and not watched.left:
+                self.unstarted = self._died_before_go()
             leaks = self._check(interrupted, watched.left)
             started.close()
             written = read_output(started.output) if started.output else ""
@@ -153,6 +182,19 @@ class Running:
                 outcome.imported, getattr(started.job, "nodeid", ""), duration
             )
         return outcome
+
+    def _died_before_go(self) -> str | None:
+        """How the ended process ended when it never read its go (the go never reached
+        its pipe, or is still in it), else None: it took its go, the test is its own."""
+        if self.sent and not _unread(self.started.go):
+            return None
+        code = self.started.proc.exitcode
+        if code is None or code >= 0:
+            return f"exit status {code}"
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
 
     def _leavable(self) -> bool:
         """Whether the process may be left to the kernel's teardown once it says it is
@@ -198,3 +240,13 @@ class Running:
             pids = {leak.fields["pid"] for leak in found if leak.kind == "process"}
             run = dataclasses.replace(run, tree_pids=run.tree_pids | pids)
         return leaks
+
+
+def _unread(conn: Any) -> int:
+    """Bytes written to ``conn`` (a pipe's write end) that no process has read."""
+    count = array.array("i", [0])
+    try:
+        fcntl.ioctl(conn.fileno(), termios.FIONREAD, count)
+    except OSError:
+        return 0  # not a pipe we can ask: as read (the test's own outcome stands)
+    return count[0]
