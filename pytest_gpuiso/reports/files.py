@@ -49,7 +49,10 @@ def check_output(value: str, what: str, base: str) -> None:
         if not os.access(path, os.W_OK):
             raise SpecError(f"{problem}: {path} cannot be written")
         return  # its folder needs no room
-    path = os.path.realpath(path)  # a link to a file: the file is replaced, in its folder
+    try:  # a link to a file: the file is replaced, in its folder
+        path = resolved(path)
+    except OSError as exc:
+        raise SpecError(f"{problem}: {exc.strerror}") from None
     folder = os.path.dirname(path)
     while not os.path.lexists(folder):
         folder = os.path.dirname(folder)
@@ -98,7 +101,7 @@ def write_text(path: Path, text: str) -> None:
         with open(path, "a", encoding="utf-8", errors=UNENCODABLE) as f:
             f.write(text)
         return
-    path = Path(os.path.realpath(path))
+    path = Path(resolved(path))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except FileExistsError:  # a file where the folder should be: say that, not "File exists"
@@ -109,12 +112,58 @@ def write_text(path: Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8", errors=UNENCODABLE) as f:
             f.write(text)
-        os.chmod(tmp, 0o644)
+        os.chmod(tmp, _mode_of(path))
         os.replace(tmp, path)
     except BaseException:  # a full disk, Ctrl-C: leave no temporary file behind
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def resolved(path: str | os.PathLike) -> str:
+    """``path`` with its symbolic links resolved, as the kernel would, but following only
+    links of yours (or root's): another user's link (planted in a shared ``/tmp``) is an
+    ``OSError`` naming it, never followed to replace a file of yours with a report.
+    (``os.path.realpath`` follows any link in user space, so the kernel's
+    ``fs.protected_symlinks`` never applies to it.)"""
+    pending = os.path.join(os.getcwd(), os.fspath(path)).split("/")
+    done, hops = "/", 0
+    while pending:
+        part = pending.pop(0)
+        if part in ("", "."):
+            continue
+        if part == "..":
+            done = os.path.dirname(done)
+            continue
+        current = os.path.join(done, part)
+        try:
+            st = os.lstat(current)
+        except OSError:  # the rest does not exist (yet): the writer makes it
+            return os.path.normpath(os.path.join(current, *pending))
+        if not stat.S_ISLNK(st.st_mode):
+            done = current
+            continue
+        if st.st_uid not in (os.geteuid(), 0):
+            why = f"{current} is a symbolic link of uid {st.st_uid}, not yours: not followed"
+            raise OSError(errno.EPERM, why)
+        hops += 1
+        if hops > 40:  # the kernel's own limit
+            raise OSError(errno.ELOOP, f"too many levels of symbolic links: {path}")
+        target = os.readlink(current)
+        pending = target.split("/") + pending
+        if target.startswith("/"):
+            done = "/"
+    return done
+
+
+def _mode_of(path: Path) -> int:
+    """The mode a report replacing ``path`` gets: the replaced file's own (a 0600 file
+    stays 0600), 0644 for a new one."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return 0o644
+    return stat.S_IMODE(st.st_mode) if stat.S_ISREG(st.st_mode) else 0o644
 
 
 def step_summary_path() -> str | None:
