@@ -9,7 +9,9 @@ junitxml and xdist see a normal test.
 
 from __future__ import annotations
 
+import math
 import time
+from typing import Any
 
 import pytest
 
@@ -32,10 +34,16 @@ def item_reports(
     reports: list[pytest.TestReport] = []
     unreadable: list[str] = []  # reports pytest could not rebuild: the test's error
     for data in outcome.reports:
+        problem = report_problem(data, item.nodeid)
         try:
+            if problem is not None:
+                raise ValueError(problem)
             rep = config.hook.pytest_report_from_serializable(config=config, data=data)
+            if isinstance(rep, pytest.TestReport):
+                rep.longreprtext  # noqa: B018 - rendered now, not in pytest's own reporting
         except Exception as exc:  # noqa: BLE001 - whatever the test's process sent
-            unreadable.append(f"{frames.UNREADABLE}a report pytest cannot rebuild ({exc!r})"[:500])
+            why = problem or repr(exc)
+            unreadable.append(f"{frames.UNREADABLE}a report pytest cannot take ({why})"[:500])
             continue
         if isinstance(rep, pytest.TestReport):
             reports.append(rep)
@@ -54,6 +62,74 @@ def item_reports(
     if reports and verdict is not None and verdict.records:
         _attach_leaks(item, reports, verdict)
     return reports
+
+
+_PHASES = ("setup", "call", "teardown")
+_OUTCOMES = ("passed", "failed", "skipped")
+
+
+def report_problem(data: dict[str, Any], nodeid: str) -> str | None:
+    """What is wrong with a REPORT frame's data for the test ``nodeid``, None when it is
+    a test report of that test that pytest's reporting (terminal, junitxml, --durations,
+    xdist) can take: it is checked before pytest rebuilds it, since what breaks later
+    breaks outside the test, as INTERNALERROR. A report of another test is a forgery."""
+    if data.get("$report_type") != "TestReport":
+        return f"$report_type {_short(data.get('$report_type'))}, not TestReport"
+    if data.get("nodeid") != nodeid:
+        return f"nodeid {_short(data.get('nodeid'))}, not this test's"
+    checks = {
+        "when": data.get("when") in _PHASES,
+        "outcome": data.get("outcome") in _OUTCOMES,
+        "location": _is_location(data.get("location")),
+        "keywords": isinstance(data.get("keywords"), dict)
+        and all(isinstance(k, str) for k in data["keywords"]),
+        "sections": _pairs(data.get("sections"), str),
+        "user_properties": _pairs(data.get("user_properties"), object),
+        "longrepr": _is_longrepr(data.get("longrepr")),
+    }
+    for field in ("duration", "start", "stop"):
+        value = data.get(field, 0.0)
+        checks[field] = type(value) in (int, float) and math.isfinite(value)
+    for field, fine in checks.items():
+        if not fine:
+            return f"its {field} is {_short(data.get(field))}"
+    return None
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _is_location(value: Any) -> bool:
+    return (
+        isinstance(value, (list, tuple))
+        and len(value) == 3
+        and isinstance(value[0], str)
+        and (value[1] is None or type(value[1]) is int)
+        and isinstance(value[2], str)
+    )
+
+
+def _pairs(value: Any, second: type) -> bool:
+    """A list of (str, ``second``) pairs."""
+    return isinstance(value, list) and all(
+        isinstance(p, (list, tuple))
+        and len(p) == 2
+        and isinstance(p[0], str)
+        and isinstance(p[1], second)
+        for p in value
+    )
+
+
+def _is_longrepr(value: Any) -> bool:
+    """None, text, a skip's (path, line, reason), or a failure's serialized repr (its
+    rendering is tried once it is rebuilt)."""
+    if value is None or isinstance(value, str):
+        return True
+    if isinstance(value, (list, tuple)):
+        return len(value) == 3 and isinstance(value[0], str) and isinstance(value[2], str)
+    return isinstance(value, dict) and {"reprcrash", "reprtraceback"} <= value.keys()
 
 
 def _attach_leaks(item: pytest.Item, reports: list[pytest.TestReport], verdict: Verdict) -> None:

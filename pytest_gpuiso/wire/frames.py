@@ -126,7 +126,12 @@ def _fits(value: Any, shape: Any) -> bool:
             and len(value) == len(shape)
             and all(_fits(v, s) for v, s in zip(value, shape, strict=True))
         )
+    if type(value) is int:  # what a JSON report can hold (merge refuses the rest)
+        return int in shape and _INT64[0] <= value < _INT64[1]
     return type(value) in shape
+
+
+_INT64 = (-(1 << 63), 1 << 63)
 
 
 def check(frame: Any) -> tuple[str, Any]:
@@ -139,6 +144,8 @@ def check(frame: Any) -> tuple[str, Any]:
         raise FrameError(f"unknown frame kind {kind[:40]!r}")
     if not _fits(payload, SHAPES[kind]):
         raise FrameError(f"a {kind!r} frame of the wrong shape: {_sketch(payload)}")
+    if kind == TORCH_LEAK and payload["bytes"] < 0:
+        raise FrameError(f"a {kind!r} frame of negative bytes: {_sketch(payload)}")
     return kind, payload
 
 

@@ -41,7 +41,7 @@ def test_what_a_test_process_sends_is_that_tests_error_only(hostile: GpuIso, lea
     assert (hostile.path / "victim.txt").read_text() == "important\n"
     expected = {
         "test_pickle_in_a_frame": UNREADABLE + "not a message (",
-        "test_report_of_the_wrong_shape": UNREADABLE + "a report pytest cannot rebuild (",
+        "test_report_of_the_wrong_shape": UNREADABLE + "a report pytest cannot take (",
         "test_spill_names_a_path": UNREADABLE + "a spill file number that is not one: '/",
         "test_spill_is_a_link": "cannot be read (Too many levels of symbolic links)",
         "test_spill_is_a_link_to_dev_zero": "cannot be read (Too many levels of symbolic links)",
