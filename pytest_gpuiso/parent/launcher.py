@@ -48,7 +48,7 @@ from ..proc.proctree import (
     signal_group,
     unlist,
 )
-from ..proc.workdir import describe, private_file, remove
+from ..proc.workdir import describe, owner, private_file, remove
 from ..wire import frames, jobs
 from ..wire.environment import LOG_ENV, OWNER_ENV
 from . import leaving
@@ -87,7 +87,7 @@ class Launcher:
         self.mark = mark
         self.exec_env = dict(exec_env or {})  # must be there at exec (LD_PRELOAD of a probe)
         # In all it starts, and all they start: ended by the next session if this one dies
-        self.owner = {OWNER_ENV: workdir.name}
+        self.owner = {OWNER_ENV: owner(workdir)}
         # imported by the fork server, and by spawned processes started ahead of their turn
         self.preload = server_boot.preload if server_boot is not None else ()
         self.shm_cleanup = shm_cleanup  # what a discarded process created: deleted, else said

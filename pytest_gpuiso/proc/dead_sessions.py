@@ -1,8 +1,9 @@
 """What the tests of a pytest session that died left running, ended by the next session.
 
 Every process started for an isolated test or a ``run_isolated`` call (spawned, the
-fork server and its forks) carries ``OWNER_ENV=<the name of its starter's work
-directory>`` in the environment it is exec'd with and in ``os.environ``, so whatever
+fork server and its forks) carries ``OWNER_ENV=<its starter's work directory's
+identity>`` (``workdir.owner``: its full path and inode, which no copy of it has) in
+the environment it is exec'd with and in ``os.environ``, so whatever
 it starts inherits it. When pytest dies (SIGKILL, the OOM killer, CI's time-out), the
 test's process dies with it (``PR_SET_PDEATHSIG``), but a daemon the test started in a
 session of its own (double fork, ``setsid``) is re-parented to init and runs on; the
@@ -33,8 +34,9 @@ CMDLINE_CUT = 60  # characters of each command line in that line
 
 
 def end(names: Collection[str]) -> list[dict[str, Any]]:
-    """End this user's processes that carry the owner name of a work directory in
-    ``names`` (``<pid>-<random>``), whose lock the caller holds: their pytest is dead.
+    """End this user's processes that carry the owner identity of a work directory in
+    ``names`` (``workdir.owner``: ``<path>/<pid>-<random>@<dev>:<inode>``), whose lock
+    the caller holds: their pytest is dead.
 
     Returns each as ``{"pid", "cmdline", "session"}`` (the dead pytest's pid), with
     ``"not_killed"`` for one still running after SIGKILL. Listed again after each
@@ -51,7 +53,7 @@ def end(names: Collection[str]) -> list[dict[str, Any]]:
             break
         seen.update(key(p) for p, _ in found)
         entries = [
-            {"pid": p.pid, "cmdline": cmdline(p), "session": name.split("-")[0]}
+            {"pid": p.pid, "cmdline": cmdline(p), "session": _session_pid(name)}
             for p, name in found
         ]
         procs = [p for p, _ in found]
@@ -67,6 +69,11 @@ def end(names: Collection[str]) -> list[dict[str, Any]]:
                 entry["not_killed"] = "it survived SIGKILL"
         ended += entries
     return ended
+
+
+def _session_pid(owner: str) -> str:
+    """The dead pytest's pid in an owner identity (its directory's name starts with it)."""
+    return os.path.basename(owner.rpartition("@")[0] or owner).split("-")[0]
 
 
 def _carrying(names: Collection[str], spare: set[int]) -> list[tuple[psutil.Process, str]]:

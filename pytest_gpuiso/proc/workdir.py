@@ -145,11 +145,24 @@ def clean_stale() -> list[dict[str, Any]]:
                 taken.append((entry, fd))
         # While the locks are ours: no other session ends them too, and one that dies
         # now leaves the directories for the next to finish.
-        return dead_sessions.end([entry.name for entry, _ in taken]) if taken else []
+        owners = [owner(entry) for entry, _ in taken]
+        return dead_sessions.end([o for o in owners if o]) if taken else []
     finally:
         for entry, fd in taken:
             shutil.rmtree(entry, ignore_errors=True)
             os.close(fd)
+
+
+def owner(path: Path) -> str:
+    """The identity of the work directory ``path`` that its session's processes carry
+    (``OWNER_ENV``): its full path and its inode, which no copy of it (another
+    ``TMPDIR``'s, a restored cache) and no directory made later at that path shares.
+    "" when it cannot be read (then nothing is taken for it)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return ""
+    return f"{os.path.realpath(path)}@{st.st_dev:x}:{st.st_ino:x}"
 
 
 def _take(entry: Path) -> int | None:

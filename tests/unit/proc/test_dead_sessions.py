@@ -135,14 +135,17 @@ def test_only_processes_with_a_dead_directorys_exact_name_are_ended(work, monkey
     for path in (dead, live):
         path.mkdir(mode=0o700)
         (path / workdir.LOCK).write_text("")
+    own = workdir.owner(dead)
+    assert own.startswith(f"{os.path.realpath(dead)}@")
     envs = [
-        {OWNER_ENV: name},
+        {OWNER_ENV: own},
         {},
-        {OWNER_ENV: live.name},
-        {OWNER_ENV: name[:-1] + ("0" if name[-1] != "0" else "1")},
-        {OWNER_ENV: name[:-1]},
-        {OWNER_ENV: f"{name}-x"},
-        {f"X_{OWNER_ENV}": name},
+        {OWNER_ENV: workdir.owner(live)},
+        {OWNER_ENV: own[:-1] + ("0" if own[-1] != "0" else "1")},
+        {OWNER_ENV: own[:-1]},
+        {OWNER_ENV: f"{own}-x"},
+        {f"X_{OWNER_ENV}": own},
+        {OWNER_ENV: name},  # the directory's name alone, as any copy of it has
     ]
     sleepers = [_sleeper(env) for env in envs]
     try:
@@ -157,6 +160,30 @@ def test_only_processes_with_a_dead_directorys_exact_name_are_ended(work, monkey
         kill_quietly([s.pid for s in sleepers])
         for sleeper in sleepers:
             sleeper.wait(timeout=10)
+
+
+def test_a_copy_of_a_live_directory_elsewhere_ends_nothing(work, tmp_path, monkeypatch):
+    """A dead-looking directory of a live session's name under another TMPDIR (forged
+    by a test, or a copied TMPDIR: a CI cache, a backup) is removed, but the live
+    session's processes carry their own directory's path and inode, not its copy's."""
+    monkeypatch.setattr(dead_sessions, "KILL_WAIT", 0.5)
+    name = f"4444-{secrets.token_hex(4)}"
+    live = tmp_path / "other-tmpdir" / work.name / name
+    live.mkdir(parents=True, mode=0o700)
+    (live / workdir.LOCK).write_text("")
+    forged = work / name
+    forged.mkdir(mode=0o700)
+    (forged / workdir.LOCK).write_text("")
+    sleeper = _sleeper({OWNER_ENV: workdir.owner(live)})
+    try:
+        with open(live / workdir.LOCK) as held:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            assert workdir.clean_stale() == []
+        assert sleeper.poll() is None
+        assert list(work.iterdir()) == []  # the copy itself is removed
+    finally:
+        kill_quietly([sleeper.pid])
+        sleeper.wait(timeout=10)
 
 
 def test_no_process_is_listed_without_a_dead_directory(work, monkeypatch):
