@@ -70,7 +70,7 @@ class Watch:
         self.stack_file = stack_file
         self.bounds = bounds
         self.may_leave = may_leave
-        self.received = frames.Received()
+        self.received = Received()
         self.expired: str | None = None  # "startup", "test" or "exit": the bound that ran out
         self.began: float | None = None  # time.monotonic() when its test began
         self.cutoff: int | None = None  # frames that had arrived when the bound ran out
@@ -90,12 +90,12 @@ class Watch:
                 self._stage, (b.startup, frames.EXITING if self.may_leave else None)
             )
             deadline = None if seconds is None else self._since + seconds
-            status = frames.pump(self.reader, self.sentinel, self.received, deadline, until)
-            if status == frames.EXITED:
+            status = pump(self.reader, self.sentinel, self.received, deadline, until)
+            if status == EXITED:
                 if self.began is None and frames.BEGIN in self.received.kinds:
                     self.began = self._begin_stamp()  # read with the rest once it had exited
                 return False
-            if status == frames.EXPIRED:
+            if status == EXPIRED:
                 break
             if status == frames.EXITING:
                 self.may_leave = False  # asked once
@@ -129,7 +129,7 @@ class Watch:
     def leave(self) -> None:
         """Go on without waiting for the exit of a process past it (``leaving``)."""
         self.left = True
-        frames.drain(self.reader, self.received)  # what a test sent after it
+        drain(self.reader, self.received)  # what a test sent after it
 
     def escalate(self, grace: float) -> None:
         """SIGTERM the tree, wait ``grace`` (draining the pipe), then SIGKILL what is left."""
@@ -140,10 +140,74 @@ class Watch:
             tree = []
         signal_group(pid, signal.SIGTERM, tree)
         deadline = time.monotonic() + grace
-        if frames.pump(self.reader, sentinel, self.received, deadline) == frames.EXITED:
+        if pump(self.reader, sentinel, self.received, deadline) == EXITED:
             rest = max(0.0, deadline - time.monotonic())
             _, running = psutil.wait_procs([p for p in tree if alive(p)], timeout=rest)
             if not running:
                 return
         signal_group(pid, signal.SIGKILL, tree)
         wait([sentinel], REAP_WAIT)
+
+
+class Received(list):
+    """The frames read from one process, in order, and the kinds seen among them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kinds: set[str] = set()
+
+    def append(self, frame: tuple[str, Any]) -> None:
+        super().append(frame)
+        self.kinds.add(frame[0])
+
+
+EXITED = "exited"  # pump: the sender exited (all it sent is read)
+EXPIRED = "expired"  # pump: the deadline passed
+_DRAIN = 2.0  # seconds the frames still in the pipe get to be read once the sender exited
+
+
+def pump(
+    reader: frames.Reader,
+    sentinel: Any,
+    received: Received,
+    deadline: float | None,
+    until: str | None = None,
+) -> str:
+    """Collect frames into ``received`` until the sender exits (``EXITED``), the
+    ``deadline`` (``time.monotonic()``) passes (``EXPIRED``) or a frame of kind
+    ``until`` arrives (that kind; the frames after it are kept for the next call).
+
+    ``sentinel`` becomes readable when the sending process has exited; the frames
+    it sent before are all read then (a descendant that holds the pipe open and keeps
+    writing gets ``_DRAIN`` seconds). Once the deadline has passed, what is in the pipe
+    already is read once more (a reader that comes late, busy with a prewarm, does not
+    take a frame sent in time for one that never came); then it is ``EXPIRED``, however
+    much more the sender writes.
+    """
+    last_look = False
+    while True:
+        while (frame := reader.next()) is not None:
+            received.append(frame)
+            if until is not None and frame[0] == until:
+                return until
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
+            if last_look:
+                return EXPIRED
+            last_look, remaining = True, 0.0
+        ready = wait([sentinel] if reader.eof else [reader, sentinel], remaining)
+        if reader in ready:
+            reader.fill()
+        if sentinel in ready:
+            drain(reader, received)
+            return EXITED
+
+
+def drain(reader: frames.Reader, received: Received) -> None:
+    """Collect the frames already in the pipe into ``received``, without waiting for more
+    (a descendant that holds the pipe open and keeps writing gets ``_DRAIN`` seconds)."""
+    stop = time.monotonic() + _DRAIN
+    while not reader.eof and time.monotonic() < stop and wait([reader], 0):
+        reader.fill()
+    while (frame := reader.next()) is not None:
+        received.append(frame)

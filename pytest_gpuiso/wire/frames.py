@@ -8,7 +8,8 @@ test's error, never silently dropped and never pytest's. Frames larger than
 a name pytest chose for the test (``spill-<tag>-N``); only ``N`` crosses the pipe,
 so the pipe never carries more than a small message. pytest reads the pipe without
 blocking (``Reader``): a frame that never completes costs it nothing past the
-test's deadline, and what it keeps of one test's frames is bounded (``KEEP_BYTES``).
+test's deadline, and what it keeps of one test's frames is bounded (``KEEP_BYTES``,
+counted as what they cost decoded, judged before a large one is decoded).
 """
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ import builtins
 import contextlib
 import itertools
 import os
+import re
 import stat
 import struct
-import time
 import warnings
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +50,13 @@ DONE = "done"  # the job finished (its exit status)
 EXITING = "exiting"  # the very last: descriptors closed, only os._exit comes next (None)
 SPILL_BYTES = 1 << 20  # 1 MiB: a larger frame goes in a file
 SPILL_MAX = 256 << 20  # the largest spill file read
-KEEP_BYTES = 512 << 20  # of one test's frames, at most this much is kept
-_ALWAYS_KEPT = (READY, BEGIN, END, EXIT, DONE, EXITING)  # past KEEP_BYTES too
+KEEP_BYTES = 512 << 20  # what one test's kept frames may cost decoded (``cost``)
+_ALWAYS_KEPT = (READY, BEGIN, END, EXIT, DONE, EXITING)  # past KEEP_BYTES too, when small
+SMALL = 64 << 10  # a frame decoded before its cost is judged; the most one that times a test may be
+# What a decoded frame costs pytest beyond its encoded bytes (measured on CPython 3.11:
+# a decoded item, an empty dict or a short string, keeps 60-72 bytes), and a frame itself.
+ITEM_COST, FRAME_COST = 80, 200
+_STRINGS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # JSON strings, escapes included
 _SPILL = "spill"  # a frame in a file: its payload is the file's number
 _HEADER = struct.Struct("!i")  # multiprocessing's framing of send_bytes
 _READ = 1 << 16
@@ -257,28 +263,41 @@ class Reader:
             )
 
     def _frame(self, data: bytes) -> tuple[str, Any] | None:
+        spent = None
         try:
-            frame = wire.decode(data)
+            frame = wire.decode(data)  # at most SPILL_BYTES: a spill's number, or small
             if isinstance(frame, tuple) and len(frame) == 2 and frame[0] == _SPILL:
                 data = self._spilled(frame[1])
+                spent = cost(data)
+                if len(data) > SMALL and self.kept + spent > KEEP_BYTES:
+                    return self._drop("spilled")  # never decoded: it would not be kept
                 frame = wire.decode(data)
             kind, payload = check(frame)
         except (wire.WireError, FrameError) as exc:
             self._break(str(exc))
             return None
-        if self.kept + len(data) > KEEP_BYTES and kind not in _ALWAYS_KEPT:
-            self.dropped += 1
-            if self.dropped == 1:
-                self.errors.append(
-                    (
-                        ERROR,
-                        f"the test process sent more than {KEEP_BYTES >> 20} MiB of messages; "
-                        f"those past it were not kept (the first was a {kind!r} frame)",
-                    )
-                )
-            return None
-        self.kept += len(data)
+        spent = cost(data) if spent is None else spent
+        if kind in _ALWAYS_KEPT:
+            if len(data) > SMALL:
+                self._break(f"a {kind!r} frame of {len(data)} bytes (at most {SMALL})")
+                return None
+        elif self.kept + spent > KEEP_BYTES:
+            return self._drop(repr(kind))
+        self.kept += spent
         return kind, payload
+
+    def _drop(self, what: str) -> None:
+        """A frame past ``KEEP_BYTES``: not kept, said once (the first one's kind)."""
+        self.dropped += 1
+        if self.dropped == 1:
+            self.errors.append(
+                (
+                    ERROR,
+                    f"the test process sent messages that would take more than "
+                    f"{KEEP_BYTES >> 20} MiB of pytest's memory; those past it were not kept "
+                    f"(the first was a {what} frame)",
+                )
+            )
 
     def _spilled(self, number: Any) -> bytes:
         """The contents of this test's spill file ``number``, which is then removed."""
@@ -315,68 +334,12 @@ class Reader:
         self.errors.append((ERROR, UNREADABLE + why))
 
 
-class Received(list):
-    """The frames read from one process, in order, and the kinds seen among them."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.kinds: set[str] = set()
-
-    def append(self, frame: tuple[str, Any]) -> None:
-        super().append(frame)
-        self.kinds.add(frame[0])
-
-
-EXITED = "exited"  # pump: the sender exited (all it sent is read)
-EXPIRED = "expired"  # pump: the deadline passed
-_DRAIN = 2.0  # seconds the frames still in the pipe get to be read once the sender exited
-
-
-def pump(
-    reader: Reader,
-    sentinel: Any,
-    received: Received,
-    deadline: float | None,
-    until: str | None = None,
-) -> str:
-    """Collect frames into ``received`` until the sender exits (``EXITED``), the
-    ``deadline`` (``time.monotonic()``) passes (``EXPIRED``) or a frame of kind
-    ``until`` arrives (that kind; the frames after it are kept for the next call).
-
-    ``sentinel`` becomes readable when the sending process has exited; the frames
-    it sent before are all read then (a descendant that holds the pipe open and keeps
-    writing gets ``_DRAIN`` seconds). Once the deadline has passed, what is in the pipe
-    already is read once more (a reader that comes late, busy with a prewarm, does not
-    take a frame sent in time for one that never came); then it is ``EXPIRED``, however
-    much more the sender writes.
-    """
-    last_look = False
-    while True:
-        while (frame := reader.next()) is not None:
-            received.append(frame)
-            if until is not None and frame[0] == until:
-                return until
-        remaining = None if deadline is None else deadline - time.monotonic()
-        if remaining is not None and remaining <= 0:
-            if last_look:
-                return EXPIRED
-            last_look, remaining = True, 0.0
-        ready = wait([sentinel] if reader.eof else [reader, sentinel], remaining)
-        if reader in ready:
-            reader.fill()
-        if sentinel in ready:
-            drain(reader, received)
-            return EXITED
-
-
-def drain(reader: Reader, received: Received) -> None:
-    """Collect the frames already in the pipe into ``received``, without waiting for more
-    (a descendant that holds the pipe open and keeps writing gets ``_DRAIN`` seconds)."""
-    stop = time.monotonic() + _DRAIN
-    while not reader.eof and time.monotonic() < stop and wait([reader], 0):
-        reader.fill()
-    while (frame := reader.next()) is not None:
-        received.append(frame)
+def cost(data: bytes) -> int:
+    """What the frame ``data`` costs pytest once decoded, judged without decoding it: its
+    bytes, and each item it holds (counted by the separators outside its strings)."""
+    bare = _STRINGS.sub(b"", data)
+    items = bare.count(b",") + bare.count(b"[") + bare.count(b"{")
+    return FRAME_COST + len(data) + ITEM_COST * items
 
 
 def encode_warning(message: warnings.WarningMessage, nodeid: str) -> dict[str, Any]:

@@ -208,7 +208,7 @@ def test_trim_stack_keeps_test_frames_and_folds_internals():
 
 
 def test_past_the_budget_only_the_frames_that_time_the_test_are_kept(tmp_path, monkeypatch):
-    monkeypatch.setattr(frames, "KEEP_BYTES", 10_000)
+    monkeypatch.setattr(frames, "KEEP_BYTES", 30_000)
     reader, writer = _pipe(tmp_path)
     prefix = str(tmp_path / "spill-t-")
     frames.send_frame(writer, frames.BEGIN, ("t", 1.0), prefix)
@@ -220,12 +220,48 @@ def test_past_the_budget_only_the_frames_that_time_the_test_are_kept(tmp_path, m
     received = _read_all(reader)
     kinds = [kind for kind, _ in received]
     assert kinds[0] == frames.BEGIN and kinds[-2:] == [frames.END, frames.DONE]
-    assert 30 < kinds.count(frames.PHASE) < 60  # ~10 000 bytes of them
+    each = frames.cost(wire.encode((frames.PHASE, f"{0:0200}")))
+    assert each > 214 + frames.FRAME_COST  # its bytes, the frame, and its items
+    begin = frames.cost(wire.encode((frames.BEGIN, ("t", 1.0))))
+    assert kinds.count(frames.PHASE) == (30_000 - begin) // each
     errors = [payload for kind, payload in received if kind == frames.ERROR]
     assert errors == [
-        "the test process sent more than 0 MiB of messages; those past it were not kept "
-        "(the first was a 'phase' frame)"
+        "the test process sent messages that would take more than 0 MiB of pytest's memory; "
+        "those past it were not kept (the first was a 'phase' frame)"
     ]
+
+
+def test_a_spilled_frame_past_the_budget_is_never_decoded(tmp_path, monkeypatch):
+    """Tiny items cost ~70 bytes each decoded: judged by ``cost`` before decoding."""
+    monkeypatch.setattr(frames, "KEEP_BYTES", 64 << 20)
+    reader, writer = _pipe(tmp_path)
+    prefix = str(tmp_path / "spill-t-")
+    amplified = {"x": [{}] * (1 << 20)}  # 3 MiB encoded, ~80 MiB decoded
+    assert frames.cost(wire.encode((frames.PAYLOAD, amplified))) > 64 << 20
+    frames.send_frame(writer, frames.PAYLOAD, amplified, prefix)
+    frames.send_frame(writer, frames.DONE, 0, prefix)
+    writer.close()
+    decoded = []
+    real = wire.decode
+    monkeypatch.setattr(wire, "decode", lambda data: decoded.append(len(data)) or real(data))
+    received = _read_all(reader)
+    assert max(decoded) < frames.SMALL  # the spill's number and DONE, never the spill
+    assert [kind for kind, _ in received] == [frames.ERROR, frames.DONE]
+    assert received[0][1].endswith("(the first was a spilled frame)")
+
+
+def test_a_large_frame_of_a_kind_always_kept_is_an_error(tmp_path):
+    reader, writer = _pipe(tmp_path)
+    prefix = str(tmp_path / "spill-t-")
+    frames.send_frame(writer, frames.BEGIN, ("b" * (2 << 20), 1.0), prefix)
+    frames.send_frame(writer, frames.DONE, 0, prefix)
+    writer.close()
+    received = _read_all(reader)
+    assert len(received) == 1 and received[0][0] == frames.ERROR
+    assert received[0][1] == frames.UNREADABLE + (
+        f"a 'begin' frame of {len(wire.encode((frames.BEGIN, ('b' * (2 << 20), 1.0))))} bytes "
+        f"(at most {frames.SMALL})"
+    )
 
 
 def test_a_frame_cut_off_by_the_end_of_the_stream_is_an_error(tmp_path):
@@ -274,10 +310,10 @@ def test_a_frame_sent_in_time_is_read_by_a_reader_that_comes_past_the_deadline(t
     prefix = str(tmp_path / "spill-t-")
     past = time.monotonic() - 1
     frames.send_frame(writer, frames.BEGIN, ("t", past), prefix)
-    received = frames.Received()
-    assert frames.pump(reader, exited, received, past, frames.BEGIN) == frames.BEGIN
+    received = watch.Received()
+    assert watch.pump(reader, exited, received, past, frames.BEGIN) == frames.BEGIN
     frames.send_frame(writer, frames.PHASE, "still going", prefix)
-    assert frames.pump(reader, exited, received, past, frames.END) == frames.EXPIRED
+    assert watch.pump(reader, exited, received, past, frames.END) == watch.EXPIRED
     assert [kind for kind, _ in received] == [frames.BEGIN, frames.PHASE]
 
 
