@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .mdtext import cell, code_cell
+from .mdtext import bounded, cell, code_cell
 from .record import ending, is_number, last_attempts, leak_kinds
 
 STARTUP_GROWTH = 2.0  # seconds more of start-up that count as a regression
@@ -111,12 +111,24 @@ def markdown(result: Comparison, title: str = "pytest-gpuiso: against the base")
     for heading, changes in (("New", result.new), ("Fixed", result.fixed)):
         if changes:
             lines += ["", f"### {heading}", "", "| test | what | detail |", "|---|---|---|"]
-            for c in changes:
+            for c in changes[:ROWS]:
                 lines.append(f"| {code_cell(c.nodeid)} | {cell(c.what)} | {cell(c.detail)} |")
+            lines += _more(len(changes))
     sides = (("Only in base", result.only_base), ("Only in head", result.only_head))
     for heading, nodeids in sides:
         if nodeids:
-            lines += ["", f"### {heading}", ""] + [f"- {code_cell(n)}" for n in nodeids]
+            lines += ["", f"### {heading}", ""] + [f"- {code_cell(n)}" for n in nodeids[:ROWS]]
+            lines += _more(len(nodeids))
     if not result.new and not result.fixed:
         lines += ["", "Nothing new, nothing fixed."]
-    return "\n".join(lines) + "\n"
+    return bounded(lines, "compare's terminal output lists every one")
+
+
+ROWS = 200  # of each section of the Markdown
+
+
+def _more(count: int) -> list[str]:
+    """The line after a section cut at ``ROWS``."""
+    if count <= ROWS:
+        return []
+    return ["", f"{count - ROWS} more not shown: compare's terminal output lists every one."]

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..values import KINDS, count_text, size_text
-from . import fixtures
+from . import fixtures, mdtext
 from .baseline import baseline_lines, fixed_table
 from .files import STEP_SUMMARY_ENV, append_step_summary, step_summary_path, write_text
 from .mdtext import cell as _cell
@@ -306,7 +306,7 @@ def markdown(
     if not leaky and not ended:
         lines += ["", "No leaks, timeouts or crashes."]
     more = _health(records) + fixed_table(baseline, MARKDOWN_ROWS) + _right_size(records)
-    return "\n".join(lines + more) + "\n"
+    return mdtext.bounded(lines + more, "every test is in the JSON report")
 
 
 FAILED_TITLE = "Failed tests, timeouts and crashes"
