@@ -56,6 +56,7 @@ SMALL = 64 << 10  # a frame decoded before its cost is judged; the most one that
 # What a decoded frame costs pytest beyond its encoded bytes (measured on CPython 3.11:
 # a decoded item, an empty dict or a short string, keeps 60-72 bytes), and a frame itself.
 ITEM_COST, FRAME_COST = 80, 200
+_KIND = re.compile(rb'\["T","([a-z_]{1,20})",')  # the start of an encoded frame: its kind
 _STRINGS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # JSON strings, escapes included
 _SPILL = "spill"  # a frame in a file: its payload is the file's number
 _HEADER = struct.Struct("!i")  # multiprocessing's framing of send_bytes
@@ -268,8 +269,12 @@ class Reader:
             frame = wire.decode(data)  # at most SPILL_BYTES: a spill's number, or small
             if isinstance(frame, tuple) and len(frame) == 2 and frame[0] == _SPILL:
                 data = self._spilled(frame[1])
+                said = _KIND.match(data)  # what it says it is, read before it is decoded
+                if said and said[1].decode() in _ALWAYS_KEPT:  # spilled: too large for one
+                    kind = said[1].decode()
+                    raise FrameError(f"a {kind!r} frame of {len(data)} bytes (at most {SMALL})")
                 spent = cost(data)
-                if len(data) > SMALL and self.kept + spent > KEEP_BYTES:
+                if self.kept + spent > KEEP_BYTES:
                     return self._drop("spilled")  # never decoded: it would not be kept
                 frame = wire.decode(data)
             kind, payload = check(frame)
