@@ -33,8 +33,6 @@ import socket
 import struct
 from dataclasses import dataclass
 
-from ..proc.workdir import EXHAUSTED
-
 ADDR_ENV, PORT_ENV = "MASTER_ADDR", "MASTER_PORT"
 ADDR = "127.0.0.1"
 PORTS = range(29500, 31500)  # below Linux's default ephemeral range (32768-60999)
@@ -118,6 +116,8 @@ def _refused(exc: OSError, what: str) -> OSError:
     """``exc`` as ``PortError`` (``what`` is refused here: an LSM or seccomp profile), or
     as it is where a resource ran out (descriptors, memory: the test's start fails too,
     and says why)."""
+    from ..proc.workdir import EXHAUSTED  # here: a session that leases no port never loads it
+
     if exc.errno in EXHAUSTED:
         return exc
     code = errno.errorcode.get(exc.errno or 0, str(exc.errno))
