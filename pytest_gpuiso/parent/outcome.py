@@ -17,6 +17,17 @@ OUTPUT_TAIL_BYTES = 8192  # of a captured output file, read after a crash
 OUTPUT_KEEP_BYTES = 1 << 20  # of what the child wrote outside pytest's capture
 
 
+def signal_name(exitcode: int | None) -> str | None:
+    """The name of the signal that ended a process of exit code ``exitcode`` (negative,
+    as multiprocessing gives it), None when no signal did."""
+    if exitcode is None or exitcode >= 0:
+        return None
+    try:
+        return signal.Signals(-exitcode).name
+    except ValueError:
+        return f"signal {-exitcode}"
+
+
 @dataclass
 class Outcome:
     """What one isolated run produced and how the child ended (data only).
@@ -99,12 +110,7 @@ class Outcome:
 
     @property
     def signal_name(self) -> str | None:
-        if self.exitcode is None or self.exitcode >= 0:
-            return None
-        try:
-            return signal.Signals(-self.exitcode).name
-        except ValueError:
-            return f"signal {-self.exitcode}"
+        return signal_name(self.exitcode)
 
     @property
     def interrupted(self) -> bool:

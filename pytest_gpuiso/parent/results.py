@@ -74,9 +74,9 @@ def report_problem(data: dict[str, Any], nodeid: str) -> str | None:
     xdist) can take: it is checked before pytest rebuilds it, since what breaks later
     breaks outside the test, as INTERNALERROR. A report of another test is a forgery."""
     if data.get("$report_type") != "TestReport":
-        return f"$report_type {_short(data.get('$report_type'))}, not TestReport"
+        return f"$report_type {frames.sketch(data.get('$report_type'), 60)}, not TestReport"
     if data.get("nodeid") != nodeid:
-        return f"nodeid {_short(data.get('nodeid'))}, not this test's"
+        return f"nodeid {frames.sketch(data.get('nodeid'), 60)}, not this test's"
     checks = {
         "when": data.get("when") in _PHASES,
         "outcome": data.get("outcome") in _OUTCOMES,
@@ -92,13 +92,8 @@ def report_problem(data: dict[str, Any], nodeid: str) -> str | None:
         checks[field] = type(value) in (int, float) and math.isfinite(value)
     for field, fine in checks.items():
         if not fine:
-            return f"its {field} is {_short(data.get(field))}"
+            return f"its {field} is {frames.sketch(data.get(field), 60)}"
     return None
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _is_location(value: Any) -> bool:

@@ -29,7 +29,6 @@ import array
 import dataclasses
 import fcntl
 import os
-import signal
 import termios
 import time
 from typing import Any
@@ -41,7 +40,7 @@ from ..proc.workdir import remove
 from ..wire import jobs
 from . import leaving
 from .launcher import Launcher
-from .outcome import Outcome, captured_tail, read_output
+from .outcome import Outcome, captured_tail, read_output, signal_name
 from .started import Started
 from .watch import Bounds, Watch
 
@@ -189,12 +188,8 @@ class Running:
         if self.sent and not _unread(self.started.go):
             return None
         code = self.started.proc.exitcode
-        if code is None or code >= 0:
-            return f"exit status {code}"
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
+        name = signal_name(code)
+        return f"killed by {name}" if name else f"exit status {code}"
 
     def _leavable(self) -> bool:
         """Whether the process may be left to the kernel's teardown once it says it is

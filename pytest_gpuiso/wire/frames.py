@@ -150,15 +150,16 @@ def check(frame: Any) -> tuple[str, Any]:
     if kind not in KINDS:
         raise FrameError(f"unknown frame kind {kind[:40]!r}")
     if not _fits(payload, SHAPES[kind]):
-        raise FrameError(f"a {kind!r} frame of the wrong shape: {_sketch(payload)}")
+        raise FrameError(f"a {kind!r} frame of the wrong shape: {sketch(payload)}")
     if kind == TORCH_LEAK and payload["bytes"] < 0:
-        raise FrameError(f"a {kind!r} frame of negative bytes: {_sketch(payload)}")
+        raise FrameError(f"a {kind!r} frame of negative bytes: {sketch(payload)}")
     return kind, payload
 
 
-def _sketch(value: Any) -> str:
+def sketch(value: Any, most: int = 80) -> str:
+    """``value``'s repr in at most ``most`` characters, for a one-line message."""
     text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+    return text if len(text) <= most else text[: most - 3] + "..."
 
 
 _spills = itertools.count(1)
@@ -307,7 +308,7 @@ class Reader:
     def _spilled(self, number: Any) -> bytes:
         """The contents of this test's spill file ``number``, which is then removed."""
         if type(number) is not int or number <= 0:
-            raise FrameError(f"a spill file number that is not one: {_sketch(number)}")
+            raise FrameError(f"a spill file number that is not one: {sketch(number)}")
         name = f"{self.spill_name}{number}"
         flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         try:

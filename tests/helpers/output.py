@@ -20,3 +20,16 @@ def normalized(result: pytest.RunResult) -> list[str]:
             line = _DURATION.sub("", line).strip("= ")
         lines.append(line)
     return lines
+
+
+class Terminal:
+    """A stand-in for pytest's terminal reporter: the lines and section titles written."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def write_sep(self, sep: str, title: str) -> None:
+        self.lines.append(title)
+
+    def write_line(self, line: str, **markup: bool) -> None:
+        self.lines.append(line)

@@ -7,43 +7,19 @@ is in tests/unit/gpu/test_ports.py."""
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import os
-import socket
-from collections.abc import Iterator
-
 import pytest
 
 from tests.helpers import REPORT, GpuIso, program
+from tests.helpers.ports import names_held
 
 PROGRAM = "port_degrade.py"
 WITHOUT = "isolated tests run without MASTER_ADDR and MASTER_PORT from now on*"
 
 
-def _name(port: int) -> str:
-    """The abstract socket name that leases ``port`` to this user's isolated tests."""
-    return f"\0pytest-gpuiso-master-port-{os.getuid()}-{port}"
-
-
-@contextlib.contextmanager
-def _all_names_held(size: int = 2) -> Iterator[range]:
-    """A range of ``size`` ports (29300-29499: below the plugin's, so no session running
-    meanwhile loses a port) whose names this process holds."""
-    for base in range(29300, 29500, size):
-        span = range(base, base + size)
-        with contextlib.ExitStack() as held:
-            try:
-                for port in span:
-                    sock = held.enter_context(socket.socket(socket.AF_UNIX))
-                    sock.bind(_name(port))
-            except OSError as exc:
-                if exc.errno != errno.EADDRINUSE:
-                    raise
-                continue
-            yield span
-            return
-    pytest.fail("no block of free port names in 29300-29499")
+def _all_names_held(size: int = 2):
+    """Ports 29300-29499 whose names this process holds: below the plugin's, so no
+    session running meanwhile loses a port."""
+    return names_held(29300, 29499, size)
 
 
 @pytest.mark.parametrize("how", ["taken", "refused"])

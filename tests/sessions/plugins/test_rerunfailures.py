@@ -14,6 +14,7 @@ from importlib.metadata import PackageNotFoundError, version
 import pytest
 
 from pytest_gpuiso.reports import report
+from tests.helpers.output import Terminal
 
 # Another plugin's API: the runs load it beside ours
 pytestmark = [pytest.mark.plugins("rerunfailures"), pytest.mark.versions]
@@ -155,17 +156,6 @@ def test_a_release_without_what_the_adapter_needs(gpuiso_spawn) -> None:
     assert "rerun" not in result.parseoutcomes()
 
 
-class _Terminal:
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def write_sep(self, sep: str, title: str) -> None:
-        self.lines.append(title)
-
-    def write_line(self, line: str, **markup: bool) -> None:
-        self.lines.append(line)
-
-
 def _record(attempt: int, outcome: str, leaks: int) -> dict:
     return {
         "nodeid": "t.py::test_x",
@@ -179,7 +169,7 @@ def _record(attempt: int, outcome: str, leaks: int) -> dict:
 
 def test_the_summaries_count_a_rerun_test_once() -> None:
     records = [_record(1, "rerun", 2), _record(2, "passed", 1)]
-    tr = _Terminal()
+    tr = Terminal()
     report.terminal_summary(tr, records, None)
     assert "gpu-isolate: 1 isolated, 1 rerun, 0 timed out, 0 crashed" in tr.lines
     assert "gpu-isolate: 3 leaks in 1 test (3 shm, 0 process, 0 gpu_memory)" in tr.lines

@@ -7,44 +7,23 @@ Whole sessions that run without a port are in tests/sessions/gpus/test_port_degr
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 
 import pytest
 
 from pytest_gpuiso.gpu import ports
+from tests.helpers.ports import names_held, port_name
 
 NOBODY = 65534
 
 
-def _name(port: int) -> str:
-    """The abstract socket name that leases ``port`` to this user's isolated tests."""
-    return f"\0pytest-gpuiso-master-port-{os.getuid()}-{port}"
-
-
-@contextlib.contextmanager
-def _all_names_held(size: int = 2) -> Iterator[range]:
-    """A range of ``size`` ports (28300-29299) whose names this process holds: the first
-    such block whose names no one else holds (another run of this test, say)."""
-    for base in range(28300, 29300, size):
-        span = range(base, base + size)
-        with contextlib.ExitStack() as held:
-            try:
-                for port in span:
-                    sock = held.enter_context(socket.socket(socket.AF_UNIX))
-                    sock.bind(_name(port))
-            except OSError as exc:
-                if exc.errno != errno.EADDRINUSE:
-                    raise
-                continue
-            yield span
-            return
-    pytest.fail("no block of free port names in 28300-29299")
+def _all_names_held(size: int = 2):
+    """Ports 28300-29299 (apart from the session tests' block) whose names this process holds."""
+    return names_held(28300, 29299, size)
 
 
 def _refuse_abstract_binds(monkeypatch: pytest.MonkeyPatch, code: int) -> None:
@@ -107,7 +86,7 @@ def test_names_squatted_by_another_user_are_named_as_such():
         port = free.start
     squat = (
         f"import os, socket, time\nos.setuid({NOBODY})\ns = socket.socket(socket.AF_UNIX)\n"
-        f"s.bind({_name(port)!r})\nprint('holding', flush=True)\ntime.sleep(60)\n"
+        f"s.bind({port_name(port)!r})\nprint('holding', flush=True)\ntime.sleep(60)\n"
     )
     squatter = subprocess.Popen([sys.executable, "-c", squat], stdout=subprocess.PIPE, text=True)
     try:

@@ -9,6 +9,7 @@ import pytest
 
 from pytest_gpuiso.reports import findings, report
 from pytest_gpuiso.reports.termtext import inert
+from tests.helpers.output import Terminal
 
 FORGED = "x\n::stop-commands::pwned\n::error title=F::forged\r\n  ::add-mask::s\n##[error]v1"
 
@@ -51,17 +52,6 @@ def test_every_control_character_becomes_a_printable_ascii_escape():
     assert inert(FORGED).splitlines() == [inert(FORGED)]
 
 
-class _Terminal:
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def write_sep(self, sep: str, title: str) -> None:
-        self.lines.append(title)
-
-    def write_line(self, line: str, **markup: bool) -> None:
-        self.lines.append(line)
-
-
 def _record(nodeid: str, detail: str, kind: str = "process", level: str = "warn") -> dict:
     return {
         "nodeid": nodeid,
@@ -75,7 +65,7 @@ def _record(nodeid: str, detail: str, kind: str = "process", level: str = "warn"
 
 
 def test_the_leak_summary_shows_a_forged_detail_on_one_line():
-    tr = _Terminal()
+    tr = Terminal()
     report.terminal_summary(tr, [_record("t.py::test_x", f"process 7 (killed): {FORGED}")], None)
     text = "\n".join(tr.lines)
     assert [line for line in text.splitlines() if _is_command(line)] == []
@@ -86,7 +76,7 @@ def test_the_leak_summary_shows_a_forged_detail_on_one_line():
 
 
 def test_the_leak_summary_shows_a_forged_node_id_on_one_line():
-    tr = _Terminal()
+    tr = Terminal()
     report.terminal_summary(tr, [_record("t.py::test_x[\n::error::id]", "a leak")], None)
     assert r"  t.py::test_x[\n::error::id]: 1 process" in tr.lines
     assert [line for line in "\n".join(tr.lines).splitlines() if _is_command(line)] == []
