@@ -1428,14 +1428,31 @@ static PyObject *entry(RegionObject *self, const owner_t *o, const char *format,
     return d;
 }
 
-static PyObject *Region_snapshot(RegionObject *self, PyObject *Py_UNUSED(ignored))
+/* The optional `timeout` argument of snapshot() and clear(): seconds, -1 for None. */
+static int lock_timeout(PyObject *args, PyObject *kwds, double *limit)
 {
-    if (ready(self) < 0)
+    static char *kwlist[] = {"timeout", NULL};
+    PyObject *timeout_obj = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O", kwlist, &timeout_obj))
+        return -1;
+    *limit = -1;
+    if (timeout_obj != Py_None) {
+        *limit = PyFloat_AsDouble(timeout_obj);
+        if (*limit == -1 && PyErr_Occurred())
+            return -1;
+    }
+    return 0;
+}
+
+static PyObject *Region_snapshot(RegionObject *self, PyObject *args, PyObject *kwds)
+{
+    double limit;
+    if (lock_timeout(args, kwds, &limit) < 0 || ready(self) < 0)
         return NULL;
     region_t *copy = malloc(sizeof(region_t));
     if (copy == NULL)
         return PyErr_NoMemory();
-    if (lock_region(self, -1) != 0) {
+    if (lock_region(self, limit) != 0) {
         free(copy);
         return NULL;
     }
@@ -1505,17 +1522,8 @@ fail:
 
 static PyObject *Region_clear(RegionObject *self, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"timeout", NULL};
-    PyObject *timeout_obj = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O", kwlist, &timeout_obj))
-        return NULL;
-    double limit = -1;
-    if (timeout_obj != Py_None) {
-        limit = PyFloat_AsDouble(timeout_obj);
-        if (limit == -1 && PyErr_Occurred())
-            return NULL;
-    }
-    if (ready(self) < 0 || lock_region(self, limit) != 0)
+    double limit;
+    if (lock_timeout(args, kwds, &limit) < 0 || ready(self) < 0 || lock_region(self, limit) != 0)
         return NULL;
     Py_BEGIN_ALLOW_THREADS
     region_t *r = self->r;
@@ -1627,8 +1635,8 @@ static PyMethodDef Region_methods[] = {
      "1/slots of each."},
     {"release", (PyCFunction)Region_release, METH_VARARGS,
      "release(lease_id) -> number of slots freed"},
-    {"snapshot", (PyCFunction)Region_snapshot, METH_NOARGS,
-     "snapshot() -> {'devices': [(name, capacity, used)], 'holders': [...], 'waiters': [...], "
+    {"snapshot", (PyCFunction)(void (*)(void))Region_snapshot, METH_VARARGS | METH_KEYWORDS,
+     "snapshot(timeout=None) -> {'devices': [(name, capacity, used)], 'holders': [...], 'waiters': [...], "
      "'quarantined': [{device, since_ns, why}]}; "
      "each "
      "holder and waiter has pid, start, alive, stopped and here (in our pid namespace)"},

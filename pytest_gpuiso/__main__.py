@@ -9,19 +9,12 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import stat
 import sys
 from pathlib import Path
 
 from . import __version__
-from .gpu.leases import (
-    CHOOSE_PATH,
-    REGION_ENV,
-    foreign_owner,
-    open_region,
-    region_path,
-    status_table,
-)
+from .gpu import table
+from .gpu.leases import REGION_ENV
 
 MERGE_HELP = """\
 merge the JSON reports (--gpu-isolate-report) of CI shards into one JSON report and/or
@@ -261,136 +254,12 @@ def main(argv: list[str] | None = None) -> int:
             fail("--markdown and --code-quality need two reports, BASE and HEAD")
     if opts.command == "merge" and opts.markdown is None and opts.json is None:
         commands["merge"].error("nothing to write: give --markdown PATH and/or --json PATH")
-    run = {"compare": _compare, "merge": _merge, "status": _status, "reset": _reset}
-    return run[opts.command](opts)
-
-
-def _status(opts: argparse.Namespace) -> int:
-    """``status``: the lease table's holders, waiters and quarantined GPUs."""
-    from ._lease import RegionError
-
-    path = opts.region or region_path()
-    if not os.path.lexists(path):
-        print(f"lease table {path}\nno lease table yet (created by the first GPU lease)")
-        return 0
+    run = {"compare": _compare, "merge": _merge, "status": table.status, "reset": table.reset}
     try:
-        print(status_table(open_region(path).snapshot(), path))
-    except RegionError as exc:
-        return _error(str(exc))
-    return 0
-
-
-def _reset(opts: argparse.Namespace) -> int:
-    """``reset``: clear a table nobody holds (``--force``: whatever holds it), or re-probe
-    and lift one quarantined GPU (``--device``)."""
-    from ._lease import RegionError
-
-    path = opts.region or region_path()
-    if not os.path.lexists(path):
-        print(f"nothing to reset: {path} does not exist")
-        return 0
-    owner = foreign_owner(path)
-    if owner is not None:  # never deleted or changed here, even by root: not ours
-        return _error(
-            f"{path} belongs to {owner}, not to uid {os.geteuid()}: not reset; "
-            f"{CHOOSE_PATH} (or --region PATH here)"
-        )
-    try:
-        region = open_region(path)
-    except RegionError as exc:
-        if not opts.force or opts.device is not None:
-            return _error(str(exc))
-        return _delete(path, f"it is unusable ({exc})")
-    if opts.device is not None:
-        return _lift(region, path, opts.device, opts.force)
-    if opts.force:
-        try:  # never waits on a lock a stopped or wedged process holds: deletes instead
-            region.clear(timeout=FORCE_LOCK_WAIT)
-        except RegionError as exc:
-            return _delete(path, f"its lock was held for {FORCE_LOCK_WAIT:g} s ({exc})")
-        print(f"cleared {path}")
-        return 0
-    try:
-        live = [h for h in region.snapshot()["holders"] if h["alive"]]
-    except RegionError as exc:
-        return _error(str(exc))
-    if live:  # a refusal: 1, like a finding
-        held = "; ".join(f"GPU {h['device']} by pid {h['pid']} ({h['label']})" for h in live)
-        return _error(f"refusing to reset {path}: live holders: {held} (use --force)", 1)
-    region.clear()
-    print(f"cleared {path}")
-    return 0
-
-
-FORCE_LOCK_WAIT = 3.0  # seconds reset --force waits for the table's lock before deleting it
-
-
-def _lift(region: object, path: str, device: str, force: bool) -> int:
-    """Probe a quarantined GPU again (NVML, then the CUDA driver in a fresh process) and lift
-    its quarantine when it passes, or at once with ``force``."""
-    from ._lease import RegionError
-    from .gpu import health
-    from .gpu.leases import visible_env
-    from .gpu.nvml import NvmlReader
-
-    try:
-        quarantined = {q["device"]: q for q in region.snapshot()["quarantined"]}
-    except RegionError as exc:
-        return _error(str(exc))
-    if device not in quarantined:
-        which = ", ".join(sorted(quarantined)) or "none"
-        print(f"GPU {device} is not quarantined in {path} (quarantined: {which})")
-        return 0
-    if not force:
-        env = visible_env((device,))
-        if device.isdigit() and "CUDA_DEVICE_ORDER" not in os.environ:
-            env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # an index as NVML numbers them
-        nvml = NvmlReader()
-        try:
-            problem = health.probe(device, nvml, env)
-        finally:
-            nvml.close()
-        if problem:  # a refusal: 1, like a finding
-            why = f"still fails its probe: {problem}; left quarantined (--force lifts it anyway)"
-            return _error(f"GPU {device} {why}", 1)
-    try:
-        region.lift(device)
-    except RegionError as exc:
-        return _error(str(exc))
-    how = "lifted without a probe (--force)" if force else "it passed its probe"
-    print(f"GPU {device}: quarantine lifted ({how}; it was: {quarantined[device]['why']})")
-    return 0
-
-
-def _is_lease_table(path: str) -> bool:
-    """Whether ``path`` is a regular file that starts with the lease table's magic (read
-    without following a link or blocking on a FIFO)."""
-    from ._lease import MAGIC
-
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        head = os.pread(fd, 8, 0) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
-    except OSError:
-        head = b""
-    finally:
-        os.close(fd)
-    return len(head) == 8 and int.from_bytes(head, sys.byteorder) == MAGIC
-
-
-def _delete(path: str, why: str) -> int:
-    """Delete our own table file that cannot be cleared; the next GPU lease creates one.
-    Only a lease table (its magic) is ever deleted: any other file is left alone."""
-    if not _is_lease_table(path):
-        return _error(f"{path} is not a pytest-gpuiso lease table: left alone")
-    try:
-        os.unlink(path)
-    except OSError as exc:
-        return _error(f"cannot delete the lease table {path}: {exc.strerror}")
-    print(f"deleted the lease table {path}: {why}")
-    return 0
+        return run[opts.command](opts)
+    except BrokenPipeError:  # a reader that stopped early (`status | head`): nothing to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

@@ -204,12 +204,10 @@ class Health:
         events, ECC counts: ``after`` says what came since). With mode "always", a GPU
         whose NVML part fails is quarantined first and the lease taken again, among the
         others (a pinned worker's test fails instead: its GPUs are its worker's). Without a
-        lease timeout, a test that needs more GPUs than quarantines leave fails at once (it
-        would wait forever)."""
+        lease timeout, a test that needs more GPUs than quarantines leave fails at once
+        (``Leases.never_enough``: it would wait forever)."""
         if self.mode != "off" and pinned is None:
             self._reprobe()
-            if timeout is None:
-                self._never_enough(n)
         while True:
             lease = pinned or self.leases.acquire(n, label, timeout, memory)
             failed = self._admit(lease)
@@ -222,8 +220,6 @@ class Health:
                 found = "; ".join(f"GPU {d}: {p}" for d, p in failed.items())
                 raise LeaseError(f"its pinned worker's GPUs failed NVML's check ({found})")
             self.leases.release(lease)
-            if timeout is None:
-                self._never_enough(n)
 
     def _admit(self, lease: Lease) -> dict[str, str]:
         """Watch the lease's GPUs from now on; with mode "always", what NVML finds wrong
@@ -234,16 +230,6 @@ class Health:
             self.nvml.track_errors(device)
         checked = lease.devices if self.mode == "always" else ()
         return {d: "; ".join(p) for d in checked if (p := self.nvml.problems(d))}
-
-    def _never_enough(self, n: int) -> None:
-        names = self.leases.devices.names
-        quarantined = self.leases.quarantined()
-        if quarantined and len(names) - len(quarantined) < n:
-            healthy = len(names) - len(quarantined)
-            raise LeaseError(
-                f"{n} GPU{'s' if n != 1 else ''} wanted, {healthy} of {len(names)} healthy"
-                + self.leases.quarantine_text()
-            )
 
     def after(self, nodeid: str, lease: Lease, outcome: RunEnd) -> dict[str, Any] | None:
         """Probe the test's GPUs when its run put them in doubt, and quarantine those that

@@ -155,6 +155,8 @@ class Leases:
         from .._lease import RegionError
 
         label = label.encode("utf-8", "replace").decode()  # a nodeid may hold surrogates
+        if timeout is None:  # a wait no quarantine could ever end is a failure at once
+            self.never_enough(n)
         start = time.monotonic()
         memory = memory or GpuMemory(f"1/{self.slots}", share=WHOLE // self.slots)
         how: dict[str, Any] = {"capacities": self.devices.sizes()}
@@ -229,6 +231,22 @@ class Leases:
             return {}
         names = self.devices.names
         return {q["device"]: q for q in found if q["device"] in names}
+
+    def never_enough(self, n: int, wanted: int = 1, per_gpu: int = 1) -> None:
+        """``LeaseError`` naming the quarantined GPUs when ``wanted`` leases of ``n`` GPUs
+        each (``per_gpu`` of them fit on one GPU) cannot all be had from the GPUs that are
+        not quarantined: every way to a lease (a test's, a call's, a pinned worker's, with
+        or without health checks) fails in one line instead of waiting for a lift."""
+        quarantined = self.quarantined()
+        names = self.devices.names
+        healthy = len(names) - len(quarantined)
+        if not quarantined or (healthy >= n and wanted <= healthy * per_gpu // n):
+            return
+        each = f"{n} GPU{'s' if n != 1 else ''}"
+        asked = each if wanted == 1 else f"{wanted} pinned workers of {each} each"
+        raise LeaseError(
+            f"{asked} wanted, {healthy} of {len(names)} healthy" + self.quarantine_text()
+        )
 
     def quarantine_text(self) -> str:
         """ "; quarantined: GPU 1 (why); ..." for a lease that could not be had, or ""."""

@@ -15,7 +15,10 @@ one and second waits could never end to free it: two sessions each holding half 
 GPUs would wait for each other forever. So the controller takes the leases without
 waiting, and when one is refused it releases those it took and tries again a little
 later (each try after a random pause, up to a second); ``--gpu-isolate-lease-timeout``
-bounds the whole wait. The leases die with the controller (the kernel frees them).
+bounds the whole wait, and a wait that GPU quarantines make endless (too few GPUs not
+quarantined for every worker) fails in one line, as every lease does without a lease
+timeout (``Leases.never_enough``). The leases die with the controller (the kernel
+frees them).
 
 An isolated test in a pinned worker runs under the worker's lease when it fits
 (no more GPUs, no more memory on each); otherwise it leases more as usual, unless
@@ -36,7 +39,7 @@ from ..settings import Settings
 from ..values import GpuMemory
 from .devices import Devices
 from .leases import Lease, LeaseError, Leases, LeaseTimeout
-from .workers import gpu_slots
+from .workers import gpu_slots, tests_per_gpu
 
 PINNED = "pinned"  # the first word of a pinned worker's label in the lease table
 FLAG = "--gpu-isolate-pin-workers"
@@ -98,9 +101,12 @@ def pin(config: pytest.Config, settings: Settings, leases: Leases | None) -> lis
     labels = [f"{PINNED} worker gw{i} of pytest pid {os.getpid()}" for i in range(count)]
     start = time.monotonic()
     pause = 0.05
+    per_gpu = tests_per_gpu(settings, leases.devices)
     while True:
         held: list[Lease] = []
         try:
+            if settings.lease_timeout is None:  # each round: a quarantine landing meanwhile
+                leases.never_enough(k, count, per_gpu)  # ends the wait too
             for label in labels:
                 held.append(leases.acquire(k, label, 0.0, settings.gpu_memory))
             return held
@@ -115,6 +121,7 @@ def pin(config: pytest.Config, settings: Settings, leases: Leases | None) -> lis
             raise pytest.UsageError(
                 f"gpu-isolate: {FLAG}: waited {waited:.1f} s for the GPUs of {count} workers "
                 f"(--gpu-isolate-lease-timeout); held by: {leases.holders_text()}"
+                + leases.quarantine_text()
             )
         time.sleep(pause * (0.5 + random.random()))
         pause = min(pause * 2, 1.0)

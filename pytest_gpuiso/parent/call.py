@@ -18,7 +18,7 @@ from typing import Any
 from .. import native
 from ..gpu.devices import discover
 from ..gpu.health import Health
-from ..gpu.leases import Leases, held_lease, visible_env
+from ..gpu.leases import LeaseError, Leases, held_lease, visible_env
 from ..gpu.nvml import NvmlReader
 from ..leaks.process import Mark
 from ..proc import workdir
@@ -116,7 +116,10 @@ def call_isolated(
         if leases is None:
             leases = Leases(devices, 1)
         label = f"run_isolated({name}) in pid {os.getpid()}"
-        lease = Health(leases, NvmlReader(), "off").lease(gpus, label, None, None)
+        try:
+            lease = Health(leases, NvmlReader(), "off").lease(gpus, label, None, None)
+        except LeaseError as exc:  # quarantines left too few GPUs: it would wait forever
+            raise IsolationError(f"run_isolated({name}): {exc}") from None
         env = leases.child_env(lease)
     try:
         # Its sweep takes only the call's own processes, not what the caller starts

@@ -194,3 +194,20 @@ def test_reset_refuses_with_1_while_a_holder_lives_and_force_clears(tmp_path: Pa
         assert region.snapshot()["holders"] == []
     finally:
         region.release(lease)
+
+
+def test_status_whose_reader_stops_early_ends_quietly(tmp_path: Path) -> None:
+    """``status | head -1``: the reader is gone before status writes; no BrokenPipeError
+    traceback, a status of 1 (its output was lost)."""
+    table = tmp_path / "leases"
+    open_region(str(table))
+    status = subprocess.Popen(
+        [sys.executable, "-m", "pytest_gpuiso", "--region", str(table), "status"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    status.stdout.close()  # long before the interpreter has started and written
+    assert status.wait(timeout=60) == 1
+    assert status.stderr.read() == ""
