@@ -1401,6 +1401,43 @@ static PyObject *Region_release(RegionObject *self, PyObject *args)
     return PyLong_FromLong(freed);
 }
 
+/* adopt(lease_id) -> number of slots now ours: the live slots of `lease_id` held by our
+ * parent process (a pinned worker's lease, taken by its xdist controller) become ours, so
+ * that they live as long as we do, whatever becomes of the parent. Only the parent's: a
+ * process cannot take the leases of another. */
+static PyObject *Region_adopt(RegionObject *self, PyObject *args)
+{
+    unsigned long long lease;
+    char err[256] = "";
+    if (!PyArg_ParseTuple(args, "K", &lease))
+        return NULL;
+    if (ready(self) < 0 || lock_region(self, -1) != 0)
+        return NULL;
+    int taken = 0;
+    region_t *r = self->r;
+    if (ensure_key(self, err, sizeof err) != 0) {
+        unlock_region(r);
+        region_error(0, "%s", err);
+        return NULL;
+    }
+    owner_t me = self_owner(self), parent = self_identity();
+    parent.pid = getppid();
+    if (proc_start(parent.pid, &parent.start, NULL) != 0)
+        parent.pid = 0; /* gone: nothing of it to take */
+    for (uint32_t d = 0; d < r->ndevices && d < MAX_DEVICES; d++)
+        for (uint32_t s = 0; s < MAX_SLOTS; s++) {
+            slot_t *slot = &r->dev[d].slot[s];
+            if (slot->lease == lease && same_owner(&slot->owner, &parent) &&
+                owner_alive(self, &slot->owner)) {
+                slot->owner = me;
+                taken++;
+            }
+        }
+    ring(self);
+    unlock_region(r);
+    return PyLong_FromLong(taken);
+}
+
 /* ------------------------------------------------------------------ inspection */
 
 static PyObject *owner_dict(RegionObject *self, const owner_t *o)
@@ -1635,6 +1672,9 @@ static PyMethodDef Region_methods[] = {
      "1/slots of each."},
     {"release", (PyCFunction)Region_release, METH_VARARGS,
      "release(lease_id) -> number of slots freed"},
+    {"adopt", (PyCFunction)Region_adopt, METH_VARARGS,
+     "adopt(lease_id) -> number of slots taken over: the live slots of the lease that our "
+     "parent process holds become ours (they live as long as we do)"},
     {"snapshot", (PyCFunction)(void (*)(void))Region_snapshot, METH_VARARGS | METH_KEYWORDS,
      "snapshot(timeout=None) -> {'devices': [(name, capacity, used)], 'holders': [...], 'waiters': [...], "
      "'quarantined': [{device, since_ns, why}]}; "

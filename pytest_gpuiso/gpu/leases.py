@@ -205,6 +205,17 @@ class Leases:
                 raise
             self._unreleased.pop(0)
 
+    def adopt(self, lease: Lease) -> int:
+        """Make ``lease``, held by this process's parent, this process's own (it then ends
+        with this process, not the parent); how many of its GPUs were taken over (0 when
+        the parent holds none of it any more, or the table cannot be used)."""
+        from .._lease import RegionError
+
+        try:
+            return int(self._attach().adopt(lease.lease_id))
+        except RegionError:
+            return 0
+
     def quarantine(self, device: str, why: str) -> str | None:
         """No session of the user leases ``device`` until it is lifted (``lift``); why it
         could not be quarantined (a table reset meanwhile, its lock held), or None."""

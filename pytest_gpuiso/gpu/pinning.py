@@ -17,8 +17,9 @@ waiting, and when one is refused it releases those it took and tries again a lit
 later (each try after a random pause, up to a second); ``--gpu-isolate-lease-timeout``
 bounds the whole wait, and a wait that GPU quarantines make endless (too few GPUs not
 quarantined for every worker) fails in one line, as every lease does without a lease
-timeout (``Leases.never_enough``). The leases die with the controller (the kernel
-frees them).
+timeout (``Leases.never_enough``). Each worker then makes its lease its own
+(``_adopt``): it lives as long as the worker, not the controller, so a SIGKILLed
+controller frees no GPU its workers still use (the kernel frees each with its worker).
 
 An isolated test in a pinned worker runs under the worker's lease when it fits
 (no more GPUs, no more memory on each); otherwise it leases more as usual, unless
@@ -144,21 +145,36 @@ def assign(pins: list[Lease], taken: dict[str, Lease], worker: str) -> dict[str,
     return {"id": lease.lease_id, "devices": list(lease.devices), "memory": lease.memory}
 
 
-def own(config: pytest.Config, pins: list[Lease], leases: Leases | None) -> Lease | None:
+def own(
+    config: pytest.Config, settings: Settings, pins: list[Lease], leases: Leases | None
+) -> Lease | None:
     """The pinned GPUs this process's tests run under: a worker's, handed over by its
     controller (``_adopt``); the lone pytest process's own (``pins``); none in the
     controller, which runs no test."""
     if is_controller(config):
         return None
-    return _adopt(config, leases) or (pins[0] if pins else None)
+    return _adopt(config, settings, leases) or (pins[0] if pins else None)
 
 
-def _adopt(config: pytest.Config, leases: Leases | None) -> Lease | None:
-    """In a worker: the lease its controller handed it, made the GPUs this process sees."""
+def _adopt(config: pytest.Config, settings: Settings, leases: Leases | None) -> Lease | None:
+    """In a worker: the lease its controller took for it, made its own in the table (it
+    then lives as long as the worker, whatever becomes of the controller: a SIGKILLed
+    controller frees nothing its workers still use) and the GPUs this process sees. When
+    that lease is no longer the controller's (a worker started in place of a crashed one
+    is handed the dead worker's, which died with it), the worker leases its GPUs itself,
+    waiting no longer than the lease timeout (without one, not at all: two sessions'
+    replacement workers must never wait for each other's GPUs), else fails in one line."""
     given = getattr(config, "workerinput", {}).get(WORKERINPUT)
     if not given or leases is None:
         return None
     lease = Lease(given["id"], tuple(given["devices"]), 0.0, given["memory"])
+    if leases.adopt(lease) != len(lease.devices):
+        label = f"{PINNED} worker {config.workerinput.get('workerid', '?')} (pid {os.getpid()})"
+        try:
+            wait = settings.lease_timeout or 0.0
+            lease = leases.acquire(settings.gpus or 1, label, wait, settings.gpu_memory)
+        except LeaseError as exc:
+            raise pytest.UsageError(f"gpu-isolate: {FLAG}: {exc}") from None
     os.environ.update(leases.child_env(lease))
     return lease
 

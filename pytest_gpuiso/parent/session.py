@@ -169,7 +169,7 @@ def prepare(config: pytest.Config, state: State) -> None:
         raise pytest.UsageError(f"gpu-isolate: {problem}")
     # before any test module is collected; the controller's, before it starts workers
     state.pins = pinning.pin(config, settings, state.leases)
-    state.pin = pinning.own(config, state.pins, state.leases)
+    state.pin = pinning.own(config, settings, state.pins, state.leases)
 
 
 def warn_start(config: pytest.Config, text: str) -> None:

@@ -1101,3 +1101,31 @@ def test_device_rows_are_recycled_when_no_one_uses_them(region: Region) -> None:
     names = [name for name, _, _ in region.snapshot()["devices"]]
     assert {"x", "y"} <= set(names) and len(names) == MAX_DEVICES
     region.release(lease)
+
+
+def test_a_child_adopts_its_parents_lease_and_no_one_else_can(
+    region: Region, region_path: str, tmp_path: Path
+) -> None:
+    """adopt(): a pinned worker takes over the lease its controller (its parent) took for
+    it, so the lease ends with the worker; a process whose parent does not hold the lease
+    (here a grandchild, through a shell) takes nothing."""
+    import subprocess
+
+    lease, _ = region.acquire(["0"], 1, 1, "pinned worker gw0", 5.0)
+    adopt = (
+        "import sys; from pytest_gpuiso._lease import Region; "
+        f"print(Region({region_path!r}).adopt({lease}))"
+    )
+    grandchild = subprocess.run(
+        ["sh", "-c", f'"{sys.executable}" -c "{adopt}"; true'],
+        capture_output=True, text=True, cwd=tmp_path, timeout=60,
+    )  # fmt: skip
+    assert grandchild.stdout.strip() == "0", grandchild.stderr
+    assert held_by(region.snapshot(), os.getpid()) == ["0"]
+    child = subprocess.run(
+        [sys.executable, "-c", adopt], capture_output=True, text=True, cwd=tmp_path, timeout=60
+    )
+    assert child.stdout.strip() == "1", child.stderr
+    # it was the child's, and ended with it: the parent holds nothing, the GPU is free
+    assert region.release(lease) == 0
+    assert region.acquire(["0"], 1, 1, "next", 0) is not None
