@@ -66,7 +66,9 @@ class Recorder:
             self.unwritten.append(f"--gpu-isolate-report {out.report_path}: {_why(exc)}")
         try:
             if out.summary_path is not None or (out.records and files.step_summary_path()):
-                self.summaries = report.write_markdown(out.summary_path, out.records, self.baseline)
+                self.summaries = report.write_markdown(
+                    out.summary_path, out.records, self.baseline, out.report_path
+                )
         except OSError as exc:
             self.unwritten.append(f"--gpu-isolate-summary {out.summary_path}: {_why(exc)}")
         try:

@@ -248,10 +248,12 @@ def markdown(
     records: list[dict[str, Any]],
     title: str = "pytest-gpuiso",
     baseline: dict[str, Any] | None = None,
+    where: str = "the JSON report",
 ) -> str:
     """A summary for PR checks: totals, a test x kind x detail table, timeouts and crashes.
 
-    Each table lists at most ``MARKDOWN_ROWS`` rows; the rest are counted.
+    Each table lists at most ``MARKDOWN_ROWS`` rows; the rest are counted, and said to be
+    in ``where`` (a session without a JSON report says how to have one).
     """
     counts = leak_counts(records)
     outcomes = Counter(r["outcome"] for r in records)
@@ -289,7 +291,7 @@ def markdown(
             more = len(rows) - MARKDOWN_ROWS
             lines += [
                 "",
-                f"{more} more {'leak is' if more == 1 else 'leaks are'} in the JSON report.",
+                f"{more} more {'leak is' if more == 1 else 'leaks are'} in {where}.",
             ]
     failed = [(r, how or _failure(r)) for r in records if (how := _ended(r)) or _failed(r)]
     if failed:
@@ -301,12 +303,12 @@ def markdown(
             more = len(failed) - MARKDOWN_ROWS
             lines += [
                 "",
-                f"{more} more failed {'test is' if more == 1 else 'tests are'} in the JSON report.",
+                f"{more} more failed {'test is' if more == 1 else 'tests are'} in {where}.",
             ]
     if not leaky and not ended:
         lines += ["", "No leaks, timeouts or crashes."]
-    more = _health(records) + fixed_table(baseline, MARKDOWN_ROWS) + _right_size(records)
-    return mdtext.bounded(lines + more, "every test is in the JSON report")
+    more = _health(records) + fixed_table(baseline, MARKDOWN_ROWS) + _right_size(records, where)
+    return mdtext.bounded(lines + more, f"every test is in {where}")
 
 
 FAILED_TITLE = "Failed tests, timeouts and crashes"
@@ -343,7 +345,7 @@ def _health(records: list[dict[str, Any]]) -> list[str]:
 LEASE_LOW = 0.25  # a peak below this share of the lease: the lease could shrink
 
 
-def _right_size(records: list[dict[str, Any]]) -> list[str]:
+def _right_size(records: list[dict[str, Any]], where: str) -> list[str]:
     """The "right-size your leases" table: tests whose GPU memory peak (NVML) was far below
     their lease (others could have run beside them) or above it (not enforced: CUDA
     used outside torch's allocator), with a gpu_memory= that fits the peak."""
@@ -366,19 +368,27 @@ def _right_size(records: list[dict[str, Any]]) -> list[str]:
         cells = f"{size_text(lease, '.2f')} | {size_text(peak, '.2f')}"
         lines.append(f"| {_code_cell(nodeid)} | {cells} | {try_} |")
     if len(rows) > MARKDOWN_ROWS:
-        lines += ["", f"{len(rows) - MARKDOWN_ROWS} more in the JSON report."]
+        lines += ["", f"{len(rows) - MARKDOWN_ROWS} more in {where}."]
     return lines
 
 
 def write_markdown(
-    path: Path | None, records: list[dict[str, Any]], baseline: dict[str, Any] | None = None
+    path: Path | None,
+    records: list[dict[str, Any]],
+    baseline: dict[str, Any] | None = None,
+    report: Path | None = None,
 ) -> list[str]:
     """Write the Markdown summary to ``path`` and append it to ``$GITHUB_STEP_SUMMARY``.
 
-    Returns where it went. A step summary that cannot be written is skipped with
-    its reason (a CI convenience must never fail the session).
-    """
-    text = markdown(records, baseline=baseline)
+    Returns where it went; a step summary that cannot be written is skipped with its
+    reason (a CI convenience must never fail the session). What its tables leave out is
+    in ``report``, the session's JSON report (None: said how to have one)."""
+    where = (
+        f"the JSON report ({report.name})"
+        if report
+        else "the JSON report of --gpu-isolate-report=PATH"
+    )
+    text = markdown(records, baseline=baseline, where=where)
     written = []
     if path is not None:
         write_text(path, text)

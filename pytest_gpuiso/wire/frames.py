@@ -270,12 +270,8 @@ class Reader:
             frame = wire.decode(data)  # at most SPILL_BYTES: a spill's number, or small
             if isinstance(frame, tuple) and len(frame) == 2 and frame[0] == _SPILL:
                 data = self._spilled(frame[1])
-                said = _KIND.match(data)  # what it says it is, read before it is decoded
-                if said and said[1].decode() in _ALWAYS_KEPT:  # spilled: too large for one
-                    kind = said[1].decode()
-                    raise FrameError(f"a {kind!r} frame of {len(data)} bytes (at most {SMALL})")
-                spent = cost(data)
-                if self.kept + spent > KEEP_BYTES:
+                spent = None if data is None else cost(data)
+                if spent is None or self.kept + spent > KEEP_BYTES:
                     return self._drop("spilled")  # never decoded: it would not be kept
                 frame = wire.decode(data)
             kind, payload = check(frame)
@@ -305,8 +301,10 @@ class Reader:
                 )
             )
 
-    def _spilled(self, number: Any) -> bytes:
-        """The contents of this test's spill file ``number``, which is then removed."""
+    def _spilled(self, number: Any) -> bytearray | None:
+        """The contents of this test's spill file ``number``, which is then removed, read
+        once; None, unread, when they could not be kept (past ``KEEP_BYTES``). A frame of
+        a kind that times the test is refused from its first bytes: it is never that large."""
         if type(number) is not int or number <= 0:
             raise FrameError(f"a spill file number that is not one: {sketch(number)}")
         name = f"{self.spill_name}{number}"
@@ -323,12 +321,19 @@ class Reader:
                 raise FrameError(
                     f"its spill file {name} has {st.st_size} bytes (at most {SPILL_MAX})"
                 )
-            parts = []
-            left = st.st_size
-            while left > 0 and (part := os.read(fd, min(left, 1 << 24))):
-                parts.append(part)
-                left -= len(part)
-            return b"".join(parts)
+            said = _KIND.match(os.pread(fd, 32, 0))  # what it says it is, before reading it
+            if said and said[1].decode() in _ALWAYS_KEPT:
+                kind = said[1].decode()
+                raise FrameError(f"a {kind!r} frame of {st.st_size} bytes (at most {SMALL})")
+            if self.kept + FRAME_COST + st.st_size > KEEP_BYTES:
+                return None
+            data = bytearray(st.st_size)
+            view, got = memoryview(data), 0
+            while got < len(data) and (n := os.readv(fd, [view[got:]])):
+                got += n
+            view.release()
+            del data[got:]  # a file cut short while read: what there is
+            return data
         finally:
             os.close(fd)
             with contextlib.suppress(OSError):

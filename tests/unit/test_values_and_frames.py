@@ -264,6 +264,35 @@ def test_a_large_frame_of_a_kind_always_kept_is_an_error(tmp_path):
     )
 
 
+@pytest.mark.parametrize(
+    ("kind", "value"),
+    [(frames.BEGIN, ("b" * (3 << 20), 1.0)), (frames.PAYLOAD, {"x": "b" * (3 << 20)})],
+)
+def test_a_spill_that_could_not_be_kept_is_never_read_whole(tmp_path, monkeypatch, kind, value):
+    """A spilled 'begin' is refused from its first bytes; a spill larger than what is left
+    of the budget is dropped unread (before: read whole, then joined: two copies)."""
+    monkeypatch.setattr(frames, "KEEP_BYTES", 2 << 20)
+    reader, writer = _pipe(tmp_path)
+    prefix = str(tmp_path / "spill-t-")
+    frames.send_frame(writer, kind, value, prefix)
+    frames.send_frame(writer, frames.DONE, 0, prefix)
+    writer.close()
+    read = []
+    real = os.read
+
+    def counted(fd: int, n: int) -> bytes:
+        data = real(fd, n)
+        read.append(len(data))
+        return data
+
+    monkeypatch.setattr(os, "read", counted)
+    monkeypatch.setattr(os, "readv", lambda fd, buffers: read.append(-1) or 0)
+    received = _read_all(reader)
+    assert -1 not in read and max(read, default=0) < 1 << 20, read  # no spill read whole
+    assert received[0][0] == frames.ERROR
+    assert list(tmp_path.glob("spill-t-*")) == []
+
+
 def test_a_frame_cut_off_by_the_end_of_the_stream_is_an_error(tmp_path):
     reader, writer = _pipe(tmp_path)
     frames.send_frame(writer, frames.READY, 1, str(tmp_path / "spill-t-"))

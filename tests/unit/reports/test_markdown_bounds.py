@@ -61,6 +61,19 @@ def test_many_leaky_tests_are_cut_at_a_line_with_a_note():
     assert 50 < len(rows) < 200 and all(row.endswith(" |") for row in rows)  # whole rows
 
 
+def test_a_session_says_where_the_rest_is_only_where_there_is_one(tmp_path, monkeypatch):
+    """Before: "every test is in the JSON report" even in a session that wrote none."""
+    monkeypatch.delenv("GITHUB_STEP_SUMMARY", raising=False)
+    records = [_record(f"t.py::test_{n}", [("shm", f"segment /dev/shm/x{n}")]) for n in range(300)]
+    report.write_markdown(tmp_path / "a.md", records, report=tmp_path / "gpuiso.json")
+    report.write_markdown(tmp_path / "b.md", records)
+    said = (tmp_path / "a.md").read_text().splitlines()
+    assert "100 more leaks are in the JSON report (gpuiso.json)." in said
+    without = (tmp_path / "b.md").read_text()
+    assert "100 more leaks are in the JSON report of --gpu-isolate-report=PATH." in without
+    assert "in the JSON report." not in without
+
+
 def test_compare_of_a_renamed_module_of_15000_tests_stays_under_a_comment():
     base = [_record(f"tests/models/test_layers.py::test_layer[case{i}]") for i in range(15000)]
     renamed = [
