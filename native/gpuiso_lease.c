@@ -81,7 +81,7 @@
 #endif
 
 #define GPUISO_MAGIC 0x67707569736f6c31ULL /* "gpuisol1" */
-#define GPUISO_ABI 4 /* 4: a device may be quarantined */
+#define GPUISO_ABI 5 /* 4: a device may be quarantined; 5: rows keyed by GPU UUID */
 #define MAX_DEVICES 64
 #define MAX_SLOTS 64 /* holders per device at once */
 #define WHOLE 1000000ULL /* a share of the whole device, in parts per million */

@@ -9,10 +9,11 @@ the lease table cannot hold is a ``SpecError`` naming its source.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..values import CUDA_ID, GpuMemory, SpecError, size_text
 from . import rocm
+from .identity import identities
 from .nvml import NvmlReader
 
 
@@ -23,6 +24,28 @@ class Devices:
     pci_order: bool = False  # names are NVML indices: children need CUDA_DEVICE_ORDER=PCI_BUS_ID
     capacities: tuple[int, ...] = ()  # bytes per device (0: unknown); () : all unknown
     via: str = rocm.CUDA  # the variable the names are for: CUDA's, HIP's or ROCr's (AMD)
+    # Each device's identity, its row in the lease table: the UUID (MIG UUID) where it can
+    # be known, so that every session leases one GPU under one row whatever it calls it
+    # ("0", "GPU-8f3e...", a prefix); () : the names themselves.
+    keys: tuple[str, ...] = ()
+
+    def key(self, name: str) -> str:
+        return self.keys[self.names.index(name)] if self.keys else name
+
+    def name_of(self, key: str) -> str | None:
+        """This session's name of the table row ``key``; None: not one of its devices."""
+        rows = self.rows()
+        return self.names[rows.index(key)] if key in rows else None
+
+    def reset_name(self, name: str) -> str:
+        """How ``reset --device`` names the device (NVML's numbering): ``name``, unless
+        it is an index CUDA may number otherwise (its default order): then its UUID."""
+        in_pci_order = self.pci_order or os.environ.get("CUDA_DEVICE_ORDER") == "PCI_BUS_ID"
+        return self.key(name) if self.keys and name.isdigit() and not in_pci_order else name
+
+    def rows(self) -> list[str]:
+        """The devices as the lease table keys them."""
+        return list(self.keys or self.names)
 
     def capacity(self, name: str) -> int:
         return self.capacities[self.names.index(name)] if self.capacities else 0
@@ -82,7 +105,7 @@ def discover(
     declared = declared or {}
     if setting is not None:
         devices = Devices(tuple(setting), what)
-        return _sized(_checked(devices), declared, nvml)
+        return _keyed(_sized(_checked(devices), declared, nvml), nvml)
     variable = "CUDA_VISIBLE_DEVICES"
     visible = os.environ.get(variable)
     amd = rocm.from_environment() if visible is None else None
@@ -98,14 +121,14 @@ def discover(
         devices = Devices(tuple(names), variable, via=variable)
         if amd is not None:
             return _sized_amd(_checked(devices, visible), declared)
-        return _sized(_checked(devices, visible), declared, nvml)
+        return _keyed(_sized(_checked(devices, visible), declared, nvml), nvml)
     names = tuple(nvml.devices())
     if not names:
         amd_gpus = _sized_amd(Devices((), "amdsmi", via=rocm.HIP), declared, found=True)
         if amd_gpus.names:
             return _checked(amd_gpus)
     devices = Devices(names, "NVML", pci_order=all(name.isdigit() for name in names))
-    return _sized(_checked(devices), declared, nvml)
+    return _keyed(_sized(_checked(devices), declared, nvml), nvml)
 
 
 def _sized_amd(devices: Devices, declared: dict[str, int], found: bool = False) -> Devices:
@@ -126,6 +149,22 @@ def _sized(devices: Devices, declared: dict[str, int], nvml: NvmlReader) -> Devi
         return devices
     sizes = tuple(declared.get(name) or nvml.total(name) for name in devices.names)
     return Devices(devices.names, devices.source, devices.pci_order, sizes, devices.via)
+
+
+def _keyed(devices: Devices, nvml: NvmlReader) -> Devices:
+    """``devices`` with each one's identity (``Devices.keys``) where NVML knows it;
+    ``SpecError`` when two names are one GPU."""
+    if not devices.names or not nvml.available():
+        return devices
+    keys = identities(devices, nvml)
+    for i, key in enumerate(keys):
+        if keys.index(key) != i:
+            first = devices.names[keys.index(key)]
+            raise SpecError(
+                f"invalid device list {devices.source}: {first} and {devices.names[i]} are "
+                f"the same GPU ({key})"
+            )
+    return replace(devices, keys=tuple(keys))
 
 
 def _checked(devices: Devices, value: str | None = None) -> Devices:

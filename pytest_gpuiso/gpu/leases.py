@@ -92,8 +92,9 @@ def held_lease(environ: dict[str, str] | os._Environ) -> list[str] | None:
         holders = open_region().snapshot()["holders"]
     except Exception:  # RegionError: no table to vouch for it
         return None
-    mine = {h["device"] for h in holders if h["alive"] and h["lease"] == int(lease_id)}
-    return names if set(names) <= mine else None
+    # the table keys GPUs by identity (UUIDs), the test names them: the lease id vouches
+    mine = [h for h in holders if h["alive"] and h["lease"] == int(lease_id)]
+    return names if len(mine) >= len(names) else None
 
 
 @dataclass(frozen=True)
@@ -165,13 +166,13 @@ class Leases:
             region = self._attach()
             self._release_pending()
             try:
-                got = region.acquire(list(self.devices.names), self.slots, n, label, timeout, **how)
+                got = region.acquire(self.devices.rows(), self.slots, n, label, timeout, **how)
             except RegionError:
                 if not region.unlinked:
                     raise
                 left = None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
                 region = self._attach()  # deleted while it waited: wait in the new table
-                got = region.acquire(list(self.devices.names), self.slots, n, label, left, **how)
+                got = region.acquire(self.devices.rows(), self.slots, n, label, left, **how)
         except RegionError as exc:
             hint = " (--gpu-isolate-devices)" if "this session says" in str(exc) else ""
             raise LeaseError(f"{exc}{hint}") from None
@@ -183,7 +184,8 @@ class Leases:
                 + (self.holders_text() or "nobody (the queue ahead was still being served)")
                 + self.quarantine_text()
             )
-        lease_id, names = got
+        lease_id, rows = got
+        names = [self.devices.name_of(row) or row for row in rows]
         each = [memory.on(self.devices.capacity(name)) for name in names]
         return Lease(lease_id, tuple(names), waited, min(each) if all(each) else 0)
 
@@ -223,14 +225,14 @@ class Leases:
 
         why = why.encode("utf-8", "replace").decode()  # a nodeid may hold surrogates
         try:
-            self._attach().quarantine(device, why)
+            self._attach().quarantine(self.devices.key(device), why)
         except (KeyError, RegionError) as exc:
             return str(exc).strip("'\"")
         return None
 
     def lift(self, device: str) -> bool:
         """Lease ``device`` again; whether it was quarantined."""
-        return bool(self._attach().lift(device))
+        return bool(self._attach().lift(self.devices.key(device)))
 
     def quarantined(self) -> dict[str, dict[str, Any]]:
         """This session's quarantined devices: name -> {since_ns, why}."""
@@ -240,8 +242,8 @@ class Leases:
             found = self._attach().quarantined()
         except RegionError:
             return {}
-        names = self.devices.names
-        return {q["device"]: q for q in found if q["device"] in names}
+        named = {self.devices.name_of(q["device"]): q for q in found}
+        return {name: q for name, q in named.items() if name is not None}
 
     def never_enough(self, n: int, wanted: int = 1, per_gpu: int = 1) -> None:
         """``LeaseError`` naming the quarantined GPUs when ``wanted`` leases of ``n`` GPUs
@@ -265,7 +267,8 @@ class Leases:
         if not found:
             return ""
         which = "; ".join(f"GPU {name} ({q['why']})" for name, q in sorted(found.items()))
-        lift = LIFT_HINT.format(device=sorted(found, key=lambda name: (len(name), name))[0])
+        first = sorted(found, key=lambda name: (len(name), name))[0]
+        lift = LIFT_HINT.format(device=self.devices.reset_name(first))
         return f"; quarantined: {which}; {lift} re-probes and lifts it"
 
     def holders_text(self) -> str:
@@ -275,8 +278,8 @@ class Leases:
             snapshot = self._attach().snapshot()
         except RegionError as exc:
             return f"unknown ({exc})"
-        holders = [h for h in snapshot["holders"] if h["device"] in self.devices.names]
-        return "; ".join(f"GPU {h['device']}: {_who(h)} ({h['label']})" for h in holders)
+        named = [(self.devices.name_of(h["device"]), h) for h in snapshot["holders"]]
+        return "; ".join(f"GPU {name}: {_who(h)} ({h['label']})" for name, h in named if name)
 
     def child_env(self, lease: Lease | None) -> dict[str, str]:
         """What the isolated child must see: exactly its leased devices.
@@ -310,9 +313,13 @@ def _who(entry: dict[str, Any]) -> str:
     return f"pid {entry['pid']}" + ("" if entry.get("here", True) else " (another pid namespace)")
 
 
-def status_table(snapshot: dict[str, Any], path: str) -> str:
+def status_table(
+    snapshot: dict[str, Any], path: str, indices: dict[str, str] | None = None
+) -> str:
     """The lease table as text, like a tiny nvidia-smi for our leases: each device's
-    memory (leased, free), then each holder with its lease, then the queue."""
+    memory (leased, free), then each holder with its lease, then the queue. A row keyed
+    by a GPU's UUID is shown by its NVML index (``indices``: UUID -> index), said after."""
+    indices = indices or {}
     lines = [f"lease table {path}"]
     if not snapshot["devices"]:
         return "\n".join([*lines, "no devices registered"])
@@ -323,11 +330,12 @@ def status_table(snapshot: dict[str, Any], path: str) -> str:
     quarantined = {q["device"]: q for q in snapshot.get("quarantined", ())}
     for name, capacity, used in snapshot["devices"]:
         q = quarantined.get(name)
+        shown = indices.get(name, name)
         if q is None:
-            rows.append((name, *_amounts(capacity, used), "", "", "", ""))
+            rows.append((shown, *_amounts(capacity, used), "", "", "", ""))
         else:
             since = time.strftime("%H:%M:%S", time.localtime(q["since_ns"] / 1e9))
-            rows.append((name, *_amounts(capacity, used), "", since, "QUARANTINED", q["why"]))
+            rows.append((shown, *_amounts(capacity, used), "", since, "QUARANTINED", q["why"]))
         for h in holders.get(name, []):
             since = time.strftime("%H:%M:%S", time.localtime(h["since_ns"] / 1e9))
             state = "held" if h["alive"] else "dead (freed on next use)"
@@ -349,6 +357,8 @@ def status_table(snapshot: dict[str, Any], path: str) -> str:
             f"waiting: {_who(w)} for {w['n']} GPU(s), {each} each, since {since} "
             f"(ticket {w['ticket']}){stopped} {w['label']}"
         )
+    keyed = [name for name, _, _ in snapshot["devices"] if name in indices]
+    lines += [f"GPU {indices[name]} is {name}" for name in keyed]
     return "\n".join(line.rstrip() for line in lines)
 
 

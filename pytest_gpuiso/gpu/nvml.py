@@ -117,6 +117,41 @@ class NvmlReader:
                 continue
         return found
 
+    def identity(self, device: str) -> str | None:
+        """The UUID of the GPU (or MIG instance) ``device`` names, whatever way it is named:
+        an index in NVML's order, a UUID or a unique prefix of one; None when NVML cannot
+        tell (no driver, no such device)."""
+        if not self.available():
+            return None
+        nvml = self._nvml
+        try:
+            if device.isdigit():
+                return _text(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(int(device))))
+            found = [uuid for uuid in self.uuids() if uuid.startswith(device)]
+        except Exception:  # NVMLError
+            return None
+        return found[0] if len(found) == 1 else None
+
+    def uuids(self) -> list[str]:
+        """Every GPU's UUID, each followed by its MIG instances' ([] without a driver)."""
+        nvml = self._nvml
+        found = []
+        for i in range(self.count()):
+            handle = nvml.nvmlDeviceGetHandleByIndex(i)
+            found += [_text(nvml.nvmlDeviceGetUUID(handle)), *self._mig_instances(handle)]
+        return found
+
+    def models(self) -> set[str]:
+        """The models of the GPUs NVML sees ({} without a driver)."""
+        nvml = self._nvml
+        try:
+            return {
+                _text(nvml.nvmlDeviceGetName(nvml.nvmlDeviceGetHandleByIndex(i)))
+                for i in range(self.count())
+            }
+        except Exception:  # NVMLError
+            return set()
+
     def total(self, device: str) -> int:
         """The device's memory in bytes; 0 when NVML cannot tell."""
         if not self.available():

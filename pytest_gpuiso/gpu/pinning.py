@@ -202,7 +202,9 @@ def never_granted(leases: Leases, pin: Lease | None, n: int) -> str | None:
         return None
     snapshot = leases.region.snapshot() if leases.region is not None else {"holders": []}
     pinned = {
-        h["device"] for h in snapshot["holders"] if h["alive"] and h["label"].startswith(PINNED)
+        leases.devices.name_of(h["device"])
+        for h in snapshot["holders"]
+        if h["alive"] and h["label"].startswith(PINNED)
     } | set(pin.devices)
     free = [name for name in leases.devices.names if name not in pinned]
     if n <= len(free):

@@ -12,6 +12,18 @@ import sys
 from .leases import CHOOSE_PATH, foreign_owner, open_region, region_path, status_table
 
 
+def nvml_indices() -> dict[str, str]:
+    """Each GPU's UUID -> its NVML index, as the table keys GPUs and users number them."""
+    from .nvml import NvmlReader
+
+    nvml = NvmlReader()
+    try:
+        found = {str(i): nvml.identity(str(i)) for i in range(nvml.count())}
+    finally:
+        nvml.close()
+    return {uuid: index for index, uuid in found.items() if uuid}
+
+
 def _error(message: str, status: int = 2) -> int:
     print(f"error: {message}", file=sys.stderr)
     return status
@@ -26,7 +38,8 @@ def status(opts: argparse.Namespace) -> int:
         print(f"lease table {path}\nno lease table yet (created by the first GPU lease)")
         return 0
     try:
-        print(status_table(open_region(path).snapshot(), path))
+        snapshot = open_region(path).snapshot()
+        print(status_table(snapshot, path, nvml_indices()))
     except RegionError as exc:
         return _error(str(exc))
     return 0
@@ -89,28 +102,30 @@ def _lift(region: object, path: str, device: str, force: bool) -> int:
         quarantined = {q["device"]: q for q in region.snapshot()["quarantined"]}
     except RegionError as exc:
         return _error(str(exc))
-    if device not in quarantined:
-        which = ", ".join(sorted(quarantined)) or "none"
-        print(f"GPU {device} is not quarantined in {path} (quarantined: {which})")
-        return 0
-    if not force:
-        env = visible_env((device,))
-        if device.isdigit() and "CUDA_DEVICE_ORDER" not in os.environ:
-            env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # an index as NVML numbers them
-        nvml = NvmlReader()
-        try:
-            problem = health.probe(device, nvml, env)
-        finally:
-            nvml.close()
-        if problem:  # a refusal: 1, like a finding
-            why = f"still fails its probe: {problem}; left quarantined (--force lifts it anyway)"
-            return _error(f"GPU {device} {why}", 1)
+    nvml = NvmlReader()
+    try:  # the table keys a GPU by its UUID where NVML knows it: "0" is NVML's GPU 0
+        row = device if device in quarantined else (nvml.identity(device) or device)
+        if row not in quarantined:
+            which = ", ".join(sorted(quarantined)) or "none"
+            print(f"GPU {device} is not quarantined in {path} (quarantined: {which})")
+            return 0
+        if not force:
+            env = visible_env((row,))
+            if row.isdigit() and "CUDA_DEVICE_ORDER" not in os.environ:
+                env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # an index as NVML numbers them
+            problem = health.probe(row, nvml, env)
+            if problem:  # a refusal: 1, like a finding
+                why = f"still fails its probe: {problem}; left quarantined (--force lifts it)"
+                return _error(f"GPU {device} {why}", 1)
+    finally:
+        nvml.close()
     try:
-        region.lift(device)
+        region.lift(row)
     except RegionError as exc:
         return _error(str(exc))
     how = "lifted without a probe (--force)" if force else "it passed its probe"
-    print(f"GPU {device}: quarantine lifted ({how}; it was: {quarantined[device]['why']})")
+    named = device if row == device else f"{device} ({row})"
+    print(f"GPU {named}: quarantine lifted ({how}; it was: {quarantined[row]['why']})")
     return 0
 
 

@@ -87,7 +87,9 @@ def test_a_broken_gpu_is_quarantined_for_every_session_until_it_passes_again(
     _repair(broken)
     lifted = _cli("reset", "--device", broken)
     assert lifted.returncode == 0, lifted.stderr
-    assert f"GPU {broken}: quarantine lifted (it passed its probe" in lifted.stdout
+    # the table keys the GPU by its UUID (one row whatever a session calls it)
+    uuid = f"GPU-{int(broken) + 1:08x}-0000-4000-8000-000000000000"
+    assert f"GPU {broken} ({uuid}): quarantine lifted (it passed its probe" in lifted.stdout
     assert "QUARANTINED" not in _cli("status").stdout
 
 

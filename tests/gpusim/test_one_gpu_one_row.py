@@ -1,0 +1,87 @@
+"""One GPU, one row in the lease table, whatever a session calls it: an index, its UUID,
+a prefix of it. Rows are keyed by the GPU's UUID (a MIG instance's own), asked of CUDA
+(in a fresh process) where its numbering may not be NVML's."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import GpuIso
+
+H100 = "GPU-00000001-0000-4000-8000-000000000000"
+HOLD = """
+import os, time, pytest
+
+@pytest.mark.gpu_isolated(gpus=1, gpu_memory="60GiB", timeout=60)
+def test_hold():
+    start = time.time()
+    time.sleep(2)
+    with open(os.environ["GPUISO_SPANS"], "a") as spans:
+        spans.write(f"{os.environ['SESSION']} {start} {time.time()}\\n")
+"""
+
+
+def test_two_sessions_naming_one_gpu_two_ways_never_share_it(
+    gpuiso_spawn: GpuIso, sim: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An 80 GiB H100 and an A100 in MIG mode: NVML discovery names every GPU by UUID,
+    while a session with CUDA_VISIBLE_DEVICES=0 names the H100 "0". Before: two rows, both
+    sessions held 60 GiB of the one H100 at once."""
+    monkeypatch.setenv("GPUISO_SIM_GPUS", "Sim H100,81559;Sim A100,40960,mig=20480+20480")
+    spans = tmp_path / "spans"
+    monkeypatch.setenv("GPUISO_SPANS", str(spans))
+    gpuiso_spawn.pytester.makepyfile(test_hold=HOLD)
+    first = gpuiso_spawn.popen("test_hold.py", env={"SESSION": "a", "CUDA_VISIBLE_DEVICES": "0"})
+    try:
+        second = gpuiso_spawn.popen("test_hold.py", env={"SESSION": "b"})
+        out, _ = second.communicate(timeout=120)
+        assert second.returncode == 0, out.decode()
+    finally:
+        out, _ = first.communicate(timeout=120)
+    assert first.returncode == 0, out.decode()
+    (a_start, a_end), (b_start, b_end) = (
+        tuple(map(float, line.split()[1:])) for line in sorted(spans.read_text().splitlines())
+    )
+    assert a_end <= b_start or b_end <= a_start, spans.read_text()
+
+
+def _keys(env: dict[str, str]) -> str:
+    code = "from pytest_gpuiso.gpu.devices import discover; print(*discover(None, 'auto').keys)"
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        cwd="/",
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_an_index_is_cudas_own_when_its_order_is_not_nvmls(
+    sim: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An A10 before an H100 on the bus: CUDA's default order (the fastest first) calls the
+    H100 0, NVML's calls the A10 0; the row is the GPU CUDA will show the tests."""
+    monkeypatch.setenv("GPUISO_SIM_GPUS", "Sim A10,23028;Sim H100,81559")
+    monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
+    h100, a10 = H100.replace("00000001", "00000002", 1), H100
+    assert _keys({"CUDA_VISIBLE_DEVICES": "0"}) == h100
+    assert _keys({"CUDA_VISIBLE_DEVICES": "0", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}) == a10
+    assert _keys({"CUDA_VISIBLE_DEVICES": "GPU-00000002"}) == h100  # a prefix of its UUID
+
+
+def test_one_gpu_listed_under_two_names_is_refused_in_one_line(
+    gpuiso_spawn: GpuIso, sim: Path
+) -> None:
+    gpuiso_spawn.pytester.makepyfile(test_hold=HOLD)
+    result = gpuiso_spawn.run("--gpu-isolate-devices=0,GPU-00000001", "test_hold.py")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    said = "invalid device list --gpu-isolate-devices: 0 and GPU-00000001 are the same GPU"
+    result.stderr.fnmatch_lines([f"*{said} ({H100})"])
