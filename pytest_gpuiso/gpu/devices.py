@@ -105,7 +105,7 @@ def discover(
     declared = declared or {}
     if setting is not None:
         devices = Devices(tuple(setting), what)
-        return _keyed(_sized(_checked(devices), declared, nvml), nvml)
+        return _sized(_keyed(_checked(devices), nvml), declared, nvml)
     variable = "CUDA_VISIBLE_DEVICES"
     visible = os.environ.get(variable)
     amd = rocm.from_environment() if visible is None else None
@@ -121,14 +121,14 @@ def discover(
         devices = Devices(tuple(names), variable, via=variable)
         if amd is not None:
             return _sized_amd(_checked(devices, visible), declared)
-        return _keyed(_sized(_checked(devices, visible), declared, nvml), nvml)
+        return _sized(_keyed(_checked(devices, visible), nvml), declared, nvml)
     names = tuple(nvml.devices())
     if not names:
         amd_gpus = _sized_amd(Devices((), "amdsmi", via=rocm.HIP), declared, found=True)
         if amd_gpus.names:
             return _checked(amd_gpus)
     devices = Devices(names, "NVML", pci_order=all(name.isdigit() for name in names))
-    return _keyed(_sized(_checked(devices), declared, nvml), nvml)
+    return _sized(_keyed(_checked(devices), nvml), declared, nvml)
 
 
 def _sized_amd(devices: Devices, declared: dict[str, int], found: bool = False) -> Devices:
@@ -148,12 +148,13 @@ def _sized(devices: Devices, declared: dict[str, int], nvml: NvmlReader) -> Devi
     if not devices.names:
         return devices
     sizes = tuple(declared.get(name) or nvml.total(name) for name in devices.names)
-    return Devices(devices.names, devices.source, devices.pci_order, sizes, devices.via)
+    return replace(devices, capacities=sizes)
 
 
 def _keyed(devices: Devices, nvml: NvmlReader) -> Devices:
-    """``devices`` with each one's identity (``Devices.keys``) where NVML knows it;
-    ``SpecError`` when two names are one GPU."""
+    """``devices`` with each one's identity (``Devices.keys``) where NVML knows it, and
+    ``nvml`` told to read an index CUDA numbers otherwise as the GPU CUDA will show (its
+    memory, its processes); ``SpecError`` when two names are one GPU."""
     if not devices.names or not nvml.available():
         return devices
     keys = identities(devices, nvml)
@@ -164,6 +165,9 @@ def _keyed(devices: Devices, nvml: NvmlReader) -> Devices:
                 f"invalid device list {devices.source}: {first} and {devices.names[i]} are "
                 f"the same GPU ({key})"
             )
+    for name, key in zip(devices.names, keys, strict=True):
+        if key != name:  # NVML reads a UUID's prefix, or CUDA's index, as that GPU
+            nvml.alias(name, key)
     return replace(devices, keys=tuple(keys))
 
 

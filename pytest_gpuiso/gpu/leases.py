@@ -313,9 +313,7 @@ def _who(entry: dict[str, Any]) -> str:
     return f"pid {entry['pid']}" + ("" if entry.get("here", True) else " (another pid namespace)")
 
 
-def status_table(
-    snapshot: dict[str, Any], path: str, indices: dict[str, str] | None = None
-) -> str:
+def status_table(snapshot: dict[str, Any], path: str, indices: dict[str, str] | None = None) -> str:
     """The lease table as text, like a tiny nvidia-smi for our leases: each device's
     memory (leased, free), then each holder with its lease, then the queue. A row keyed
     by a GPU's UUID is shown by its NVML index (``indices``: UUID -> index), said after."""

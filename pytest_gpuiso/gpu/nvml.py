@@ -32,7 +32,14 @@ class NvmlReader:
         self._handles: dict[str, Any] = {}
         self._events: dict[str, Any] = {}  # device -> its NVML event set (Xid critical errors)
         self._ecc: dict[str, int | None] = {}  # device -> uncorrectable ECC errors when watched
+        self._aliases: dict[str, str] = {}  # a session's name of a GPU -> its UUID (``alias``)
         self.error: str | None = None
+
+    def alias(self, device: str, uuid: str) -> None:
+        """Read ``device`` as the GPU ``uuid`` from now on (an index CUDA numbers otherwise
+        than NVML)."""
+        self._aliases[device] = uuid
+        self._handles.pop(device, None)
 
     def available(self) -> bool:
         if self._nvml is None and self.error is None:
@@ -49,11 +56,12 @@ class NvmlReader:
         handle = self._handles.get(device)
         if handle is None:
             nvml = self._nvml
+            known = self._aliases.get(device, device)
             try:
-                if device.isdigit():
-                    handle = nvml.nvmlDeviceGetHandleByIndex(int(device))
+                if known.isdigit():
+                    handle = nvml.nvmlDeviceGetHandleByIndex(int(known))
                 else:
-                    handle = nvml.nvmlDeviceGetHandleByUUID(device)
+                    handle = nvml.nvmlDeviceGetHandleByUUID(known)
             except Exception as exc:
                 raise NvmlUnavailable(f"GPU {device}: {_nvml_reason(exc)}") from None
             self._handles[device] = handle

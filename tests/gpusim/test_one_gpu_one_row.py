@@ -51,7 +51,10 @@ def test_two_sessions_naming_one_gpu_two_ways_never_share_it(
 
 
 def _keys(env: dict[str, str]) -> str:
-    code = "from pytest_gpuiso.gpu.devices import discover; print(*discover(None, 'auto').keys)"
+    code = (
+        "from pytest_gpuiso.gpu.devices import discover; d = discover(None, 'auto'); "
+        "print(*d.keys, *(size >> 20 for size in d.capacities))"
+    )
     done = subprocess.run(
         [sys.executable, "-c", code],
         env={**os.environ, **env},
@@ -72,9 +75,10 @@ def test_an_index_is_cudas_own_when_its_order_is_not_nvmls(
     monkeypatch.setenv("GPUISO_SIM_GPUS", "Sim A10,23028;Sim H100,81559")
     monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
     h100, a10 = H100.replace("00000001", "00000002", 1), H100
-    assert _keys({"CUDA_VISIBLE_DEVICES": "0"}) == h100
-    assert _keys({"CUDA_VISIBLE_DEVICES": "0", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}) == a10
-    assert _keys({"CUDA_VISIBLE_DEVICES": "GPU-00000002"}) == h100  # a prefix of its UUID
+    # its row and its memory (NVML read as that GPU)
+    assert _keys({"CUDA_VISIBLE_DEVICES": "0"}) == f"{h100} 81559"
+    assert _keys({"CUDA_VISIBLE_DEVICES": "0", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}) == f"{a10} 23028"
+    assert _keys({"CUDA_VISIBLE_DEVICES": "GPU-00000002"}) == f"{h100} 81559"  # a prefix
 
 
 def test_one_gpu_listed_under_two_names_is_refused_in_one_line(
