@@ -49,7 +49,9 @@ import fnmatch
 import os
 import re
 import stat
+from pathlib import Path
 
+from ..proc.dead_sessions import whose
 from ..proc.proctree import exists
 from ..values import size_text
 from ..wire.environment import CHECKED_ENV, LOG_ENV
@@ -59,6 +61,8 @@ from .shm_log import SHM_DIR, Logged, deepest_first, preload_env, read_log, remo
 OWN_PATTERNS = ("pytest-gpuiso-*", ".pytest-gpuiso-*")  # the lease table and its temp files
 _CREATOR = re.compile(r"^(?:sem\.)?torch_(\d+)_")  # PyTorch: torch_<pid>_<random>_<n>
 _CTIME_SLACK = 1.0  # seconds: filesystem timestamps are coarser than time.time()
+_DEAD_LOGS = re.compile(r"^shm-[A-Za-z0-9_.-]+\.log$")  # the launcher's names for the shim's logs
+SHOWN = 3  # entries named in the line about a dead session's
 
 
 def scan(directory: str = SHM_DIR) -> dict[str, int]:
@@ -242,3 +246,59 @@ class ShmProbe(Probe):
         for name in deepest_first([name for name in handed if name not in leaks]):
             remove_entry(self.directory, name, handed[name].st_ino, self.uid)
         return [leaks[name] for name in sorted(leaks)]
+
+
+class DeadSessionShm:
+    """The /dev/shm entries the tests of pytest sessions that died created (by the shim's
+    logs in their work directories, handed over by ``workdir.clean_stale``'s ``on_dead``
+    before it removes them), judged by the after-test rules: still the logged inode, ours,
+    changed since the dead session made its directory (its lock file's ctime), not
+    ignored, not open or mapped by a live process. Deleted with ``cleanup``, else named;
+    either way said once (``describe``)."""
+
+    def __init__(self, ignore: tuple[str, ...] = (), cleanup: bool = False) -> None:
+        self.probe = ShmProbe(ignore, cleanup)
+        self.found: dict[str, tuple[os.stat_result, str]] = {}  # name -> (stat, session)
+        self.sessions: list[str] = []
+        self.deleted: list[str] = []
+
+    def take(self, workdir: Path, session: str) -> None:
+        """``on_dead``: the entries the logs in ``workdir`` name, of the session ``session``."""
+        probe = self.probe
+        try:
+            since = os.lstat(workdir / "lock").st_ctime - _CTIME_SLACK
+            logs = sorted(e.name for e in os.scandir(workdir) if _DEAD_LOGS.match(e.name))
+        except OSError:
+            return
+        for log in logs:
+            for name, entry in read_log(str(workdir / log)).items():
+                if name in self.found or probe._ignored(name):
+                    continue
+                with contextlib.suppress(OSError):
+                    st = os.lstat(os.path.join(probe.directory, name))
+                    if st.st_ino == entry.inode and st.st_uid == probe.uid and st.st_ctime >= since:
+                        self.found[name] = (st, session)
+
+    def describe(self) -> str:
+        """What was found, deleted (with ``cleanup``) or left, in one line; "" for nothing."""
+        probe = self.probe
+        stats = {name: st for name, (st, _) in self.found.items()}
+        held = held_inodes({(st.st_dev, st.st_ino) for st in stats.values()}) if stats else set()
+        names = [
+            n for n in deepest_first(list(stats)) if (stats[n].st_dev, stats[n].st_ino) not in held
+        ]
+        if probe.cleanup:
+            names = [
+                n for n in names if remove_entry(probe.directory, n, stats[n].st_ino, probe.uid)
+            ]
+        if not names:
+            return ""
+        n = len(names)
+        size = size_text(sum(stats[m].st_size for m in names))
+        what = f"{n} /dev/shm entr{'ies' if n != 1 else 'y'} ({size})"
+        by = f"created by the tests of {whose(self.found[m][1] for m in names)}"
+        shown = ", ".join(f"{probe.directory}/{m}" for m in sorted(names)[:SHOWN])
+        more = f" and {n - SHOWN} more" if n > SHOWN else ""
+        if probe.cleanup:
+            return f"deleted {what} {by}: {shown}{more}"
+        return f"left {what} {by} in place: {shown}{more} (--gpu-isolate-cleanup deletes them)"

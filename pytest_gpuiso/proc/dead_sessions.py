@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 import psutil
@@ -123,12 +123,6 @@ def _wait(
 def describe(ended: list[dict[str, Any]]) -> str:
     """``end``'s processes in one line, for the session that ended them."""
     n = len(ended)
-    sessions = sorted({e["session"] for e in ended}, key=int)
-    whose = (
-        f"a pytest session that died (pid {sessions[0]})"
-        if len(sessions) == 1
-        else f"pytest sessions that died (pids {', '.join(sessions)})"
-    )
     shown = []
     for e in ended[:SHOWN]:
         text = " ".join(e["cmdline"].split())  # one line
@@ -137,7 +131,14 @@ def describe(ended: list[dict[str, Any]]) -> str:
         shown.append(f"pid {e['pid']} {text}{note}")
     more = f"; and {n - SHOWN} more" if n > SHOWN else ""
     return (
-        f"ended {n} process{'es' if n != 1 else ''} left running by {whose}: "
-        + "; ".join(shown)
-        + more
+        f"ended {n} process{'es' if n != 1 else ''} left running by "
+        f"{whose(e['session'] for e in ended)}: " + "; ".join(shown) + more
     )
+
+
+def whose(sessions: Iterable[str]) -> str:
+    """ "a pytest session that died (pid N)", or the same of several: whose leftovers."""
+    pids = sorted(set(sessions), key=int)
+    if len(pids) == 1:
+        return f"a pytest session that died (pid {pids[0]})"
+    return f"pytest sessions that died (pids {', '.join(pids)})"

@@ -116,6 +116,16 @@ def _sleeper(env: dict[str, str]) -> subprocess.Popen:
     return sleeper
 
 
+def _made(path: Path) -> Path:
+    """A work directory as ``workdir.process_dir`` makes one: its lock file holds its
+    identity (then its lock is free: its process is dead)."""
+    path.mkdir(mode=0o700)
+    lock = path / workdir.LOCK
+    lock.write_text("")
+    lock.write_text(workdir.owner(path))  # the same inode: the identity stays
+    return path
+
+
 @pytest.fixture
 def work(tmp_path, monkeypatch) -> Path:
     """This process's work directory root, in a fresh temporary directory."""
@@ -133,8 +143,7 @@ def test_only_processes_with_a_dead_directorys_exact_name_are_ended(work, monkey
     name = f"4242-{secrets.token_hex(4)}"  # a run beside this one makes its own
     dead, live = work / name, work / f"4343-{secrets.token_hex(4)}"
     for path in (dead, live):
-        path.mkdir(mode=0o700)
-        (path / workdir.LOCK).write_text("")
+        _made(path)
     own = workdir.owner(dead)
     assert own.startswith(f"{os.path.realpath(dead)}@")
     envs = [
@@ -169,11 +178,10 @@ def test_a_copy_of_a_live_directory_elsewhere_ends_nothing(work, tmp_path, monke
     monkeypatch.setattr(dead_sessions, "KILL_WAIT", 0.5)
     name = f"4444-{secrets.token_hex(4)}"
     live = tmp_path / "other-tmpdir" / work.name / name
-    live.mkdir(parents=True, mode=0o700)
-    (live / workdir.LOCK).write_text("")
+    live.parent.mkdir(parents=True)
+    _made(live)
     forged = work / name
-    forged.mkdir(mode=0o700)
-    (forged / workdir.LOCK).write_text("")
+    _made(forged)
     sleeper = _sleeper({OWNER_ENV: workdir.owner(live)})
     try:
         with open(live / workdir.LOCK) as held:
@@ -194,8 +202,7 @@ def test_no_process_is_listed_without_a_dead_directory(work, monkeypatch):
 
     monkeypatch.setattr(psutil, "pids", listed)
     live = work / "4343-alive"
-    live.mkdir(mode=0o700)
-    (live / workdir.LOCK).write_text("")
+    _made(live)
     with open(live / workdir.LOCK) as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         assert workdir.clean_stale() == []
