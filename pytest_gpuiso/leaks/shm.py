@@ -38,6 +38,10 @@ on pytest's terminal). The test's process hands it over in the log instead
 it is deleted once checked (``_handed_over``: still the logged inode, ours, made
 since the process started, never one of our own files), reported or not.
 
+What the tests of a pytest session that died created (its shim's logs, read by the next
+session before it removes the dead session's work directory) is judged by the same rules
+(``DeadSessionShm``): deleted with ``--gpu-isolate-cleanup``, else named, said once.
+
 The holder check reads ``/proc/*/fd`` and ``/proc/*/maps`` and runs only when
 there is a candidate, so a clean test pays for one ``scandir`` before and after.
 """

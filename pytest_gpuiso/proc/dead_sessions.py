@@ -2,7 +2,8 @@
 
 Every process started for an isolated test or a ``run_isolated`` call (spawned, the
 fork server and its forks) carries ``OWNER_ENV=<its starter's work directory's
-identity>`` (``workdir.owner``: its full path and inode, which no copy of it has) in
+identity>`` (``workdir.owner``: its full path, its inode and its lock file's, which
+no copy of it and no lock file put in its place has) in
 the environment it is exec'd with and in ``os.environ``, so whatever
 it starts inherits it. When pytest dies (SIGKILL, the OOM killer, CI's time-out), the
 test's process dies with it (``PR_SET_PDEATHSIG``), but a daemon the test started in a
@@ -35,7 +36,7 @@ CMDLINE_CUT = 60  # characters of each command line in that line
 
 def end(names: Collection[str]) -> list[dict[str, Any]]:
     """End this user's processes that carry the owner identity of a work directory in
-    ``names`` (``workdir.owner``: ``<path>/<pid>-<random>@<dev>:<inode>``), whose lock
+    ``names`` (``workdir.owner``: ``<path>/<pid>-<random>@<dev>:<inode>:<lock inode>``), whose lock
     the caller holds: their pytest is dead.
 
     Returns each as ``{"pid", "cmdline", "session"}`` (the dead pytest's pid), with

@@ -10,9 +10,12 @@ Each process holds an ``flock`` on the ``lock`` file in its own directory for it
 lifetime; the kernel releases it when the process dies, in whatever pid namespace
 (a pid and a start time mean nothing in another one, and sessions in containers may
 share a TMPDIR). The lock file gets its name only once it is locked, so no one ever
-finds it unlocked while its process lives. A later session removes the directories
-whose lock it can take, after ending the processes their tests left running
-(``dead_sessions``); anything else (no lock file, not a directory, another name) is kept.
+finds it unlocked while its process lives; before that, it is given the directory's
+identity (``owner``: the path, the directory's inode and its own), which the session's
+processes carry. A later session removes the directories whose lock it can take, after
+ending the processes their tests left running (``dead_sessions``), only for one whose lock
+file holds its own identity (``_proven``); anything else (no lock file, not a directory,
+another name, a file a process of ours still has open in it) is kept.
 """
 
 from __future__ import annotations

@@ -226,3 +226,41 @@ def test_the_report_is_one_line_with_the_first_processes_cut_short() -> None:
         "ended 1 process left running by a pytest session that died (pid 7): "
         "pid 11 python -c import os os.fork()"
     )
+
+
+def test_a_directory_whose_lock_does_not_hold_its_identity_ends_nothing(work, monkeypatch):
+    """A lock file that is not the directory's own (replaced while its session lives,
+    its real lock moved aside; or written by no one) proves nothing: no process is
+    ended, and the directory is kept while a process of ours has a file open in it."""
+    monkeypatch.setattr(dead_sessions, "KILL_WAIT", 0.5)
+    used, unused = _made(work / "4545-used"), _made(work / "4646-unused")
+    sleepers = []
+    for path in (used, unused):
+        own = workdir.owner(path)
+        (path / workdir.LOCK).rename(path / "lock.aside")
+        (path / workdir.LOCK).write_text("")  # unlocked, and not the one ``own`` names
+        sleepers.append(_sleeper({OWNER_ENV: own}))
+    try:
+        with open(used / "out", "w") as out:
+            holder = subprocess.Popen(["sleep", "60"], stdout=out)
+        sleepers.append(holder)
+        assert workdir.clean_stale(on_dead=lambda *args: pytest.fail(f"handed over: {args}")) == []
+        assert [s.poll() for s in sleepers] == [None] * 3
+        assert sorted(work.iterdir()) == [used]
+    finally:
+        kill_quietly([s.pid for s in sleepers])
+        for sleeper in sleepers:
+            sleeper.wait(timeout=10)
+
+
+def test_a_dead_directory_is_handed_over_before_it_is_removed(work):
+    """``on_dead`` gets the directory while it is still there, with its dead pytest's pid."""
+    dead = _made(work / "4747-dead")
+    (dead / "shm-1.log").write_text("")
+    seen = []
+
+    def on_dead(path: Path, pid: str) -> None:
+        seen.append((path, pid, path.is_dir()))
+
+    assert workdir.clean_stale(on_dead=on_dead) == []
+    assert seen == [(dead, "4747", True)] and list(work.iterdir()) == []
