@@ -57,6 +57,7 @@ from pathlib import Path
 
 from ..proc.dead_sessions import whose
 from ..proc.proctree import exists
+from ..proc.workdir import LOCK
 from ..values import size_text
 from ..wire.environment import CHECKED_ENV, LOG_ENV
 from . import Leak, Probe, RunInfo, StartedProcess
@@ -270,7 +271,7 @@ class DeadSessionShm:
         """``on_dead``: the entries the logs in ``workdir`` name, of the session ``session``."""
         probe = self.probe
         try:
-            since = os.lstat(workdir / "lock").st_ctime - _CTIME_SLACK
+            since = os.lstat(workdir / LOCK).st_ctime - _CTIME_SLACK
             logs = sorted(e.name for e in os.scandir(workdir) if _DEAD_LOGS.match(e.name))
         except OSError:
             return
@@ -301,8 +302,14 @@ class DeadSessionShm:
         size = size_text(sum(stats[m].st_size for m in names))
         what = f"{n} /dev/shm entr{'ies' if n != 1 else 'y'} ({size})"
         by = f"created by the tests of {whose(self.found[m][1] for m in names)}"
-        shown = ", ".join(f"{probe.directory}/{m}" for m in sorted(names)[:SHOWN])
+        shown = ", ".join(_printable(f"{probe.directory}/{m}") for m in sorted(names)[:SHOWN])
         more = f" and {n - SHOWN} more" if n > SHOWN else ""
         if probe.cleanup:
             return f"deleted {what} {by}: {shown}{more}"
         return f"left {what} {by} in place: {shown}{more} (--gpu-isolate-cleanup deletes them)"
+
+
+def _printable(path: str) -> str:
+    """``path`` as it is, or quoted and escaped where it has a control character or bytes
+    that are not UTF-8: the line stays one printable line."""
+    return path if path.isprintable() else ascii(path)

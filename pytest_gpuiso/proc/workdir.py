@@ -219,9 +219,11 @@ def _in_use(entries: list[Path]) -> set[Path]:
     a file open in (by ``/proc/*/fd``)."""
     inside = {os.path.realpath(entry) + os.sep: entry for entry in entries}
     uid, found = os.getuid(), set()
-    if not inside:
-        return found
-    for pid in os.listdir("/proc"):
+    try:
+        pids = os.listdir("/proc") if inside else []
+    except OSError:
+        return set(entries)  # nothing can be known: nothing is removed
+    for pid in pids:
         if not pid.isdigit() or int(pid) == os.getpid():
             continue
         with contextlib.suppress(OSError):

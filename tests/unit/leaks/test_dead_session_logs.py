@@ -73,3 +73,18 @@ def test_a_log_that_is_not_a_regular_file_is_not_read(tmp_path):
         f.seek(LOG_LIMIT - 4)
         f.write(b"7 13 cut\n")
     assert list(read_log(str(big))) == ["first"]
+
+
+def test_a_name_with_a_newline_is_named_on_one_line(tmp_path, shm_name):
+    """Without cleanup the entry is named, escaped (the shim logs a newline as %0A), and
+    left."""
+    path = SHM / f"{shm_name}-a\nb"
+    path.write_bytes(b"x")
+    line = f"7 {path.stat().st_ino} {shm_name}-a%0Ab\n"
+    dead = DeadSessionShm()
+    dead.take(_dead_dir(tmp_path, line.encode()), "4242")
+    assert dead.describe() == (
+        "left 1 /dev/shm entry (1 bytes) created by the tests of a pytest session that died "
+        f"(pid 4242) in place: {ascii(str(path))} (--gpu-isolate-cleanup deletes them)"
+    )
+    assert path.exists()
