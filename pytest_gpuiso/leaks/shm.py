@@ -259,13 +259,11 @@ class DeadSessionShm:
     before it removes them), judged by the after-test rules: still the logged inode, ours,
     changed since the dead session made its directory (its lock file's ctime), not
     ignored, not open or mapped by a live process. Deleted with ``cleanup``, else named;
-    either way said once (``describe``)."""
+    either way said once (``dispose``)."""
 
     def __init__(self, ignore: tuple[str, ...] = (), cleanup: bool = False) -> None:
         self.probe = ShmProbe(ignore, cleanup)
         self.found: dict[str, tuple[os.stat_result, str]] = {}  # name -> (stat, session)
-        self.sessions: list[str] = []
-        self.deleted: list[str] = []
 
     def take(self, workdir: Path, session: str) -> None:
         """``on_dead``: the entries the logs in ``workdir`` name, of the session ``session``."""
@@ -284,8 +282,9 @@ class DeadSessionShm:
                     if st.st_ino == entry.inode and st.st_uid == probe.uid and st.st_ctime >= since:
                         self.found[name] = (st, session)
 
-    def describe(self) -> str:
-        """What was found, deleted (with ``cleanup``) or left, in one line; "" for nothing."""
+    def dispose(self) -> str:
+        """Delete what was found (with ``cleanup``), else leave it; what was, in one line
+        ("" for nothing)."""
         probe = self.probe
         stats = {name: st for name, (st, _) in self.found.items()}
         held = held_inodes({(st.st_dev, st.st_ino) for st in stats.values()}) if stats else set()

@@ -160,7 +160,7 @@ def prepare(config: pytest.Config, state: State) -> None:
     ended = workdir.clean_stale(on_dead=dead_shm.take)
     if ended:
         warn_start(config, dead_sessions.describe(ended))
-    left = dead_shm.describe()
+    left = dead_shm.dispose()
     if left:
         warn_start(config, left)
     try:

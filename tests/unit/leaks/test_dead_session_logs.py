@@ -45,7 +45,7 @@ def test_only_entries_still_as_logged_and_changed_since_the_session_began_are_de
     with open(made["mapped"], "rb") as held:  # open by a live process: someone uses it
         dead = DeadSessionShm(ignore=(f"{shm_name}-ig*",), cleanup=True)
         dead.take(workdir, "4242")
-        text = dead.describe()
+        text = dead.dispose()
         assert held.read() == b"x" * 10
     assert text == (
         "deleted 1 /dev/shm entry (10 bytes) created by the tests of a pytest session that "
@@ -83,7 +83,7 @@ def test_a_name_with_a_newline_is_named_on_one_line(tmp_path, shm_name):
     line = f"7 {path.stat().st_ino} {shm_name}-a%0Ab\n"
     dead = DeadSessionShm()
     dead.take(_dead_dir(tmp_path, line.encode()), "4242")
-    assert dead.describe() == (
+    assert dead.dispose() == (
         "left 1 /dev/shm entry (1 bytes) created by the tests of a pytest session that died "
         f"(pid 4242) in place: {ascii(str(path))} (--gpu-isolate-cleanup deletes them)"
     )
