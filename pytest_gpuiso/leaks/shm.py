@@ -38,6 +38,10 @@ on pytest's terminal). The test's process hands it over in the log instead
 it is deleted once checked (``_handed_over``: still the logged inode, ours, made
 since the process started, never one of our own files), reported or not.
 
+What the tests of a pytest session that died created (its shim's logs, read by the next
+session before it removes the dead session's work directory) is judged by the same rules
+(``DeadSessionShm``): deleted with ``--gpu-isolate-cleanup``, else named, said once.
+
 The holder check reads ``/proc/*/fd`` and ``/proc/*/maps`` and runs only when
 there is a candidate, so a clean test pays for one ``scandir`` before and after.
 """
@@ -49,8 +53,11 @@ import fnmatch
 import os
 import re
 import stat
+from pathlib import Path
 
+from ..proc.dead_sessions import whose
 from ..proc.proctree import exists
+from ..proc.workdir import LOCK
 from ..values import size_text
 from ..wire.environment import CHECKED_ENV, LOG_ENV
 from . import Leak, Probe, RunInfo, StartedProcess
@@ -59,6 +66,8 @@ from .shm_log import SHM_DIR, Logged, deepest_first, preload_env, read_log, remo
 OWN_PATTERNS = ("pytest-gpuiso-*", ".pytest-gpuiso-*")  # the lease table and its temp files
 _CREATOR = re.compile(r"^(?:sem\.)?torch_(\d+)_")  # PyTorch: torch_<pid>_<random>_<n>
 _CTIME_SLACK = 1.0  # seconds: filesystem timestamps are coarser than time.time()
+_DEAD_LOGS = re.compile(r"^shm-[A-Za-z0-9_.-]+\.log$")  # the launcher's names for the shim's logs
+SHOWN = 3  # entries named in the line about a dead session's
 
 
 def scan(directory: str = SHM_DIR) -> dict[str, int]:
@@ -242,3 +251,64 @@ class ShmProbe(Probe):
         for name in deepest_first([name for name in handed if name not in leaks]):
             remove_entry(self.directory, name, handed[name].st_ino, self.uid)
         return [leaks[name] for name in sorted(leaks)]
+
+
+class DeadSessionShm:
+    """The /dev/shm entries the tests of pytest sessions that died created (by the shim's
+    logs in their work directories, handed over by ``workdir.clean_stale``'s ``on_dead``
+    before it removes them), judged by the after-test rules: still the logged inode, ours,
+    changed since the dead session made its directory (its lock file's ctime), not
+    ignored, not open or mapped by a live process. Deleted with ``cleanup``, else named;
+    either way said once (``dispose``)."""
+
+    def __init__(self, ignore: tuple[str, ...] = (), cleanup: bool = False) -> None:
+        self.probe = ShmProbe(ignore, cleanup)
+        self.found: dict[str, tuple[os.stat_result, str]] = {}  # name -> (stat, session)
+
+    def take(self, workdir: Path, session: str) -> None:
+        """``on_dead``: the entries the logs in ``workdir`` name, of the session ``session``."""
+        probe = self.probe
+        try:
+            since = os.lstat(workdir / LOCK).st_ctime - _CTIME_SLACK
+            logs = sorted(e.name for e in os.scandir(workdir) if _DEAD_LOGS.match(e.name))
+        except OSError:
+            return
+        for log in logs:
+            for name, entry in read_log(str(workdir / log)).items():
+                if name in self.found or probe._ignored(name):
+                    continue
+                with contextlib.suppress(OSError):
+                    st = os.lstat(os.path.join(probe.directory, name))
+                    if st.st_ino == entry.inode and st.st_uid == probe.uid and st.st_ctime >= since:
+                        self.found[name] = (st, session)
+
+    def dispose(self) -> str:
+        """Delete what was found (with ``cleanup``), else leave it; what was, in one line
+        ("" for nothing)."""
+        probe = self.probe
+        stats = {name: st for name, (st, _) in self.found.items()}
+        held = held_inodes({(st.st_dev, st.st_ino) for st in stats.values()}) if stats else set()
+        names = [
+            n for n in deepest_first(list(stats)) if (stats[n].st_dev, stats[n].st_ino) not in held
+        ]
+        if probe.cleanup:
+            names = [
+                n for n in names if remove_entry(probe.directory, n, stats[n].st_ino, probe.uid)
+            ]
+        if not names:
+            return ""
+        n = len(names)
+        size = size_text(sum(stats[m].st_size for m in names))
+        what = f"{n} /dev/shm entr{'ies' if n != 1 else 'y'} ({size})"
+        by = f"created by the tests of {whose(self.found[m][1] for m in names)}"
+        shown = ", ".join(_printable(f"{probe.directory}/{m}") for m in sorted(names)[:SHOWN])
+        more = f" and {n - SHOWN} more" if n > SHOWN else ""
+        if probe.cleanup:
+            return f"deleted {what} {by}: {shown}{more}"
+        return f"left {what} {by} in place: {shown}{more} (--gpu-isolate-cleanup deletes them)"
+
+
+def _printable(path: str) -> str:
+    """``path`` as it is, or quoted and escaped where it has a control character or bytes
+    that are not UTF-8: the line stays one printable line."""
+    return path if path.isprintable() else ascii(path)

@@ -13,7 +13,6 @@ with multiprocessing's resource tracker, which would have deleted it at exit.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import importlib.machinery
 import os
@@ -25,6 +24,7 @@ from typing import NamedTuple
 SHM_DIR = "/dev/shm"
 _ESCAPED = re.compile(rb"%([0-9A-Fa-f]{2})")  # the shim's escape of bytes <= 0x20, % and 0x7f
 _ASAN_ORDER = "verify_asan_link_order"
+LOG_LIMIT = 64 << 20  # bytes of a log read (~1M creations); a line past it is not read
 
 
 @functools.cache
@@ -76,20 +76,45 @@ def read_log(path: str) -> dict[str, Logged]:
     shim's log; the last creation of a name wins. A hand-over counts for the creation it
     follows, of the same inode."""
     created: dict[str, Logged] = {}
-    with contextlib.suppress(OSError), open(path, "rb") as f:
-        for line in f:
-            parts = line.rstrip(b"\n").split(b" ", 2)
-            if len(parts) != 3:
-                continue
-            pid, inode, name = parts
-            if not (inode.isdigit() and name):
-                continue
-            text = os.fsdecode(_ESCAPED.sub(lambda m: bytes([int(m[1], 16)]), name))
-            if pid.isdigit():
-                created[text] = Logged(int(pid), int(inode))
-            elif pid == _TRACKED and text in created and created[text].inode == int(inode):
-                created[text] = created[text]._replace(tracked=True)
+    for line in _read_bounded(path).split(b"\n")[:-1]:  # the last: cut, or empty
+        parts = line.split(b" ", 2)
+        if len(parts) != 3:
+            continue
+        pid, inode, name = parts
+        if not (inode.isdigit() and name):
+            continue
+        text = os.fsdecode(_ESCAPED.sub(lambda m: bytes([int(m[1], 16)]), name))
+        if pid.isdigit():
+            created[text] = Logged(int(pid), int(inode))
+        elif pid == _TRACKED and text in created and created[text].inode == int(inode):
+            created[text] = created[text]._replace(tracked=True)
     return created
+
+
+def _read_bounded(path: str) -> bytes:
+    """The first ``LOG_LIMIT`` bytes of the regular file ``path``, b"" for anything else:
+    the log is the test's to write, and a test may put a symlink, a FIFO or a device
+    in its place (no symlink is followed, no open blocks)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return b""
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return b""
+        chunks = []
+        left = LOG_LIMIT
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    except OSError:
+        return b""
+    finally:
+        os.close(fd)
 
 
 def _escape(name: str) -> bytes:

@@ -146,6 +146,7 @@ def prepare(config: pytest.Config, state: State) -> None:
     from ..gpu import pinning
     from ..gpu.devices import discover
     from ..gpu.leases import Leases
+    from ..leaks.shm import DeadSessionShm
     from ..proc import dead_sessions, workdir
 
     settings = state.settings
@@ -154,9 +155,14 @@ def prepare(config: pytest.Config, state: State) -> None:
             workdir.root()
         except workdir.WorkdirError as exc:
             raise pytest.UsageError(f"gpu-isolate: {exc}") from None
-    ended = workdir.clean_stale()  # and what the tests of dead sessions left running
+    # and what the tests of dead sessions left running, and in /dev/shm
+    dead_shm = DeadSessionShm(settings.shm_ignore, settings.cleanup)
+    ended = workdir.clean_stale(on_dead=dead_shm.take)
     if ended:
         warn_start(config, dead_sessions.describe(ended))
+    left = dead_shm.dispose()
+    if left:
+        warn_start(config, left)
     try:
         sizes = dict(settings.device_sizes)
         state.devices = discover(settings.devices, settings.devices_source, sizes, state.nvml)

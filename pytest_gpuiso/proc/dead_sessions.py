@@ -2,7 +2,8 @@
 
 Every process started for an isolated test or a ``run_isolated`` call (spawned, the
 fork server and its forks) carries ``OWNER_ENV=<its starter's work directory's
-identity>`` (``workdir.owner``: its full path and inode, which no copy of it has) in
+identity>`` (``workdir.owner``: its full path, its inode and its lock file's, which
+no copy of it and no lock file put in its place has) in
 the environment it is exec'd with and in ``os.environ``, so whatever
 it starts inherits it. When pytest dies (SIGKILL, the OOM killer, CI's time-out), the
 test's process dies with it (``PR_SET_PDEATHSIG``), but a daemon the test started in a
@@ -18,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 import psutil
@@ -35,7 +36,7 @@ CMDLINE_CUT = 60  # characters of each command line in that line
 
 def end(names: Collection[str]) -> list[dict[str, Any]]:
     """End this user's processes that carry the owner identity of a work directory in
-    ``names`` (``workdir.owner``: ``<path>/<pid>-<random>@<dev>:<inode>``), whose lock
+    ``names`` (``workdir.owner``: ``<path>/<pid>-<random>@<dev>:<inode>:<lock inode>``), whose lock
     the caller holds: their pytest is dead.
 
     Returns each as ``{"pid", "cmdline", "session"}`` (the dead pytest's pid), with
@@ -123,12 +124,6 @@ def _wait(
 def describe(ended: list[dict[str, Any]]) -> str:
     """``end``'s processes in one line, for the session that ended them."""
     n = len(ended)
-    sessions = sorted({e["session"] for e in ended}, key=int)
-    whose = (
-        f"a pytest session that died (pid {sessions[0]})"
-        if len(sessions) == 1
-        else f"pytest sessions that died (pids {', '.join(sessions)})"
-    )
     shown = []
     for e in ended[:SHOWN]:
         text = " ".join(e["cmdline"].split())  # one line
@@ -137,7 +132,14 @@ def describe(ended: list[dict[str, Any]]) -> str:
         shown.append(f"pid {e['pid']} {text}{note}")
     more = f"; and {n - SHOWN} more" if n > SHOWN else ""
     return (
-        f"ended {n} process{'es' if n != 1 else ''} left running by {whose}: "
-        + "; ".join(shown)
-        + more
+        f"ended {n} process{'es' if n != 1 else ''} left running by "
+        f"{whose(e['session'] for e in ended)}: " + "; ".join(shown) + more
     )
+
+
+def whose(sessions: Iterable[str]) -> str:
+    """ "a pytest session that died (pid N)", or the same of several: whose leftovers."""
+    pids = sorted(set(sessions), key=int)
+    if len(pids) == 1:
+        return f"a pytest session that died (pid {pids[0]})"
+    return f"pytest sessions that died (pids {', '.join(pids)})"

@@ -10,9 +10,12 @@ Each process holds an ``flock`` on the ``lock`` file in its own directory for it
 lifetime; the kernel releases it when the process dies, in whatever pid namespace
 (a pid and a start time mean nothing in another one, and sessions in containers may
 share a TMPDIR). The lock file gets its name only once it is locked, so no one ever
-finds it unlocked while its process lives. A later session removes the directories
-whose lock it can take, after ending the processes their tests left running
-(``dead_sessions``); anything else (no lock file, not a directory, another name) is kept.
+finds it unlocked while its process lives; before that, it is given the directory's
+identity (``owner``: the path, the directory's inode and its own), which the session's
+processes carry. A later session removes the directories whose lock it can take, after
+ending the processes their tests left running (``dead_sessions``), only for one whose lock
+file holds its own identity (``_proven``); anything else (no lock file, not a directory,
+another name, a file a process of ours still has open in it) is kept.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import re
 import shutil
 import stat
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +38,7 @@ from . import dead_sessions
 
 LOCK = "lock"
 _NAME = re.compile(r"^\d+-[A-Za-z0-9_]+$")  # <pid>-<random>: a process's directory
+IDENTITY_LIMIT = 8192  # bytes of a lock file read: more than any identity (PATH_MAX + 40)
 _mine: dict[int, tuple[Path, int]] = {}  # by pid: the directory and its lock's descriptor
 
 
@@ -103,6 +108,7 @@ def process_dir() -> Path:
         fd = os.open(path / ".lock-new", os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.write(fd, _identity(path, fd).encode())  # what proves it ours (``_proven``)
             os.rename(path / ".lock-new", path / LOCK)
         except BaseException:
             os.close(fd)
@@ -126,18 +132,24 @@ def remove_process_dir() -> None:
         os.close(fd)  # only now: until it is gone, no one else may take it
 
 
-def clean_stale() -> list[dict[str, Any]]:
+def clean_stale(on_dead: Callable[[Path, str], None] | None = None) -> list[dict[str, Any]]:
     """Remove the directories of processes that are gone (their lock is free), after
-    ending what their tests left running (``dead_sessions.end``); return what was ended.
+    ending what their tests left running (``dead_sessions.end``) and handing each to
+    ``on_dead`` (the directory, its dead pytest's pid: for what else its files name);
+    return what was ended.
 
-    Makes nothing, and says nothing when the work directory is missing or not ours.
-    Lists processes only when some directory is found dead.
+    Only a directory whose lock file holds its own identity (``_proven``) has processes
+    ended and is handed over; an unproven one (its lock file replaced, or made by a
+    version that wrote none) ends nothing. Either is kept, and not handed over, while a
+    process of ours still has a file open in it. Makes nothing, and says nothing when the
+    work directory is missing or not ours. Lists processes only when some directory is found dead.
     """
     try:
         entries = list(root(create=False).iterdir())
     except (WorkdirError, OSError):
         return []
     taken: list[tuple[Path, int]] = []
+    kept: set[Path] = set()
     try:
         for entry in entries:
             fd = _take(entry) if _NAME.match(entry.name) else None
@@ -145,35 +157,94 @@ def clean_stale() -> list[dict[str, Any]]:
                 taken.append((entry, fd))
         # While the locks are ours: no other session ends them too, and one that dies
         # now leaves the directories for the next to finish.
-        owners = [owner(entry) for entry, _ in taken]
-        return dead_sessions.end([o for o in owners if o]) if taken else []
+        proven = {entry: name for entry, fd in taken if (name := _proven(entry, fd))}
+        ended = dead_sessions.end(list(proven.values())) if proven else []
+        # What a process of ours still has open (after those ended: a live session's
+        # lock moved aside, a process that carries no name) is not a dead session's.
+        kept = _in_use([entry for entry, _ in taken])
+        if on_dead is not None:
+            for entry in proven.keys() - kept:
+                on_dead(entry, entry.name.split("-")[0])
+        return ended
     finally:
         for entry, fd in taken:
-            shutil.rmtree(entry, ignore_errors=True)
+            if entry not in kept:
+                shutil.rmtree(entry, ignore_errors=True)
             os.close(fd)
 
 
 def owner(path: Path) -> str:
     """The identity of the work directory ``path`` that its session's processes carry
-    (``OWNER_ENV``): its full path and its inode, which no copy of it (another
-    ``TMPDIR``'s, a restored cache) and no directory made later at that path shares.
-    "" when it cannot be read (then nothing is taken for it)."""
+    (``OWNER_ENV``): its full path, its inode and its lock file's, which no copy of it
+    (another ``TMPDIR``'s, a restored cache), no directory made later at that path and
+    no lock file put in the place of its own shares. "" when it cannot be read (then
+    nothing is taken for it)."""
+    mine = _mine.get(os.getpid())
+    if mine is not None and mine[0] == path:
+        return _identity(path, mine[1])  # our own lock, whatever its name now holds
     try:
-        st = os.lstat(path)
+        fd = os.open(path / LOCK, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return ""
-    return f"{os.path.realpath(path)}@{st.st_dev:x}:{st.st_ino:x}"
+    try:
+        return _identity(path, fd)
+    finally:
+        os.close(fd)
+
+
+def _identity(path: Path, lock: int) -> str:
+    """``owner``'s text for ``path`` and its lock file's descriptor; "" when unreadable."""
+    try:
+        st, lock_st = os.lstat(path), os.fstat(lock)
+    except OSError:
+        return ""
+    return f"{os.path.realpath(path)}@{st.st_dev:x}:{st.st_ino:x}:{lock_st.st_ino:x}"
+
+
+def _proven(entry: Path, fd: int) -> str:
+    """``entry``'s identity when its lock file (``fd``) holds it, as written when the
+    directory was made (``process_dir``); else "". A lock file put in the place of a
+    live session's (moved aside, its lock still held) holds another inode than the one
+    its processes carry, so even a forged text in it names no live process."""
+    name = _identity(entry, fd)
+    try:
+        written = os.pread(fd, IDENTITY_LIMIT, 0)
+    except OSError:
+        return ""
+    return name if name and written == name.encode() else ""
+
+
+def _in_use(entries: list[Path]) -> set[Path]:
+    """Which of ``entries`` a process of ours, this one aside (it holds their locks), has
+    a file open in (by ``/proc/*/fd``)."""
+    inside = {os.path.realpath(entry) + os.sep: entry for entry in entries}
+    uid, found = os.getuid(), set()
+    try:
+        pids = os.listdir("/proc") if inside else []
+    except OSError:
+        return set(entries)  # nothing can be known: nothing is removed
+    for pid in pids:
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        with contextlib.suppress(OSError):
+            if os.stat(f"/proc/{pid}").st_uid != uid:
+                continue
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    found.update(e for prefix, e in inside.items() if target.startswith(prefix))
+    return found
 
 
 def _take(entry: Path) -> int | None:
     """The descriptor of ``entry``'s lock, locked, if it can be taken (its process is
     dead); None when it is held or ``entry`` is not one to judge."""
     try:
-        fd = os.open(entry / LOCK, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(entry / LOCK, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return None  # no lock file (half made, or not ours to judge): kept
     try:
-        if stat.S_ISDIR(os.lstat(entry).st_mode):
+        if stat.S_ISDIR(os.lstat(entry).st_mode) and stat.S_ISREG(os.fstat(fd).st_mode):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return fd
     except OSError:

@@ -116,6 +116,16 @@ def _sleeper(env: dict[str, str]) -> subprocess.Popen:
     return sleeper
 
 
+def _made(path: Path) -> Path:
+    """A work directory as ``workdir.process_dir`` makes one: its lock file holds its
+    identity (then its lock is free: its process is dead)."""
+    path.mkdir(mode=0o700)
+    lock = path / workdir.LOCK
+    lock.write_text("")
+    lock.write_text(workdir.owner(path))  # the same inode: the identity stays
+    return path
+
+
 @pytest.fixture
 def work(tmp_path, monkeypatch) -> Path:
     """This process's work directory root, in a fresh temporary directory."""
@@ -133,8 +143,7 @@ def test_only_processes_with_a_dead_directorys_exact_name_are_ended(work, monkey
     name = f"4242-{secrets.token_hex(4)}"  # a run beside this one makes its own
     dead, live = work / name, work / f"4343-{secrets.token_hex(4)}"
     for path in (dead, live):
-        path.mkdir(mode=0o700)
-        (path / workdir.LOCK).write_text("")
+        _made(path)
     own = workdir.owner(dead)
     assert own.startswith(f"{os.path.realpath(dead)}@")
     envs = [
@@ -169,11 +178,10 @@ def test_a_copy_of_a_live_directory_elsewhere_ends_nothing(work, tmp_path, monke
     monkeypatch.setattr(dead_sessions, "KILL_WAIT", 0.5)
     name = f"4444-{secrets.token_hex(4)}"
     live = tmp_path / "other-tmpdir" / work.name / name
-    live.mkdir(parents=True, mode=0o700)
-    (live / workdir.LOCK).write_text("")
+    live.parent.mkdir(parents=True)
+    _made(live)
     forged = work / name
-    forged.mkdir(mode=0o700)
-    (forged / workdir.LOCK).write_text("")
+    _made(forged)
     sleeper = _sleeper({OWNER_ENV: workdir.owner(live)})
     try:
         with open(live / workdir.LOCK) as held:
@@ -194,8 +202,7 @@ def test_no_process_is_listed_without_a_dead_directory(work, monkeypatch):
 
     monkeypatch.setattr(psutil, "pids", listed)
     live = work / "4343-alive"
-    live.mkdir(mode=0o700)
-    (live / workdir.LOCK).write_text("")
+    _made(live)
     with open(live / workdir.LOCK) as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         assert workdir.clean_stale() == []
@@ -219,3 +226,41 @@ def test_the_report_is_one_line_with_the_first_processes_cut_short() -> None:
         "ended 1 process left running by a pytest session that died (pid 7): "
         "pid 11 python -c import os os.fork()"
     )
+
+
+def test_a_directory_whose_lock_does_not_hold_its_identity_ends_nothing(work, monkeypatch):
+    """A lock file that is not the directory's own (replaced while its session lives,
+    its real lock moved aside; or written by no one) proves nothing: no process is
+    ended, and the directory is kept while a process of ours has a file open in it."""
+    monkeypatch.setattr(dead_sessions, "KILL_WAIT", 0.5)
+    used, unused = _made(work / "4545-used"), _made(work / "4646-unused")
+    sleepers = []
+    for path in (used, unused):
+        own = workdir.owner(path)
+        (path / workdir.LOCK).rename(path / "lock.aside")
+        (path / workdir.LOCK).write_text("")  # unlocked, and not the one ``own`` names
+        sleepers.append(_sleeper({OWNER_ENV: own}))
+    try:
+        with open(used / "out", "w") as out:
+            holder = subprocess.Popen(["sleep", "60"], stdout=out)
+        sleepers.append(holder)
+        assert workdir.clean_stale(on_dead=lambda *args: pytest.fail(f"handed over: {args}")) == []
+        assert [s.poll() for s in sleepers] == [None] * 3
+        assert sorted(work.iterdir()) == [used]
+    finally:
+        kill_quietly([s.pid for s in sleepers])
+        for sleeper in sleepers:
+            sleeper.wait(timeout=10)
+
+
+def test_a_dead_directory_is_handed_over_before_it_is_removed(work):
+    """``on_dead`` gets the directory while it is still there, with its dead pytest's pid."""
+    dead = _made(work / "4747-dead")
+    (dead / "shm-1.log").write_text("")
+    seen = []
+
+    def on_dead(path: Path, pid: str) -> None:
+        seen.append((path, pid, path.is_dir()))
+
+    assert workdir.clean_stale(on_dead=on_dead) == []
+    assert seen == [(dead, "4747", True)] and list(work.iterdir()) == []
