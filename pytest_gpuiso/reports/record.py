@@ -74,6 +74,7 @@ class Record(_Always, total=False):
     gpu_memory_peak: int | None
     gpu_health: dict[str, Any]
     warnings_folded: int
+    gpu_notes: list[str]  # GPU holders on its GPUs that were not its process tree's
     shard: str  # merged reports only: the file it came from
 
 
