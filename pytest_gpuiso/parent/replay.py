@@ -85,15 +85,6 @@ def echo(config: pytest.Config, text: str) -> None:
         sys.stdout.flush()
 
 
-def say_notes(config: pytest.Config, notes: tuple[str, ...]) -> None:
-    """One terminal line for each thing seen around the test that is not its doing (a
-    GPU holder that is not its process tree's): noted in its record, never blamed."""
-    reporter = config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        for note in notes:
-            reporter.write_line(f"gpu-isolate: {inert(note)}")
-
-
 def replay_warnings(
     config: pytest.Config, payloads: list[dict[str, Any]], seen: set[tuple[Any, ...]] | None
 ) -> int:

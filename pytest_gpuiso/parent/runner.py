@@ -267,8 +267,7 @@ def _finish(item: pytest.Item, plan: Plan, state: State, turn: Turn, running: Ru
         payload.update(sent)
         item.config.hook.pytest_gpuiso_parent_payload(item=item, payload=sent, reports=reports)
     gpu = next((p for p in turn.probes if isinstance(p, GpuMemoryProbe)), None)
-    notes = tuple(gpu.notes) if gpu is not None else ()
-    replay.say_notes(item.config, notes)
+    notes = tuple(gpu.notes) if gpu is not None else ()  # said in the session's summary
     stopped = stop[0] if stop else None
     kinds = {p.kind for p in turn.probes} | {"process"}  # the sweep always runs
     ran = [k for k in KINDS if k in kinds and state.settings.leak_level(k) != "off"]

@@ -131,6 +131,12 @@ def counted_leaks(record: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
+def gpu_notes(record: dict[str, Any]) -> list[str]:
+    """The record's notes of GPU holders that were not its test's (its text ones)."""
+    notes = record.get("gpu_notes")
+    return [n for n in notes if isinstance(n, str)] if isinstance(notes, list) else []
+
+
 def known_count(records: list[dict[str, Any]]) -> int:
     """How many reported leaks the leak baseline knew (not counted)."""
     return sum(1 for r in records for leak in r.get("leaks", []) if leak.get("level") == "known")

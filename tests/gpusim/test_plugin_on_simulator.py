@@ -125,7 +125,9 @@ def test_gpu_holders_not_of_the_test_are_noted_never_blamed(
         for h in sorted(holders, key=lambda h: h.pid)
     ]
     assert record["gpu_notes"] == notes
-    result.stdout.fnmatch_lines([f"gpu-isolate: {note}" for note in notes], consecutive=True)
+    after = f"(after {MOD}::test_escaped_gpu_holder)"
+    lines = [f"gpu-isolate: {note} {after}" for note in notes]
+    result.stdout.fnmatch_lines(lines, consecutive=True)
     assert "QUARANTINED" not in result.stdout.str()
     if crash:
         assert record["exit"]["signal"] == "SIGSEGV"
