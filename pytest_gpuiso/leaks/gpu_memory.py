@@ -67,12 +67,13 @@ def compare(before: dict[str, Sample], after: dict[str, Sample], tolerance: int)
     return found
 
 
-def of_test(pid: int, tree: dict[int, float], swept: frozenset[int], ended: float) -> bool:
+def of_test(pid: int, tree: set[tuple[int, float]], swept: frozenset[int], ended: float) -> bool:
     """Whether the GPU holder ``pid`` (NVML's) is the test's: a process the peak sampler
-    saw in the test's tree (``tree``: pid -> start time) and the same process still (or
+    saw in the test's tree (``tree``: (pid, start time)) and the same process still (or
     gone: its pid not yet anyone else's), or one the sweep found (``swept``) not started
     after the test's end (``ended``, ``time.time()``). Any other is not the test's."""
-    if pid not in tree and pid not in swept:
+    seen = any(p == pid for p, _ in tree)
+    if not seen and pid not in swept:
         return False
     try:
         created = psutil.Process(pid).create_time()
@@ -80,7 +81,7 @@ def of_test(pid: int, tree: dict[int, float], swept: frozenset[int], ended: floa
         return True
     except psutil.Error:  # there but unreadable: not shown to be the test's
         return False
-    return created == tree[pid] if pid in tree else created <= ended
+    return (pid, created) in tree or (pid in swept and created <= ended)
 
 
 class GpuMemoryProbe(Probe):
@@ -105,7 +106,7 @@ class GpuMemoryProbe(Probe):
         self.backoff = tuple(backoff)
         self.sleep = sleep
         self.peak: int | None = None  # most bytes the test's processes held on one GPU
-        self.tree: dict[int, float] = {}  # the test's processes seen: pid -> start time
+        self.tree: set[tuple[int, float]] = set()  # the test's processes seen: (pid, start)
         self.notes: list[str] = []  # GPU holders that are not the test's (not blamed)
         self._base: dict[str, Sample] | None = None
         self._stop = threading.Event()
@@ -142,7 +143,7 @@ class GpuMemoryProbe(Probe):
                 procs = []
             for p in procs:
                 with contextlib.suppress(psutil.Error):
-                    self.tree.setdefault(p.pid, p.create_time())
+                    self.tree.add((p.pid, p.create_time()))
             tree = {pid, *(p.pid for p in procs)}
             now = self._sample_all()
             if now is not None:

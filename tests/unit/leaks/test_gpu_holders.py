@@ -80,22 +80,24 @@ def test_a_holder_of_unknown_size_is_noted_without_one_and_the_growth_beside_it_
 def test_of_test_compares_the_start_time_of_a_pid_the_sampler_saw():
     me = psutil.Process()
     started = me.create_time()
-    assert of_test(me.pid, {me.pid: started}, frozenset(), ENDED)
+    assert of_test(me.pid, {(me.pid, started)}, frozenset(), ENDED)
     # The same pid, another process (a reused pid): not the test's.
-    assert not of_test(me.pid, {me.pid: started - 10}, frozenset(), ENDED)
+    assert not of_test(me.pid, {(me.pid, started - 10)}, frozenset(), ENDED)
+    # A pid two processes of the test had in turn: either is the test's.
+    assert of_test(me.pid, {(me.pid, started - 10), (me.pid, started)}, frozenset(), ENDED)
     # Seen in the tree and gone since: its pid is nobody else's yet.
-    assert of_test(_gone(GONE), {GONE: 1.0}, frozenset(), ENDED)
+    assert of_test(_gone(GONE), {(GONE, 1.0)}, frozenset(), ENDED)
 
 
 def test_of_test_takes_a_swept_pid_unless_a_later_process_has_it():
     me = psutil.Process()
-    assert of_test(me.pid, {}, frozenset({me.pid}), me.create_time() + 1)
-    assert not of_test(me.pid, {}, frozenset({me.pid}), me.create_time() - 1)
+    assert of_test(me.pid, set(), frozenset({me.pid}), me.create_time() + 1)
+    assert not of_test(me.pid, set(), frozenset({me.pid}), me.create_time() - 1)
 
 
 def test_of_test_never_takes_a_pid_it_never_saw():
-    assert not of_test(os.getpid(), {}, frozenset(), ENDED)
-    assert not of_test(_gone(GONE), {}, frozenset({41872}), ENDED)
+    assert not of_test(os.getpid(), set(), frozenset(), ENDED)
+    assert not of_test(_gone(GONE), set(), frozenset({41872}), ENDED)
 
 
 def test_the_sampler_keeps_the_start_time_of_each_process_of_the_tree():
@@ -104,13 +106,13 @@ def test_the_sampler_keeps_the_start_time_of_each_process_of_the_tree():
         probe = GpuMemoryProbe(Nvml([Sample(535 * MIB)]), ["0"], sleep=[].append)
         probe.snapshot()
         probe.during(os.getpid(), every=0.01)
+        keys = {(p.pid, p.create_time()) for p in (psutil.Process(), psutil.Process(child.pid))}
         for _ in range(int(60 / 0.01)):
-            if child.pid in probe.tree:
+            if keys <= probe.tree:
                 break
             probe._stop.wait(0.01)
         probe.check(None, RunInfo(os.getpid(), 0.0, ENDED, 5.0))
-        assert probe.tree[os.getpid()] == psutil.Process().create_time()
-        assert probe.tree[child.pid] == psutil.Process(child.pid).create_time()
+        assert keys <= probe.tree
     finally:
         child.kill()
         child.wait()
