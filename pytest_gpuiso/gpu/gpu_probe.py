@@ -4,9 +4,11 @@ Run in a fresh process (never pytest's: no CUDA context there), with
 ``CUDA_VISIBLE_DEVICES`` naming the one GPU to probe. Through the CUDA driver API
 (ctypes, no torch): initialise, create a context, allocate 1 MiB, synchronise, free,
 destroy. Exit status 0 when every step succeeded; 2 when there is no CUDA driver to
-load (nothing said of the GPU: an AMD machine); else 1 and one line on stdout naming the
-step and the driver's error ("cuCtxSynchronize: CUDA_ERROR_ILLEGAL_ADDRESS (700)"). The
-caller bounds it with a timeout (a GPU that hangs fails the probe).
+load (nothing said of the GPU: an AMD machine); 3 when a step failed only for want of
+memory (the GPU is full, of someone else's memory perhaps: full is not broken); else 1.
+On failure, one line on stdout names the step and the driver's error
+("cuCtxSynchronize: CUDA_ERROR_ILLEGAL_ADDRESS (700)"). The caller bounds it with a
+timeout (a GPU that hangs fails the probe).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ ALLOC_BYTES = 1 << 20
 
 
 NO_DRIVER = 2  # exit status: no CUDA driver to probe with (not the GPU's fault)
+FULL = 3  # exit status: the GPU had no memory to give (not the GPU's fault either)
+OUT_OF_MEMORY = 2  # CUDA_ERROR_OUT_OF_MEMORY
 
 
 class ProbeFailed(Exception):
@@ -25,6 +29,10 @@ class ProbeFailed(Exception):
 
 
 class NoDriver(Exception):
+    pass
+
+
+class Full(ProbeFailed):
     pass
 
 
@@ -40,6 +48,8 @@ def _error_name(cuda: ctypes.CDLL, code: int) -> str:
 
 def _call(cuda: ctypes.CDLL, name: str, *args: object) -> None:
     code = getattr(cuda, name)(*args)
+    if code == OUT_OF_MEMORY:
+        raise Full(f"{name}: {_error_name(cuda, code)}")
     if code != 0:
         raise ProbeFailed(f"{name}: {_error_name(cuda, code)}")
 
@@ -66,6 +76,9 @@ def main() -> int:
     except NoDriver as exc:
         print(exc, flush=True)
         return NO_DRIVER
+    except Full as exc:
+        print(exc, flush=True)
+        return FULL
     except ProbeFailed as exc:
         print(exc, flush=True)
         return 1

@@ -10,7 +10,8 @@ held (``checkup``):
 1. NVML (``nvml.NvmlReader.problems``, a few ms): the device answers, no Xid critical
    error since the lease, no pages waiting to be retired, no new uncorrectable ECC
    error; and the GPU memory leak check (when on) found neither the test's process
-   still on it nor its memory still in use;
+   still on it nor its memory still in use (a holder that is not the test's, another
+   user's job, is only noted: it says nothing of the GPU, ``leaks.gpu_memory.of_test``);
 2. when that passes, the CUDA driver in a fresh process (``gpu_probe``: a context, an
    allocation, a synchronise), bounded by ``PROBE_TIMEOUT``.
 
@@ -35,7 +36,7 @@ from typing import Any, Protocol
 from ..leaks import Leak
 from ..values import GpuMemory
 from . import rocm
-from .gpu_probe import NO_DRIVER
+from .gpu_probe import FULL, NO_DRIVER
 from .leases import LABEL_LEN, Lease, LeaseError, Leases
 from .nvml import NvmlReader
 
@@ -96,8 +97,10 @@ def _failure(report: dict[str, Any]) -> str:
 def driver_probe(env: dict[str, str], timeout: float = PROBE_TIMEOUT) -> str | None:
     """The driver part (``gpu_probe``) in a fresh process with ``env`` (the one GPU made
     visible); what failed, or None (also where it cannot tell: no CUDA driver, no process
-    to be had). A probe stuck in the driver past ``timeout`` is killed and, if even that
-    does not end it (a process in the kernel's uninterruptible sleep), left behind."""
+    to be had; and where the GPU only had no memory to give: full, of someone else's
+    memory perhaps, is not broken). A probe stuck in the driver past ``timeout`` is killed
+    and, if even that does not end it (a process in the kernel's uninterruptible sleep),
+    left behind."""
     try:
         proc = subprocess.Popen(
             [sys.executable, "-m", "pytest_gpuiso.gpu.gpu_probe"],
@@ -116,7 +119,7 @@ def driver_probe(env: dict[str, str], timeout: float = PROBE_TIMEOUT) -> str | N
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.communicate(timeout=KILL_WAIT)
         return f"the CUDA driver probe did not finish within {timeout:g} s"
-    if proc.returncode in (0, NO_DRIVER):
+    if proc.returncode in (0, NO_DRIVER, FULL):
         return None
     last = (said.strip().splitlines() or [""])[-1]
     return f"the CUDA driver probe failed: {last or f'exit status {proc.returncode}'}"

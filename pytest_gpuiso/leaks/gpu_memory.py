@@ -8,8 +8,12 @@ No CUDA context is ever created here: NVML reads the driver's accounting.
   so the check is repeated with backoff (``BACKOFF``) until the GPU is back to
   its baseline; only what persists past the last attempt is reported:
   - a process on the GPU that was not there before and is still there: an
-    escaped GPU holder. NVML's pids are compared as opaque sets, so this works
-    inside containers where NVML reports host pids;
+    escaped GPU holder, when it is the test's (``of_test``: its process, or a
+    descendant the peak sampler or the sweep saw, the same process by its start
+    time, not a later one with its pid). A holder that is not the test's (another
+    user's job, a notebook) is never blamed on it: it is noted (``notes``), and its
+    memory is not counted as the test's. Inside a container where NVML reports host
+    pids, no holder can be shown to be the test's: all are noted;
   - used memory above the baseline by more than the tolerance.
 * With ``--gpu-isolate-slots`` > 1 or memory leases other tests ran on the GPU at
   the same time; the record says ``shared`` so a reader knows the numbers are not the
@@ -26,11 +30,14 @@ tests replace it with recorded samples.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import psutil
 
 from ..gpu.nvml import NvmlUnavailable, Sample
 from ..values import DEFAULT_TOLERANCE_MIB
@@ -60,6 +67,23 @@ def compare(before: dict[str, Sample], after: dict[str, Sample], tolerance: int)
     return found
 
 
+def of_test(pid: int, tree: set[tuple[int, float]], swept: frozenset[int], ended: float) -> bool:
+    """Whether the GPU holder ``pid`` (NVML's) is the test's: a process the peak sampler
+    saw in the test's tree (``tree``: (pid, start time)) and the same process still (or
+    gone: its pid not yet anyone else's), or one the sweep found (``swept``) not started
+    after the test's end (``ended``, ``time.time()``). Any other is not the test's."""
+    seen = any(p == pid for p, _ in tree)
+    if not seen and pid not in swept:
+        return False
+    try:
+        created = psutil.Process(pid).create_time()
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.Error:  # there but unreadable: not shown to be the test's
+        return False
+    return (pid, created) in tree or (pid in swept and created <= ended)
+
+
 class GpuMemoryProbe(Probe):
     """Checks the leased GPUs of one test; ``reader`` is shared by the session."""
 
@@ -82,6 +106,8 @@ class GpuMemoryProbe(Probe):
         self.backoff = tuple(backoff)
         self.sleep = sleep
         self.peak: int | None = None  # most bytes the test's processes held on one GPU
+        self.tree: set[tuple[int, float]] = set()  # the test's processes seen: (pid, start)
+        self.notes: list[str] = []  # GPU holders that are not the test's (not blamed)
         self._base: dict[str, Sample] | None = None
         self._stop = threading.Event()
         self._sampler: threading.Thread | None = None
@@ -106,16 +132,19 @@ class GpuMemoryProbe(Probe):
         self._sampler.start()
 
     def _sample_peak(self, pid: int, every: float) -> None:
-        import psutil
-
         base = self._base or {}
         while True:
             try:
-                tree = {pid, *(p.pid for p in psutil.Process(pid).children(recursive=True))}
+                top = psutil.Process(pid)
+                procs = [top, *top.children(recursive=True)]
             except psutil.NoSuchProcess:  # ended (a zombie too): nothing more to sample, and
                 return  # a run that never got to its check leaves no sampler behind
             except psutil.Error:
-                tree = {pid}
+                procs = []
+            for p in procs:
+                with contextlib.suppress(psutil.Error):
+                    self.tree.add((p.pid, p.create_time()))
+            tree = {pid, *(p.pid for p in procs)}
             now = self._sample_all()
             if now is not None:
                 for device, sample in now.items():
@@ -146,16 +175,24 @@ class GpuMemoryProbe(Probe):
             findings = compare(before, after, self.tolerance)
             if not findings:
                 return []
-        return [leak for f in findings for leak in self._leaks(f)]
+        return [leak for f in findings for leak in self._leaks(f, run)]
 
-    def _leaks(self, f: Finding) -> list[Leak]:
+    def _leaks(self, f: Finding, run: RunInfo) -> list[Leak]:
         common: dict[str, Any] = {"device": f.device}
         note = ""
         if self.shared:
             common["shared"] = True
             note = " (the GPU was shared with other tests at the time)"
         leaks = []
+        unsized = False  # a holder not the test's whose memory NVML does not say
         for pid, used in sorted(f.new_pids.items()):
+            if not of_test(pid, self.tree, run.tree_pids, run.ended):
+                unsized = unsized or not used
+                held = f"holds {used / MIB:.0f} MiB" if used else "holds it"
+                self.notes.append(
+                    f"GPU {f.device}: pid {pid} (not this test's) {held}: noted, not blamed"
+                )
+                continue
             size = f", {used / MIB:.0f} MiB" if used else ""
             leaks.append(
                 Leak(
@@ -165,9 +202,15 @@ class GpuMemoryProbe(Probe):
                     {**common, "pid": pid, "bytes": used, "holder": True},
                 )
             )
-        # What escaped holders use is reported with them; only the rest is residual memory.
+        # What the holders use (the test's, reported with them, or not the test's at all)
+        # is not residual memory: only the rest is.
         residual = f.growth - sum(f.new_pids.values())
-        if residual > self.tolerance:
+        if residual > self.tolerance and unsized:  # it may all be theirs
+            self.notes.append(
+                f"GPU {f.device}: {residual / MIB:.0f} MiB more in use, beside a process that "
+                "is not this test's: noted, not blamed"
+            )
+        elif residual > self.tolerance:
             leaks.append(
                 Leak(
                     "gpu_memory",

@@ -50,6 +50,7 @@ class Run(Protocol):
     health: dict[str, Any] | None  # its GPUs' probe after it (None: not probed)
     leak_checks: tuple[str, ...]
     folded: int  # its warnings an earlier test's process gave (not replayed again)
+    gpu_notes: tuple[str, ...]  # GPU holders on its GPUs that were not its: not blamed
 
 
 def build_record(
@@ -127,6 +128,8 @@ def build_record(
         record["gpu_health"] = health
     if run.folded:
         record["warnings_folded"] = run.folded
+    if run.gpu_notes:
+        record["gpu_notes"] = list(run.gpu_notes)
     return record
 
 

@@ -69,6 +69,7 @@ class Ran:
     health: dict[str, Any] | None = None  # its GPUs' probe after it (None: not probed)
     leak_checks: tuple[str, ...] = ()  # the leak kinds checked after it
     folded: int = 0  # its warnings an earlier test's process gave (not replayed again)
+    gpu_notes: tuple[str, ...] = ()  # GPU holders on its GPUs that were not its: not blamed
 
     @property
     def complete(self) -> bool:
@@ -265,7 +266,8 @@ def _finish(item: pytest.Item, plan: Plan, state: State, turn: Turn, running: Ru
     for sent in outcome.payloads:  # one, unless a plugin misbehaved
         payload.update(sent)
         item.config.hook.pytest_gpuiso_parent_payload(item=item, payload=sent, reports=reports)
-    peak = next((p.peak for p in turn.probes if isinstance(p, GpuMemoryProbe)), None)
+    gpu = next((p for p in turn.probes if isinstance(p, GpuMemoryProbe)), None)
+    notes = tuple(gpu.notes) if gpu is not None else ()  # said in the session's summary
     stopped = stop[0] if stop else None
     kinds = {p.kind for p in turn.probes} | {"process"}  # the sweep always runs
     ran = [k for k in KINDS if k in kinds and state.settings.leak_level(k) != "off"]
@@ -278,11 +280,12 @@ def _finish(item: pytest.Item, plan: Plan, state: State, turn: Turn, running: Ru
         verdict,
         stopped,
         payload,
-        peak,
+        gpu.peak if gpu is not None else None,
         number,
         checked,
         checks,
         folded,
+        notes,
     )
 
 

@@ -74,6 +74,7 @@ class Record(_Always, total=False):
     gpu_memory_peak: int | None
     gpu_health: dict[str, Any]
     warnings_folded: int
+    gpu_notes: list[str]  # GPU holders on its GPUs that were not its process tree's
     shard: str  # merged reports only: the file it came from
 
 
@@ -128,6 +129,12 @@ def counted_leaks(record: dict[str, Any]) -> list[dict[str, Any]]:
         for leak in record.get("leaks", [])
         if not leak.get("allowed") and leak.get("level") != "known"
     ]
+
+
+def gpu_notes(record: dict[str, Any]) -> list[str]:
+    """The record's notes of GPU holders that were not its test's (its text ones)."""
+    notes = record.get("gpu_notes")
+    return [n for n in notes if isinstance(n, str)] if isinstance(notes, list) else []
 
 
 def known_count(records: list[dict[str, Any]]) -> int:

@@ -18,7 +18,7 @@ from .files import STEP_SUMMARY_ENV, append_step_summary, step_summary_path, wri
 from .mdtext import cell as _cell
 from .mdtext import code_cell as _code_cell
 from .mdtext import kind_cell as _kind
-from .record import counted_leaks, ending, is_number, known_count
+from .record import counted_leaks, ending, gpu_notes, is_number, known_count
 from .termtext import inert
 
 MARKDOWN_ROWS = 200  # leak rows in the Markdown table; GitHub truncates huge summaries
@@ -101,6 +101,9 @@ def terminal_summary(
         _flagged(tr, "CRASHED", f"{r['nodeid']}{_attempt(r)} ({r['exit']['signal']})")
     for nodeid, device, problem, _ in quarantines(records):
         _flagged(tr, "QUARANTINED", f"GPU {device} after {nodeid}: {problem}")
+    for r in records:  # not the tests' doing: one line each, never blamed
+        for note in gpu_notes(r):
+            tr.write_line(f"gpu-isolate: {inert(note)} (after {inert(r['nodeid'])})")
     if path is not None:
         tr.write_line(f"gpu-isolate: JSON report written to {path}")
     leaky = [r for r in records if r.get("leaks")]
@@ -121,9 +124,14 @@ def _flagged(tr: Any, word: str, rest: str, color: str = "red") -> None:
 
 def notable(records: list[dict[str, Any]]) -> bool:
     """Whether the records hold something to look at: a timeout, a crash, an escaped
-    process or a reported leak (``-qq`` shows the gpu-isolate summary only then)."""
+    process, a reported leak or a noted GPU holder (``-qq`` shows the gpu-isolate summary
+    only then)."""
     return bool(quarantines(records)) or any(
-        r["exit"]["timed_out"] or r["exit"]["signal"] or r.get("escaped") or counted_leaks(r)
+        r["exit"]["timed_out"]
+        or r["exit"]["signal"]
+        or r.get("escaped")
+        or counted_leaks(r)
+        or gpu_notes(r)
         for r in records
     )
 

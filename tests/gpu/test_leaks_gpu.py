@@ -89,7 +89,7 @@ def test_clean_cuda_test_leaks_nothing(gpuiso, nvml):
     assert record["escaped"] == []
 
 
-def test_escaped_gpu_holder_fails_teardown(gpuiso, monkeypatch, nvml):
+def test_a_gpu_holder_not_of_the_test_is_noted_never_blamed(gpuiso, monkeypatch, nvml):
     holder = gpuiso.path / "holder"
     holder.mkdir()
     monkeypatch.setenv("GPUISO_HOLDER_DIR", str(holder))
@@ -118,32 +118,23 @@ def test_escaped_gpu_holder_fails_teardown(gpuiso, monkeypatch, nvml):
     finally:
         server.kill()
         server.wait(timeout=30)
-    result.assert_outcomes(passed=1, errors=1)
+    # The server is not the test's process tree: noted, never the test's leak.
+    result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines([GPU_CHECKS_ON])
     record = record_of(gpuiso, "test_escaped_gpu_holder")
-    assert record["outcome"] == "error"
+    assert record["outcome"] == "passed"
     [device] = record["gpus"]
     leaks = record["leaks"]
     assert of_kind(leaks, "process") == [], "the server is not the test's descendant"
-    holders = [leak for leak in of_kind(leaks, "gpu_memory") if leak.get("holder")]
-    growth = [leak for leak in of_kind(leaks, "gpu_memory") if not leak.get("holder")]
-    assert len(holders) == 1, leaks
-    assert holders[0]["device"] == device
-    assert isinstance(holders[0]["pid"], int)  # NVML's pid: the host's inside a container
-    held = holders[0]["bytes"]  # 0: NVML does not say
-    assert held == 0 or held >= 1 << 30, leaks  # 1 GiB and a CUDA context
-    # The holder's own memory is reported with it; a growth leak appears only for used
-    # memory the holder does not account for: all of it when NVML gives no per-process usage.
-    assert len(growth) == 1 if held == 0 else len(growth) <= 1, leaks
-    assert all(leak["device"] == device for leak in growth)
-    result.stdout.fnmatch_lines(
-        [
-            "*ERROR at teardown of test_escaped_gpu_holder*",
-            "*gpu-isolate: the test left * behind (--gpu-isolate-leaks *gpu_memory=fail)*",
-            f"*gpu_memory: GPU {device}: process * appeared on the GPU during the test and "
-            "still holds it after the test's processes were reaped*",
-        ]
-    )
+    assert of_kind(leaks, "gpu_memory") == [], leaks
+    notes = record["gpu_notes"]
+    # NVML's pid (the host's inside a container), and its memory when NVML says it; when
+    # it does not, the growth beside it is noted too, not blamed.
+    assert notes[0].startswith(f"GPU {device}: pid "), notes
+    assert notes[0].endswith(": noted, not blamed") and "(not this test's) holds" in notes[0]
+    assert len(notes) in (1, 2), notes
+    result.stdout.fnmatch_lines([f"gpu-isolate: {notes[0]} (after *::test_escaped_gpu_holder)"])
+    assert "QUARANTINED" not in result.stdout.str()
 
 
 def test_torch_check_reports_tensors_kept_alive(gpuiso):

@@ -407,3 +407,19 @@ def test_the_nvml_part_counts_what_came_since_the_lease_and_only_the_gpus_fault(
     ]
     fake.lost = True
     assert reader.problems("0") == ["it does not answer NVML (NVML: GPU is lost)"]
+
+
+def test_a_gpu_full_of_someone_elses_memory_is_full_not_broken(
+    sim: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The driver part of the probe on a GPU with no room for its context (the simulator's
+    CUDA_ERROR_OUT_OF_MEMORY): healthy, not quarantined; a failing synchronise still fails."""
+    from pytest_gpuiso.gpu.health import driver_probe
+
+    monkeypatch.setenv("GPUISO_SIM_GPUS", "Sim Full,200")  # under the 300 MiB of a context
+    assert driver_probe({"CUDA_VISIBLE_DEVICES": "0"}) is None
+    monkeypatch.setenv("GPUISO_SIM_GPUS", "Sim Roomy,1000")
+    monkeypatch.setenv("GPUISO_SIM_STATE", str(sim.parent / "roomy"))
+    monkeypatch.setenv("GPUISO_SIM_SYNC_ERROR", "700")
+    broken = driver_probe({"CUDA_VISIBLE_DEVICES": "0"})
+    assert broken == "the CUDA driver probe failed: cuCtxSynchronize: CUDA error 700"

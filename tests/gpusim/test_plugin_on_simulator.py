@@ -78,19 +78,26 @@ def test_escaped_gpu_process_is_killed_and_its_memory_freed(
                     kill_quietly([pid])
 
 
-def test_escaped_gpu_holders_fail_teardown(
-    gpuiso_spawn: GpuIso, sim: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("crash", [False, True], ids=["passes", "crashes"])
+def test_gpu_holders_not_of_the_test_are_noted_never_blamed(
+    gpuiso_spawn: GpuIso, sim: Path, monkeypatch: pytest.MonkeyPatch, crash: bool
 ) -> None:
-    """Two processes outside the test's tree take 1 GiB each on the test's GPU during the
-    test: the residual-GPU-memory probe names both (NVML's pids and bytes: every entry of
-    NVML's process list read right, whatever nvidia-ml-py's version) and fails the
-    teardown under gpu_memory=fail; the sweep leaves them alone (not the test's). The
-    holders and the probe live outside the test's process: one start method is enough."""
+    """Two processes outside the test's tree (started here, as another user's job or a
+    notebook would be) take 1 GiB each on the test's GPU during the test. They are not
+    the test's: under gpu_memory=fail no gpu_memory leak, and when the test then crashes
+    its GPU is probed and found healthy, not quarantined; each holder is noted in the
+    record (NVML's pid and bytes, every entry of NVML's process list read right, whatever
+    nvidia-ml-py's version) and in one terminal line. The sweep leaves them alone. A
+    holder the test leaves behind is its leak (test_escaped_gpu_process_is_killed_and_its
+    _memory_freed). The holders and the probe live outside the test's process: one start
+    method is enough."""
     gpuiso = gpuiso_spawn
     folders = [gpuiso.path / "holder-a", gpuiso.path / "holder-b"]
     for folder in folders:
         folder.mkdir()
     monkeypatch.setenv("GPUISO_HOLDER_DIR", os.pathsep.join(map(str, folders)))
+    if crash:
+        monkeypatch.setenv("GPUISO_HOLDER_THEN_CRASH", "1")
     _copy(gpuiso, MOD, "sim_process.py")
     holders = [
         subprocess.Popen(
@@ -109,24 +116,28 @@ def test_escaped_gpu_holders_fail_teardown(
         for holder in holders:
             holder.kill()
             holder.wait(timeout=30)
-    result.assert_outcomes(passed=1, errors=1)
+    result.assert_outcomes(**({"failed": 1} if crash else {"passed": 1}))
     record = _record(gpuiso, "test_escaped_gpu_holder")
     [device] = record["gpus"]
-    leaks = record["leaks"]
-    assert [leak for leak in leaks if leak["kind"] == "process"] == []
-    gpu = [leak for leak in leaks if leak["kind"] == "gpu_memory"]
-    assert sorted((leak["device"], leak["pid"], leak["bytes"]) for leak in gpu) == sorted(
-        (device, holder.pid, (300 + 1024) * MIB) for holder in holders
-    ), leaks
-    assert all(leak.get("holder") for leak in gpu), leaks  # all of it accounted for
-    result.stdout.fnmatch_lines(
-        [
-            "*ERROR at teardown of test_escaped_gpu_holder*",
-            f"*gpu_memory: GPU {device}: process {holders[0].pid} (NVML pid, 1324 MiB) appeared "
-            "on the GPU during the test and still holds it after the test's processes were "
-            "reaped*",
-        ]
-    )
+    assert record["leaks"] == [], record["leaks"]  # neither a process nor a gpu_memory leak
+    notes = [
+        f"GPU {device}: pid {h.pid} (not this test's) holds {300 + 1024} MiB: noted, not blamed"
+        for h in sorted(holders, key=lambda h: h.pid)
+    ]
+    assert record["gpu_notes"] == notes
+    after = f"(after {MOD}::test_escaped_gpu_holder)"
+    lines = [f"gpu-isolate: {note} {after}" for note in notes]
+    result.stdout.fnmatch_lines(lines, consecutive=True)
+    assert "QUARANTINED" not in result.stdout.str()
+    if crash:
+        assert record["exit"]["signal"] == "SIGSEGV"
+        assert record["gpu_health"] == {
+            "probed": "it crashed with SIGSEGV",
+            "devices": [device],
+            "quarantined": {},
+        }
+    else:
+        assert "gpu_health" not in record
 
 
 PARENT_CHECK = """

@@ -91,3 +91,15 @@ def test_an_annotation_keeps_a_forged_detail_inside_its_own_command(level):
     assert "\n" not in line and "\r" not in line
     assert line.startswith(f"::{findings.LEVEL[level]} file=t.py,line=3,title=pytest-gpuiso")
     assert "behind: x%0A::stop-commands::pwned%0A::error title=F::forged%0D%0A" in line
+
+
+def test_each_noted_gpu_holder_is_one_summary_line_and_notable():
+    note = "GPU 0: pid 4242 (not this test's) holds 1324 MiB: noted, not blamed"
+    record = {**_record("t.py::test_x", "a leak"), "leaks": [], "gpu_notes": [note, 7]}
+    tr = Terminal()
+    report.terminal_summary(tr, [record], None)
+    assert [line for line in tr.lines if "noted" in line] == [
+        f"gpu-isolate: {note} (after t.py::test_x)"
+    ]  # a note that is not text (a hostile record) is left out
+    assert report.notable([record])
+    assert not report.notable([{**record, "gpu_notes": "not a list"}])
