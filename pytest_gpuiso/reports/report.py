@@ -11,17 +11,17 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from ..values import KINDS, count_text, size_text
+from ..values import KINDS, count_text
 from . import fixtures, mdtext
 from .baseline import baseline_lines, fixed_table
 from .files import STEP_SUMMARY_ENV, append_step_summary, step_summary_path, write_text
+from .gpu_tables import MARKDOWN_ROWS, health, quarantines, right_size
 from .mdtext import cell as _cell
 from .mdtext import code_cell as _code_cell
 from .mdtext import kind_cell as _kind
 from .record import counted_leaks, ending, gpu_notes, is_number, known_count
 from .termtext import inert
 
-MARKDOWN_ROWS = 200  # leak rows in the Markdown table; GitHub truncates huge summaries
 WORST = 5  # tests listed as worst offenders in the terminal
 
 
@@ -134,18 +134,6 @@ def notable(records: list[dict[str, Any]]) -> bool:
         or gpu_notes(r)
         for r in records
     )
-
-
-def quarantines(records: list[dict[str, Any]]) -> list[tuple[str, str, str, str]]:
-    """(test, GPU, what failed, why it was probed) for each GPU a test's run left unfit
-    and that was quarantined after it (``health``)."""
-    found = []
-    for r in records:
-        checked = r.get("gpu_health")
-        if isinstance(checked, dict) and isinstance(checked.get("quarantined"), dict):
-            for device, problem in sorted(checked["quarantined"].items()):
-                found.append((r["nodeid"], str(device), str(problem), str(checked.get("probed"))))
-    return found
 
 
 def startup_durations(tr: Any, records: list[dict[str, Any]], config: Any) -> None:
@@ -315,7 +303,7 @@ def markdown(
             ]
     if not leaky and not ended:
         lines += ["", "No leaks, timeouts or crashes."]
-    more = _health(records) + fixed_table(baseline, MARKDOWN_ROWS) + _right_size(records, where)
+    more = health(records) + fixed_table(baseline, MARKDOWN_ROWS) + right_size(records, where)
     return mdtext.bounded(lines + more, f"every test is in {where}")
 
 
@@ -332,52 +320,6 @@ def _failure(record: dict[str, Any]) -> str:
     if kinds:
         return f"its leaks failed it ({', '.join(kinds)})"
     return "failed" if record["outcome"] == "failed" else "error in setup or teardown"
-
-
-def _health(records: list[dict[str, Any]]) -> list[str]:
-    """The "GPU health" part: each GPU quarantined after a test, what failed and why."""
-    found = quarantines(records)
-    if not found:
-        return []
-    lines = ["", "### GPU health", ""]
-    lines += ["Quarantined for every session of the user until `python -m pytest_gpuiso reset"]
-    lines += ["--device N` re-probes and lifts it.", ""]
-    lines += ["| GPU | after test | probed because | what failed |", "|---|---|---|---|"]
-    for nodeid, device, problem, why in found[:MARKDOWN_ROWS]:
-        lines.append(
-            f"| {_cell(device)} | {_code_cell(nodeid)} | {_cell(why)} | {_cell(problem)} |"
-        )
-    return lines
-
-
-LEASE_LOW = 0.25  # a peak below this share of the lease: the lease could shrink
-
-
-def _right_size(records: list[dict[str, Any]], where: str) -> list[str]:
-    """The "right-size your leases" table: tests whose GPU memory peak (NVML) was far below
-    their lease (others could have run beside them) or above it (not enforced: CUDA
-    used outside torch's allocator), with a gpu_memory= that fits the peak."""
-    peaks: dict[str, tuple[int, int]] = {}
-    for r in records:
-        lease, peak = r.get("gpu_memory"), r.get("gpu_memory_peak")
-        if is_number(lease) and is_number(peak) and lease > 0:
-            peaks[r["nodeid"]] = (lease, max(peak, peaks.get(r["nodeid"], (0, 0))[1]))
-    rows = [
-        (n, lease, peak) for n, (lease, peak) in peaks.items() if not LEASE_LOW <= peak / lease <= 1
-    ]
-    if not rows:
-        return []
-    lines = ["", "### Right-size your leases", ""]
-    lines += ["GPU memory peak (NVML, sampled) far below or above the test's lease.", ""]
-    lines += ["| test | lease | peak | try |", "|---|---|---|---|"]
-    for nodeid, lease, peak in sorted(rows, key=lambda row: row[2] - row[1])[:MARKDOWN_ROWS]:
-        fit = -(-int(peak * 1.25) // (1 << 28)) / 4  # 25% headroom, in quarters of a GiB
-        try_ = f'`gpu_memory="{max(fit, 0.25):g}GiB"`'
-        cells = f"{size_text(lease, '.2f')} | {size_text(peak, '.2f')}"
-        lines.append(f"| {_code_cell(nodeid)} | {cells} | {try_} |")
-    if len(rows) > MARKDOWN_ROWS:
-        lines += ["", f"{len(rows) - MARKDOWN_ROWS} more in {where}."]
-    return lines
 
 
 def write_markdown(
