@@ -7,7 +7,9 @@ and compared test by test, on each test's last attempt:
   allows), a crash or a timeout it did not have, a start-up that grew by more than
   ``startup_growth`` seconds, a GPU memory peak that grew by more than ``peak_growth``;
 * fixed: a leak kind, a crash or a timeout it had and no longer has;
-* tests on one side only: listed, never counted as new.
+* a test only in head: listed, and what it does wrong (a leak its marker does not allow, a
+  crash, a timeout) is new, as it would be in a test that had none of it;
+* a test only in base: listed, informational.
 
 The result is text for a terminal and Markdown for a pull request; new findings make the
 command's exit status 1 (a required check can fail on them).
@@ -47,6 +49,10 @@ def _ended(record: dict[str, Any]) -> str | None:
     return ended.kind if ended.abnormal else None
 
 
+def _new_test(old: dict[str, Any]) -> str:
+    return "" if old else " (a test only in head)"
+
+
 def _grew(base: Any, head: Any, by: float) -> bool:
     return is_number(base) and is_number(head) and head - base > by
 
@@ -62,18 +68,18 @@ def compare(
         only_base=sorted(set(before) - set(after)),
         only_head=sorted(set(after) - set(before)),
     )
-    for nodeid in sorted(set(before) & set(after)):
-        old, now = before[nodeid], after[nodeid]
-        result.compared += 1
+    for nodeid in sorted(after):  # a test only in head: what it does wrong is new
+        now, old = after[nodeid], before.get(nodeid, {})
+        result.compared += bool(old)
         old_leaks, new_leaks = leak_kinds(old), leak_kinds(now)
         for kind in sorted(set(new_leaks) - set(old_leaks)):
-            result.new.append(Change(nodeid, f"leak {kind}", new_leaks[kind]))
+            result.new.append(Change(nodeid, f"leak {kind}", new_leaks[kind] + _new_test(old)))
         for kind in sorted(set(old_leaks) - set(new_leaks)):
             result.fixed.append(Change(nodeid, f"leak {kind}", old_leaks[kind]))
-        was, is_ = _ended(old), _ended(now)
+        was, is_ = _ended(old) if old else None, _ended(now)
         if is_ and is_ != was:
             signal = now["exit"]["signal"] or "the timeout"
-            result.new.append(Change(nodeid, is_, f"ended by {signal}"))
+            result.new.append(Change(nodeid, is_, f"ended by {signal}{_new_test(old)}"))
         if was and was != is_:
             result.fixed.append(Change(nodeid, was, f"was ended by {old['exit']['signal']}"))
         if _grew(old.get("startup"), now.get("startup"), startup_growth):

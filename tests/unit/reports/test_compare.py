@@ -69,6 +69,7 @@ def test_a_pull_request_shaped_pair(pair, tmp_path: Path, capsys) -> None:
     markdown = tmp_path / "compare.md"
     assert main(["compare", base, head, "--markdown", str(markdown)]) == 1
     assert capsys.readouterr().out.splitlines() == [
+        f"NEW    t.py::test_added: leak process: {PROC[1]} (a test only in head)",
         f"NEW    t.py::test_clean: leak shm: {SHM_LEAK[1]}",
         "NEW    t.py::test_crash: crash: ended by SIGSEGV",
         "NEW    t.py::test_slow: start-up: 1.00 s -> 4.50 s",
@@ -76,11 +77,43 @@ def test_a_pull_request_shaped_pair(pair, tmp_path: Path, capsys) -> None:
         "FIXED  t.py::test_fixed: leak process",
         "ONLY IN BASE t.py::test_removed",
         "ONLY IN HEAD t.py::test_added",
-        "compared 6 tests: 4 new, 1 fixed; 1 only in base, 1 only in head",
+        "compared 6 tests: 5 new, 1 fixed; 1 only in base, 1 only in head",
     ]
     text = markdown.read_text()
     assert "### New" in text and "| `t.py::test_clean` | leak shm |" in text
     assert "### Fixed" in text and "### Only in head" in text and "t.py::test_known" not in text
+
+
+def test_new_tests_that_leak_or_crash_are_new(tmp_path: Path, capsys) -> None:
+    """Base: 4 clean tests; head: the same and 3 new ones: two that leak, one that crashes,
+    and one clean. Before: listed "ONLY IN HEAD", "0 new", "Nothing new", exit 0: a pull
+    request adding a leaking test passed the required check. A test only in base stays
+    informational."""
+    clean = [_record(f"t.py::test_{n}") for n in range(4)]
+    base = _report(tmp_path / "base.json", *clean, _record("t.py::test_gone", leaks=[PROC]))
+    head = _report(
+        tmp_path / "head.json",
+        *clean,
+        _record("t.py::test_new_shm", leaks=[SHM_LEAK]),
+        _record("t.py::test_new_proc", leaks=[PROC]),
+        _record("t.py::test_new_crash", signal="SIGSEGV"),
+        _record("t.py::test_new_clean"),
+        _record("t.py::test_new_allowed", leaks=[]) | {"leaks": [SHM_LEAK_ALLOWED]},
+    )
+    markdown = tmp_path / "compare.md"
+    assert main(["compare", base, head, "--markdown", str(markdown)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert [line for line in out if line.startswith("NEW")] == [
+        "NEW    t.py::test_new_crash: crash: ended by SIGSEGV (a test only in head)",
+        f"NEW    t.py::test_new_proc: leak process: {PROC[1]} (a test only in head)",
+        f"NEW    t.py::test_new_shm: leak shm: {SHM_LEAK[1]} (a test only in head)",
+    ]
+    assert out[-1] == "compared 4 tests: 3 new, 0 fixed; 1 only in base, 5 only in head"
+    text = markdown.read_text()
+    assert "| `t.py::test_new_shm` | leak shm |" in text and "Nothing new" not in text
+
+
+SHM_LEAK_ALLOWED = {"kind": "shm", "detail": SHM_LEAK[1], "allowed": True}
 
 
 def test_nothing_new_exits_0_and_thresholds_are_options(pair, capsys) -> None:
