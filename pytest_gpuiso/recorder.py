@@ -9,6 +9,7 @@ report, the terminal summary and GitHub's annotations.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -39,6 +40,7 @@ class Recorder:
         self.unwritten: list[str] = []  # reports that could not be written, and why
         self.baseline: dict[str, Any] | None = None  # what became of the leak baseline
         self.found: list[Finding] = []  # its findings, for annotations and GitLab
+        self.started = time.time()  # the session's start, for the JSON report
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         record = record_of(report)
@@ -61,7 +63,7 @@ class Recorder:
         # Checked at configure; what fails now (a full disk) is one line, not a traceback.
         try:
             if out.report_path is not None:
-                files.write_json(out.report_path, out.records, self.baseline)
+                files.write_json(out.report_path, out.records, self.baseline, self._run(session))
         except OSError as exc:
             self.unwritten.append(f"--gpu-isolate-report {out.report_path}: {_why(exc)}")
         try:
@@ -103,6 +105,17 @@ class Recorder:
         if findings.wanted(state.settings.annotations):  # none in an xdist worker
             for line in findings.github(self.found):
                 terminalreporter.write_line(line)
+
+    def _run(self, session: pytest.Session) -> dict[str, Any]:
+        """The JSON report's ``session``: this run, where and how it ended."""
+        from .reports import run_info
+
+        args = list(self.config.invocation_params.args)
+        gpus = self.state.nvml.inventory()  # None without NVML
+        status = session.exitstatus
+        return run_info.session_block(
+            self.started, time.time(), status, self.controller.records, args, gpus
+        )
 
     @property
     def fixed(self) -> bool:

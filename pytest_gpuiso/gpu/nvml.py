@@ -149,6 +149,27 @@ class NvmlReader:
             found += [_text(nvml.nvmlDeviceGetUUID(handle)), *self._mig_instances(handle)]
         return found
 
+    def inventory(self) -> dict[str, Any] | None:
+        """The CUDA driver's version and each GPU's name, memory and UUID, for a report
+        (``{"cuda_driver": "580.95", "gpus": [...]}``); None without NVML."""
+        if not self.available():
+            return None
+        nvml = self._nvml
+        try:
+            gpus = []
+            for i in range(self.count()):
+                handle = nvml.nvmlDeviceGetHandleByIndex(i)
+                gpus.append(
+                    {
+                        "name": _text(nvml.nvmlDeviceGetName(handle)),
+                        "memory": int(nvml.nvmlDeviceGetMemoryInfo(handle).total),
+                        "uuid": _text(nvml.nvmlDeviceGetUUID(handle)),
+                    }
+                )
+            return {"cuda_driver": _text(nvml.nvmlSystemGetDriverVersion()), "gpus": gpus}
+        except Exception:  # NVMLError
+            return None
+
     def models(self) -> set[str]:
         """The models of the GPUs NVML sees ({} without a driver)."""
         nvml = self._nvml

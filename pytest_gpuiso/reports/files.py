@@ -27,11 +27,17 @@ UNENCODABLE = "backslashreplace"
 
 
 def write_json(
-    path: Path, records: list[dict[str, Any]], baseline: dict[str, Any] | None = None
+    path: Path,
+    records: list[dict[str, Any]],
+    baseline: dict[str, Any] | None = None,
+    session: dict[str, Any] | None = None,
 ) -> None:
     """Write the report atomically (a reader never sees half a file); ``baseline``: what
-    the session made of its leak baseline (``Baseline.summary``)."""
+    the session made of its leak baseline (``Baseline.summary``); ``session``: what run it
+    is of (``run_info.session_block``)."""
     document: dict[str, Any] = {"version": SCHEMA_VERSION, "tests": records}
+    if session is not None:
+        document["session"] = session
     if baseline is not None:
         document["baseline"] = baseline
     write_text(path, json.dumps(document, indent=2, ensure_ascii=False) + "\n")

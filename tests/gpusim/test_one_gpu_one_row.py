@@ -89,3 +89,16 @@ def test_one_gpu_listed_under_two_names_is_refused_in_one_line(
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     said = "invalid device list --gpu-isolate-devices: 0 and GPU-00000001 are the same GPU"
     result.stderr.fnmatch_lines([f"*{said} ({H100})"])
+
+
+def test_the_json_report_says_which_driver_and_gpus_it_ran_on(gpuiso_spawn: GpuIso, sim: Path):
+    """The report's session environment (issue 50): the CUDA driver and each GPU's name,
+    memory and UUID, from NVML."""
+    gpuiso_spawn.pytester.makepyfile(test_plain="def test_plain(): pass")
+    gpuiso_spawn.run("--gpu-isolate", "--gpu-isolate-report=report.json", "test_plain.py")
+    env = gpuiso_spawn.report()["session"]["environment"]
+    assert env["cuda_driver"]
+    assert env["gpus"] == [
+        {"name": "Sim H100", "memory": 81559 << 20, "uuid": H100},
+        {"name": "Sim A10", "memory": 23028 << 20, "uuid": H100.replace("01", "02", 1)},
+    ]

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+import platform
 import re
+from collections import Counter
 
 import pytest
 
+import pytest_gpuiso
 from pytest_gpuiso.reports.record import Exit, Record, Start
 from pytest_gpuiso.reports.report import cost_line
 
@@ -45,6 +49,23 @@ def _check_schema(document: dict) -> dict[str, dict]:
     return {r["nodeid"]: r for r in tests}
 
 
+def _check_session(session: dict, args: list[str], ret: int, expected: dict) -> None:
+    """The report says what run it is of (issue 50): when, how it ended, its tests'
+    outcomes, pytest's arguments and what it ran with."""
+    assert set(session) == {"started", "finished", "exitstatus", "outcomes", "args", "environment"}
+    for when in ("started", "finished"):
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", session[when]), session
+    assert session["started"] <= session["finished"]
+    assert session["exitstatus"] == int(ret)
+    assert session["outcomes"] == dict(Counter(outcome for outcome, _, _ in expected.values()))
+    assert all(arg in session["args"] for arg in args)
+    env = session["environment"]
+    assert env["python"] == platform.python_version() and env["pytest"] == pytest.__version__
+    assert env["pytest-gpuiso"] == pytest_gpuiso.__version__ and env["platform"]
+    assert env.get("pytest-xdist") == importlib.metadata.version("pytest-xdist")
+    assert "cuda_driver" not in env  # no NVML here: nothing said of GPUs
+
+
 @pytest.mark.parametrize("xdist", [[], ["-n", "2"]], ids=["no-xdist", "xdist"])
 def test_json_report_records_every_isolated_test(gpuiso_spawn, xdist):
     """Every isolated test appears once with its outcome and how its process ended."""
@@ -68,6 +89,7 @@ def test_json_report_records_every_isolated_test(gpuiso_spawn, xdist):
         assert record["exit"]["code"] == code, nodeid
         assert record["exit"]["timed_out"] is False
     result.stdout.fnmatch_lines(["gpu-isolate: JSON report written to *report.json"])
+    _check_session(gpuiso_spawn.report()["session"], args, result.ret, EXPECTED)
     # what isolation cost, from the same records the report holds
     cost = cost_line(list(records.values()))
     assert cost.startswith("isolation cost ") and f" over {len(EXPECTED)} tests (~" in cost
