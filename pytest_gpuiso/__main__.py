@@ -38,8 +38,9 @@ def _error(message: str, status: int = 2) -> int:
 def _merge(opts: argparse.Namespace) -> int:
     from .reports import files, report, shards
 
+    merged: list[dict] = []  # each shard's path and session
     try:
-        records = shards.merge(opts.reports)
+        records = shards.merge(opts.reports, merged)
     except shards.ReportError as exc:
         return _error(str(exc))
     for line in shards.duplicates(records):  # overlapping shards: counted twice
@@ -48,7 +49,7 @@ def _merge(opts: argparse.Namespace) -> int:
     shards_text = f"{tests} tests from {len(opts.reports)} reports"
     text = report.markdown(records)
     outputs = [
-        (opts.json, "JSON report", lambda path: files.write_json(path, records)),
+        (opts.json, "JSON report", lambda path: files.write_json(path, records, shards=merged)),
         (opts.markdown, "Markdown summary", lambda path: files.write_text(path, text)),
     ]
     for path, what, write in outputs:
@@ -95,10 +96,14 @@ report cannot be read or used or an output cannot be written (one line on stderr
 
 
 def _compare(opts: argparse.Namespace) -> int:
-    from .reports import baseline, compare, files, findings, shards
+    from .reports import baseline, compare, files, findings, run_info, shards
 
+    paths = [path for path in (opts.base, opts.head) if path is not None]
+    documents, sides = [], []
     try:
-        sides = [shards.load(path) for path in (opts.base, opts.head) if path is not None]
+        for path in paths:
+            documents.append(shards.document(path))
+            sides.append(shards.records_of(path, documents[-1]))
     except shards.ReportError as exc:
         return _error(str(exc))
     head = sides[-1]
@@ -110,6 +115,11 @@ def _compare(opts: argparse.Namespace) -> int:
     if len(sides) == 2:
         growth = opts.peak_growth * (1 << 20)  # a float: "inf" MiB never grows past it
         result = compare.compare(sides[0], head, opts.startup_growth, growth)
+        runs = [run_info.session_of(doc) for doc in documents]
+        if any(runs):
+            print(f"base: {run_info.line(runs[0])}\nhead: {run_info.line(runs[1])}")
+        for difference in run_info.differences(*runs):  # a finding may be the runner's
+            print(f"warning: the runs differ: {difference}", file=sys.stderr)
         print(compare.text(result), end="")
         found = findings.of_changes(result.new, head)
         if findings.wanted(opts.annotations):

@@ -31,13 +31,17 @@ def write_json(
     records: list[dict[str, Any]],
     baseline: dict[str, Any] | None = None,
     session: dict[str, Any] | None = None,
+    shards: list[dict[str, Any]] | None = None,
 ) -> None:
     """Write the report atomically (a reader never sees half a file); ``baseline``: what
     the session made of its leak baseline (``Baseline.summary``); ``session``: what run it
-    is of (``run_info.session_block``)."""
+    is of (``run_info.session_block``); ``shards``: a merge's shards, each a path and its
+    report's session."""
     document: dict[str, Any] = {"version": SCHEMA_VERSION, "tests": records}
     if session is not None:
         document["session"] = session
+    if shards is not None:  # a merge: each shard's path and session
+        document["shards"] = shards
     if baseline is not None:
         document["baseline"] = baseline
     write_text(path, json.dumps(document, indent=2, ensure_ascii=False) + "\n")

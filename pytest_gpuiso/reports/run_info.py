@@ -58,3 +58,51 @@ def environment(gpus: dict[str, Any] | None = None) -> dict[str, Any]:
         except importlib.metadata.PackageNotFoundError:
             continue
     return {**found, **(gpus or {})}
+
+
+def session_of(document: Any) -> dict[str, Any] | None:
+    """A report's ``session`` as far as it has the shape this module writes (a report is
+    input: each field is kept only when it is of its type), else None; a merged report's
+    first shard's."""
+    if not isinstance(document, dict):
+        return None
+    found = document.get("session")
+    if not isinstance(found, dict) and isinstance(document.get("shards"), list):
+        found = next((s.get("session") for s in document["shards"] if isinstance(s, dict)), None)
+    if not isinstance(found, dict):
+        return None
+    kept = {k: found[k] for k in ("started", "finished") if isinstance(found.get(k), str)}
+    env = found.get("environment")
+    if isinstance(env, dict):
+        kept["environment"] = {k: v for k, v in env.items() if isinstance(v, str)}
+        gpus = env.get("gpus")
+        if isinstance(gpus, list):
+            names = [g.get("name") for g in gpus if isinstance(g, dict)]
+            kept["environment"]["gpus"] = ", ".join(n for n in names if isinstance(n, str))
+    return kept
+
+
+MATTERS = (("gpus", "GPUs"), ("cuda_driver", "CUDA driver"), ("torch", "torch"))
+
+
+def line(session: dict[str, Any] | None) -> str:
+    """One line saying what run a report is of."""
+    if session is None:
+        return "unknown (a report without its session)"
+    env = session.get("environment", {})
+    said = [f"{name} {env[key]}" for key, name in MATTERS if env.get(key)]
+    said += [f"python {env['python']}"] if env.get("python") else []
+    when = session.get("started", "?")
+    return f"started {when}" + (f": {', '.join(said)}" if said else "")
+
+
+def differences(base: dict[str, Any] | None, head: dict[str, Any] | None) -> list[str]:
+    """What differs between the runs of two reports that can make a finding the runner's."""
+    if base is None or head is None:
+        return []
+    old, new = base.get("environment", {}), head.get("environment", {})
+    return [
+        f"{name}: {old.get(key) or 'none'} in base, {new.get(key) or 'none'} in head"
+        for key, name in MATTERS
+        if old.get(key) != new.get(key)
+    ]

@@ -111,10 +111,15 @@ def _read_report(path: str) -> bytes:
 
 def load(path: str) -> list[dict[str, Any]]:
     """The records of one JSON report; ``ReportError`` names the file and the problem."""
-    document = read_json(path)
-    if not isinstance(document, dict) or not isinstance(document.get("tests"), list):
+    return records_of(path, document(path))
+
+
+def document(path: str) -> dict[str, Any]:
+    """A JSON report's document, with its 'tests' list (not yet checked)."""
+    found = read_json(path)
+    if not isinstance(found, dict) or not isinstance(found.get("tests"), list):
         raise ReportError(f"{path}: not a pytest-gpuiso report (no 'tests' list)")
-    return records_of(path, document)
+    return found
 
 
 def read_json(path: str) -> Any:
@@ -154,11 +159,17 @@ def duplicates(records: list[dict[str, Any]]) -> list[str]:
     ]
 
 
-def merge(paths: list[str]) -> list[dict[str, Any]]:
+def merge(paths: list[str], runs: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """The records of several shard reports, in order; each record names its shard
-    (the path it was read from, unless it already names one: a merge of merges)."""
+    (the path it was read from, unless it already names one: a merge of merges). ``runs``
+    gets each shard's path and its report's session (a merged one's shards, in turn)."""
     merged = []
     for path in paths:
-        for record in load(path):
+        found = document(path)
+        for record in records_of(path, found):
             merged.append({**record, "shard": record.get("shard", path)})
+        if runs is not None and isinstance(found.get("shards"), list):
+            runs += [s for s in found["shards"] if isinstance(s, dict)]
+        elif runs is not None:
+            runs.append({"path": path, "session": found.get("session")})
     return merged

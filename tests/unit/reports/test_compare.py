@@ -189,3 +189,48 @@ def test_the_help_names_base_and_head_and_the_exit_status(capsys, monkeypatch) -
     text = " ".join(out.split())
     assert "exit status: 0 when nothing is new; 1 when something is; 2 for a usage error" in text
     assert 'or an output cannot be written (one line on stderr: "error: PATH: problem")' in text
+
+
+def _with_session(path: Path, gpu: str, driver: str, torch: str | None) -> str:
+    env = {"python": "3.11.7", "cuda_driver": driver, "gpus": [{"name": gpu, "memory": 1}]}
+    env |= {"torch": torch} if torch else {}
+    session = {"started": "2026-11-29T02:30:04Z", "finished": "x", "environment": env}
+    document = {"version": SCHEMA_VERSION, "tests": [_record("t.py::test_a")], "session": session}
+    path.write_text(json.dumps(document))
+    return str(path)
+
+
+def test_compare_says_what_runs_it_compares_and_warns_when_the_runners_differ(
+    tmp_path: Path, capsys
+) -> None:
+    """Issue 50: a "new" leak on another GPU model, driver or torch may be the runner's."""
+    base = _with_session(tmp_path / "base.json", "NVIDIA A10", "550.54", "2.8.0")
+    head = _with_session(tmp_path / "head.json", "NVIDIA H100 80GB HBM3", "580.95", "2.8.0")
+    assert main(["compare", base, head]) == 0
+    out, err = capsys.readouterr()
+    assert out.splitlines()[:2] == [
+        "base: started 2026-11-29T02:30:04Z: GPUs NVIDIA A10, CUDA driver 550.54, torch 2.8.0, "
+        "python 3.11.7",
+        "head: started 2026-11-29T02:30:04Z: GPUs NVIDIA H100 80GB HBM3, CUDA driver 580.95, "
+        "torch 2.8.0, python 3.11.7",
+    ]
+    assert err.splitlines() == [
+        "warning: the runs differ: GPUs: NVIDIA A10 in base, NVIDIA H100 80GB HBM3 in head",
+        "warning: the runs differ: CUDA driver: 550.54 in base, 580.95 in head",
+    ]
+    # a session of the wrong shape is input like any other: read as far as it is right
+    (tmp_path / "odd.json").write_text(
+        json.dumps({"version": SCHEMA_VERSION, "tests": [], "session": {"environment": [1]}})
+    )
+    assert main(["compare", str(tmp_path / "odd.json"), head]) == 0
+    assert "head: started" in capsys.readouterr().out
+
+
+def test_merge_keeps_each_shards_session(tmp_path: Path, capsys) -> None:
+    one = _with_session(tmp_path / "one.json", "NVIDIA A10", "550.54", None)
+    two = _with_session(tmp_path / "two.json", "NVIDIA A10", "550.54", None)
+    merged = tmp_path / "merged.json"
+    assert main(["merge", one, two, "--json", str(merged)]) == 0
+    shards = json.loads(merged.read_text())["shards"]
+    assert [s["path"] for s in shards] == [one, two]
+    assert shards[0]["session"]["environment"]["cuda_driver"] == "550.54"

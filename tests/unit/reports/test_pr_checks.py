@@ -539,7 +539,10 @@ def test_the_ci_recipes_commands_on_a_pull_request(tmp_path, monkeypatch):
     assert run(merge, "head").returncode == 0
     compared = run(compare, "head")
     assert compared.returncode == 1, compared.stderr
-    out = compared.stdout.splitlines()
+    runs, out = compared.stdout.splitlines()[:2], compared.stdout.splitlines()[2:]
+    # what run each side is of, from the merged shards' sessions (the same runner here)
+    assert runs[0].startswith("base: started ") and runs[1].startswith("head: started ")
+    assert "warning" not in compared.stderr
     new = f"NEW    tests/unit/test_pr_leaks.py::test_new: leak shm: segment /dev/shm/{shm}-new ("
     assert out[0].startswith(new)
     assert out[1:3] == [
