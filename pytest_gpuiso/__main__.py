@@ -7,6 +7,7 @@ an input or output it cannot use: one "error: ..." line on stderr), as EXIT_STAT
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -17,12 +18,15 @@ from .gpu import table
 from .gpu.leases import REGION_ENV
 
 MERGE_HELP = """\
-merge the JSON reports (--gpu-isolate-report) of CI shards into one JSON report and/or
-one Markdown summary; each merged record gets a "shard" field naming the file it came
-from. The Markdown summary is also appended to $GITHUB_STEP_SUMMARY when that is set.
+merge the JSON reports (--gpu-isolate-report) of CI shards into one JSON report, one
+Markdown summary and/or pytest-split's durations file; each merged record gets a "shard"
+field naming the file it came from. The Markdown summary is also appended to
+$GITHUB_STEP_SUMMARY when that is set. The durations file ({nodeid: seconds}, for
+pytest-split's --durations-path) holds each test's wall time in its own process, start-up
+included (its last attempt, across shards), so that shards balance by what isolation costs.
 
-exit status: 0 when the outputs were written; 2 for a usage error (no REPORT, neither
---markdown nor --json) or when an input report cannot be read or used (missing, not
+exit status: 0 when the outputs were written; 2 for a usage error (no REPORT, none of
+--markdown, --json, --durations) or when an input report cannot be read or used (missing, not
 JSON, another version, a malformed record: nothing is written then) or an output cannot
 be written, with one line on stderr: "error: PATH: problem". A test found in more than
 one shard (overlapping shards) is merged anyway, with one "warning: NODEID is in N
@@ -48,9 +52,11 @@ def _merge(opts: argparse.Namespace) -> int:
     tests = len({r["nodeid"] for r in records})  # a rerun test has a record per attempt
     shards_text = f"{tests} tests from {len(opts.reports)} reports"
     text = report.markdown(records)
+    durations = json.dumps(shards.durations(records), indent=2, sort_keys=True) + "\n"
     outputs = [
         (opts.json, "JSON report", lambda path: files.write_json(path, records, shards=merged)),
         (opts.markdown, "Markdown summary", lambda path: files.write_text(path, text)),
+        (opts.durations, "durations file", lambda path: files.write_text(path, durations)),
     ]
     for path, what, write in outputs:
         if path is None:
@@ -246,6 +252,12 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     )
     merge.add_argument("--markdown", type=Path, metavar="PATH", help="write the Markdown summary")
     merge.add_argument("--json", type=Path, metavar="PATH", help="write the merged JSON report")
+    merge.add_argument(
+        "--durations",
+        type=Path,
+        metavar="PATH",
+        help="write pytest-split's durations file from the isolated tests' wall times",
+    )
     return parser, sub.choices
 
 
@@ -262,8 +274,8 @@ def main(argv: list[str] | None = None) -> int:
             fail("give two reports, BASE and HEAD (one only with --write-baseline)")
         if opts.base is None and (opts.markdown or opts.code_quality):
             fail("--markdown and --code-quality need two reports, BASE and HEAD")
-    if opts.command == "merge" and opts.markdown is None and opts.json is None:
-        commands["merge"].error("nothing to write: give --markdown PATH and/or --json PATH")
+    if opts.command == "merge" and opts.markdown is opts.json is opts.durations is None:
+        commands["merge"].error("nothing to write: give --markdown, --json or --durations PATH")
     run = {"compare": _compare, "merge": _merge, "status": table.status, "reset": table.reset}
     try:
         return run[opts.command](opts)

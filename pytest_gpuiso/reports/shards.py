@@ -14,7 +14,7 @@ import stat
 from typing import Any
 
 from ..values import KINDS
-from .record import SCHEMA_VERSION, is_number
+from .record import SCHEMA_VERSION, is_number, last_attempts
 
 # The largest report ``merge`` reads: a record is about 1 KiB, so a million tests.
 MAX_REPORT_BYTES = 1 << 30
@@ -173,3 +173,14 @@ def merge(paths: list[str], runs: list[dict[str, Any]] | None = None) -> list[di
         elif runs is not None:
             runs.append({"path": path, "session": found.get("session")})
     return merged
+
+
+def durations(records: list[dict[str, Any]]) -> dict[str, float]:
+    """pytest-split's durations ({nodeid: seconds}): each test's wall time in its own
+    process, start-up included (its last attempt; its duration where no wall time)."""
+    found = {}
+    for nodeid, record in last_attempts(records).items():
+        seconds = record.get("wall") if is_number(record.get("wall")) else record.get("duration")
+        if is_number(seconds) and seconds >= 0:
+            found[nodeid] = round(float(seconds), 3)
+    return found

@@ -234,3 +234,26 @@ def test_merge_keeps_each_shards_session(tmp_path: Path, capsys) -> None:
     shards = json.loads(merged.read_text())["shards"]
     assert [s["path"] for s in shards] == [one, two]
     assert shards[0]["session"]["environment"]["cuda_driver"] == "550.54"
+
+
+def test_merge_writes_pytest_splits_durations_from_the_isolated_wall_times(tmp_path: Path, capsys):
+    """Issue 50: shards balanced by what isolation measured: each test's wall time (start-up
+    included), its last attempt across shards, as pytest-split's {nodeid: seconds}."""
+    one = _report(
+        tmp_path / "one.json",
+        _record("t.py::test_a", wall=12.5, duration=11.0),
+        _record("t.py::test_flaky", wall=3.0, attempt=1),
+    )
+    two = _report(
+        tmp_path / "two.json",
+        _record("t.py::test_flaky", wall=4.25, attempt=2),
+        _record("t.py::test_old", duration=0.75),  # a report without wall times
+    )
+    path = tmp_path / ".test_durations"
+    assert main(["merge", one, two, "--durations", str(path)]) == 0
+    assert json.loads(path.read_text()) == {
+        "t.py::test_a": 12.5,
+        "t.py::test_flaky": 4.25,
+        "t.py::test_old": 0.75,
+    }
+    assert "wrote the merged durations file (3 tests from 2 reports)" in capsys.readouterr().out

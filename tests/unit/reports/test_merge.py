@@ -382,7 +382,7 @@ def test_an_output_that_cannot_be_written_is_one_error_line(tmp_path, shards):
     [
         ([], "the following arguments are required: REPORT"),
         (["--json", "m.json"], "the following arguments are required: REPORT"),
-        (["reports/shard-1.json"], "nothing to write: give --markdown PATH and/or --json PATH"),
+        (["reports/shard-1.json"], "nothing to write: give --markdown, --json or --durations PATH"),
         (["reports/shard-1.json", "--markdown"], "argument --markdown: expected one argument"),
     ],
 )
