@@ -37,11 +37,16 @@ class Devices:
         rows = self.rows()
         return self.names[rows.index(key)] if key in rows else None
 
+    @property
+    def in_pci_order(self) -> bool:
+        """Whether an index names the GPU NVML numbers so (the PCI bus order): NVML's own
+        names, or CUDA_DEVICE_ORDER=PCI_BUS_ID; else CUDA numbers the fastest first."""
+        return self.pci_order or os.environ.get("CUDA_DEVICE_ORDER") == "PCI_BUS_ID"
+
     def reset_name(self, name: str) -> str:
         """How ``reset --device`` names the device (NVML's numbering): ``name``, unless
         it is an index CUDA may number otherwise (its default order): then its UUID."""
-        in_pci_order = self.pci_order or os.environ.get("CUDA_DEVICE_ORDER") == "PCI_BUS_ID"
-        return self.key(name) if self.keys and name.isdigit() and not in_pci_order else name
+        return self.key(name) if self.keys and name.isdigit() and not self.in_pci_order else name
 
     def rows(self) -> list[str]:
         """The devices as the lease table keys them."""

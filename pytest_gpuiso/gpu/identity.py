@@ -22,8 +22,10 @@ ASK_TIMEOUT = 30.0  # seconds for CUDA's answer (cuInit takes < 1 s on a healthy
 
 class Named(Protocol):
     names: tuple[str, ...]
-    pci_order: bool
     via: str
+
+    @property
+    def in_pci_order(self) -> bool: ...
 
 
 class Reader(Protocol):
@@ -41,9 +43,8 @@ def identities(devices: Named, nvml: Reader) -> list[str]:
     if devices.via != rocm.CUDA:
         return list(devices.names)
     indices = [name for name in devices.names if name.isdigit()]
-    in_pci_order = devices.pci_order or os.environ.get("CUDA_DEVICE_ORDER") == "PCI_BUS_ID"
     asked: dict[str, str] = {}
-    if indices and not in_pci_order and len(nvml.models()) > 1:
+    if indices and not devices.in_pci_order and len(nvml.models()) > 1:
         asked = _ask_cuda(indices, nvml.uuids())
     return [asked.get(name) or nvml.identity(name) or name for name in devices.names]
 

@@ -115,8 +115,8 @@ def _lift(region: object, path: str, device: str, force: bool) -> int:
                 env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # an index as NVML numbers them
             problem = health.probe(row, nvml, env)
             if problem:  # a refusal: 1, like a finding
-                why = f"still fails its probe: {problem}; left quarantined (--force lifts it)"
-                return _error(f"GPU {device} {why}", 1)
+                why = f"still fails its probe: {problem}; left quarantined"
+                return _error(f"GPU {device} {why} (--force lifts it anyway)", 1)
     finally:
         nvml.close()
     try:
