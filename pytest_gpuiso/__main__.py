@@ -23,7 +23,8 @@ Markdown summary and/or pytest-split's durations file; each merged record gets a
 field naming the file it came from. The Markdown summary is also appended to
 $GITHUB_STEP_SUMMARY when that is set. The durations file ({nodeid: seconds}, for
 pytest-split's --durations-path) holds each test's wall time in its own process, start-up
-included (its last attempt, across shards), so that shards balance by what isolation costs.
+included (its last attempt, across shards), so that shards balance by what isolation costs;
+an existing durations file is updated: tests this run did not run keep their entries.
 
 exit status: 0 when the outputs were written; 2 for a usage error (no REPORT, none of
 --markdown, --json, --durations) or when an input report cannot be read or used (missing, not
@@ -45,6 +46,7 @@ def _merge(opts: argparse.Namespace) -> int:
     merged: list[dict] = []  # each shard's path and session
     try:
         records = shards.merge(opts.reports, merged)
+        kept = shards.read_durations(opts.durations) if opts.durations is not None else None
     except shards.ReportError as exc:
         return _error(str(exc))
     for line in shards.duplicates(records):  # overlapping shards: counted twice
@@ -52,7 +54,7 @@ def _merge(opts: argparse.Namespace) -> int:
     tests = len({r["nodeid"] for r in records})  # a rerun test has a record per attempt
     shards_text = f"{tests} tests from {len(opts.reports)} reports"
     text = report.markdown(records)
-    durations = json.dumps(shards.durations(records), indent=2, sort_keys=True) + "\n"
+    durations = json.dumps(shards.durations(records, kept), indent=2, sort_keys=True) + "\n"
     outputs = [
         (opts.json, "JSON report", lambda path: files.write_json(path, records, shards=merged)),
         (opts.markdown, "Markdown summary", lambda path: files.write_text(path, text)),
@@ -256,7 +258,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         "--durations",
         type=Path,
         metavar="PATH",
-        help="write pytest-split's durations file from the isolated tests' wall times",
+        help="write (update) pytest-split's durations file from the isolated tests' wall times",
     )
     return parser, sub.choices
 

@@ -175,12 +175,39 @@ def merge(paths: list[str], runs: list[dict[str, Any]] | None = None) -> list[di
     return merged
 
 
-def durations(records: list[dict[str, Any]]) -> dict[str, float]:
+def durations(
+    records: list[dict[str, Any]], kept: dict[str, float] | None = None
+) -> dict[str, float]:
     """pytest-split's durations ({nodeid: seconds}): each test's wall time in its own
-    process, start-up included (its last attempt; its duration where no wall time)."""
-    found = {}
+    process, start-up included (its last attempt; its duration where no wall time), over
+    ``kept`` (the file's entries so far: tests this run did not run keep theirs)."""
+    found = dict(kept or {})
     for nodeid, record in last_attempts(records).items():
         seconds = record.get("wall") if is_number(record.get("wall")) else record.get("duration")
         if is_number(seconds) and seconds >= 0:
             found[nodeid] = round(float(seconds), 3)
     return found
+
+
+def read_durations(path: str | os.PathLike[str]) -> dict[str, float]:
+    """The entries of a durations file that is there ({} where there is none yet); a file
+    that is not ``{nodeid: seconds}`` is a ``ReportError`` naming it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            found = json.load(f)
+    except FileNotFoundError:
+        return {}
+    except OSError as exc:
+        raise ReportError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    except (ValueError, UnicodeDecodeError) as exc:  # not JSON, not UTF-8
+        raise ReportError(f"{path}: not a durations file (not JSON: {exc})") from None
+    if isinstance(found, list) and all(
+        isinstance(e, list) and len(e) == 2 and isinstance(e[0], str) for e in found
+    ):
+        found = dict(found)  # pytest-split's format before 0.5: [[nodeid, seconds], ...]
+    if not isinstance(found, dict) or not all(
+        isinstance(k, str) and is_number(v) and math.isfinite(v) and v >= 0
+        for k, v in found.items()
+    ):
+        raise ReportError(f"{path}: not a durations file ({{nodeid: seconds}} expected)")
+    return {k: float(v) for k, v in found.items()}

@@ -257,3 +257,33 @@ def test_merge_writes_pytest_splits_durations_from_the_isolated_wall_times(tmp_p
         "t.py::test_old": 0.75,
     }
     assert "wrote the merged durations file (3 tests from 2 reports)" in capsys.readouterr().out
+
+
+def test_merge_updates_a_durations_file_keeping_the_tests_it_did_not_run(tmp_path: Path, capsys):
+    """As pytest-split's own --store-durations: a run of part of the suite (a deselected
+    folder, a test renamed away) leaves the other tests' entries as they were."""
+    path = tmp_path / ".test_durations"
+    path.write_text(json.dumps({"t.py::test_a": 1.0, "t.py::test_gone": 9.0}))
+    one = _report(tmp_path / "one.json", _record("t.py::test_a", wall=2.5))
+    assert main(["merge", one, "--durations", str(path)]) == 0
+    assert json.loads(path.read_text()) == {"t.py::test_a": 2.5, "t.py::test_gone": 9.0}
+
+
+@pytest.mark.parametrize(
+    ("content", "problem"),
+    [
+        ("{", "not a durations file (not JSON: "),
+        ('{"t.py::test_a": "slow"}', "not a durations file ({nodeid: seconds} expected)"),
+        ('["t.py::test_a"]', "not a durations file ({nodeid: seconds} expected)"),
+    ],
+)
+def test_a_durations_file_that_is_not_one_is_one_line_and_left_alone(
+    tmp_path: Path, capsys, content: str, problem: str
+) -> None:
+    path = tmp_path / ".test_durations"
+    path.write_text(content)
+    one = _report(tmp_path / "one.json", _record("t.py::test_a", wall=2.5))
+    assert main(["merge", one, "--durations", str(path), "--json", str(tmp_path / "m.json")]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"error: {path}: {problem}")
+    assert path.read_text() == content and not (tmp_path / "m.json").exists()

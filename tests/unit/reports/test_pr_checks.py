@@ -439,12 +439,12 @@ def test_a_bad_option_stops_the_session_in_one_line(gpuiso_spawn, args, problem)
 
 
 def _recipe() -> tuple[list[str], list[str]]:
-    """The CI recipe's workflow in docs/ci.md: its matrix's parts, and the ``pytest`` and
+    """The CI recipe's workflow in docs/ci.md: its matrix's groups, and the ``pytest`` and
     ``python -m pytest_gpuiso`` commands of its ``run:`` steps, continuation lines joined."""
     text = (ROOT / "docs" / "ci.md").read_text()
     workflow = text.split("## A CI recipe: GitHub Actions", 1)[1].split("```yaml\n", 1)[1]
     workflow = workflow.split("```", 1)[0]
-    parts = re.search(r"^\s+part: \[(.*)\]$", workflow, re.M).group(1).split(", ")
+    groups = re.search(r"^\s+group: \[(.*)\]$", workflow, re.M).group(1).split(", ")
     commands, lines = [], workflow.splitlines()
     for n, line in enumerate(lines):
         step = re.match(r"^(\s*)(?:- )?run: (.*)$", line)
@@ -458,26 +458,43 @@ def _recipe() -> tuple[list[str], list[str]]:
         for command in "\n".join(script).replace("\\\n", " ").splitlines():
             if command.startswith(("pytest ", "python -m pytest_gpuiso ")):
                 commands.append(command)
-    return parts, commands
+    return groups, commands
+
+
+SLOW = "import time\n\n\ndef test_model():\n    pass\n\n\ndef test_slow():\n    time.sleep(1.5)\n"
+
+
+def _split(ran: subprocess.CompletedProcess) -> float:
+    """The estimated duration pytest-split says its group has."""
+    found = re.search(
+        r"\[pytest-split\] Running group \d+/\d+ \(estimated duration: ([\d.]+)s\)", ran.stdout
+    )
+    assert found, ran.stdout
+    return float(found.group(1))
 
 
 @pytest.mark.installation
 def test_the_ci_recipes_commands_on_a_pull_request(tmp_path, monkeypatch):
     """The recipe's own commands, run as its workflow runs them: the base branch's shards
-    (its first run: an empty baseline, so its two leaks fail), merged, its leaks written as
-    the baseline; then the pull request's shards, merged and compared with the base's
-    report: the new leak fails its shard and the comparison (exit 1) and is its one
-    annotation, the known one fails nothing, the fixed one is listed."""
-    parts, commands = _recipe()
+    (its first run: no durations, so pytest-split splits by count; an empty baseline, so
+    its two leaks fail), merged, its durations and its leaks written; then the pull
+    request's shards, split by the durations the base's isolated runs measured, merged
+    and compared with the base's report: the new leak fails its shard and the comparison
+    (exit 1) and is its one annotation, the known one fails nothing, the fixed one is
+    listed."""
+    pytest.importorskip("pytest_split")
+    groups, commands = _recipe()
     shard, merge, compare = commands[0], commands[1], commands[2]
-    assert parts == ["unit", "models"] and len(commands) == 3
-    assert shard.startswith("pytest tests/${{ matrix.part }} ") and "--gpu-isolate " in shard
+    assert groups == ["1", "2"] and len(commands) == 3
+    split = "pytest tests --splits 2 --group ${{ matrix.group }} --durations-path .test_durations "
+    assert shard.startswith(split) and "--gpu-isolate " in shard
     assert merge.startswith("python -m pytest_gpuiso merge shard-*.json --json report.json")
+    assert merge.endswith(" --durations .test_durations")
     assert compare.startswith("python -m pytest_gpuiso compare base/report.json report.json")
     (tmp_path / "tests" / "unit").mkdir(parents=True)
     (tmp_path / "tests" / "models").mkdir()
     shutil.copy(program("test_pr_leaks.py"), tmp_path / "tests" / "unit")
-    (tmp_path / "tests" / "models" / "test_model.py").write_text("def test_model():\n    pass\n")
+    (tmp_path / "tests" / "models" / "test_model.py").write_text(SLOW)
     (tmp_path / "known-leaks.json").write_text(
         json.dumps({"format": baseline.FORMAT, "version": 1, "leaks": []})
     )
@@ -486,7 +503,8 @@ def test_the_ci_recipes_commands_on_a_pull_request(tmp_path, monkeypatch):
         **os.environ,
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
         "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
-        "PYTEST_ADDOPTS": "-p gpuiso -p xdist -p no:cacheprovider --gpu-isolate-preload=none",
+        "PYTEST_ADDOPTS": "-p gpuiso -p xdist -p pytest_split.plugin -p no:cacheprovider "
+        "--gpu-isolate-preload=none",
         # -n auto is a worker per GPU slot; on this machine without GPUs, none (xdist's
         # knob): the annotations' xdist path is the pull request test's above
         "PYTEST_XDIST_AUTO_NUM_WORKERS": "0",
@@ -509,14 +527,25 @@ def test_the_ci_recipes_commands_on_a_pull_request(tmp_path, monkeypatch):
             leaked.unlink()
         return ran
 
-    def shards(side: str, *parts: str) -> list[int]:
-        ran = [run(shard.replace("${{ matrix.part }}", part), side) for part in parts]
-        for each in ran:  # --gpu-isolate-annotations=off, on GitHub Actions
-            assert not [line for line in each.stdout.splitlines() if line.startswith("::")]
-        return [each.returncode for each in ran]
+    def shards(side: str) -> dict[str, tuple[int, float, list[str]]]:
+        """Each group's exit status, pytest-split's estimate and the tests it ran."""
+        found = {}
+        for group in groups:
+            ran = run(shard.replace("${{ matrix.group }}", group), side)
+            assert not [line for line in ran.stdout.splitlines() if line.startswith("::")]
+            tests = json.loads((tmp_path / f"shard-{group}.json").read_text())["tests"]
+            found[group] = (ran.returncode, _split(ran), [t["nodeid"] for t in tests])
+        ran_tests = sorted(t for _, _, tests in found.values() for t in tests)
+        assert len(ran_tests) == 5 and len(set(ran_tests)) == 5  # each test once
+        return found
 
-    assert shards("base", *parts) == [1, 0]  # its first run: both of its leaks fail tests/unit
+    (tmp_path / ".test_durations").write_text("{}")  # the recipe's first run: none yet
+    base = shards("base")
+    assert sorted(code for code, _, _ in base.values()) in ([0, 1], [1, 1])  # its two leaks
     assert run(merge, "base").returncode == 0
+    durations = json.loads((tmp_path / ".test_durations").read_text())
+    assert sorted(durations) == sorted(t for _, _, tests in base.values() for t in tests)
+    assert durations["tests/models/test_model.py::test_slow"] >= 1.5  # its process's wall time
     written = run(
         "python -m pytest_gpuiso compare --write-baseline known-leaks.json report.json", "base"
     )
@@ -524,18 +553,20 @@ def test_the_ci_recipes_commands_on_a_pull_request(tmp_path, monkeypatch):
     (tmp_path / "base").mkdir()
     (tmp_path / "report.json").rename(tmp_path / "base" / "report.json")  # the artifact
 
-    # The pull request changes tests/unit alone: tests/models' shard report stays as it was
-    # (running it again would take time and change nothing).
-    assert shards("head", "unit") == [1]  # the new leak fails its shard; the known one not
-    unit = json.loads((tmp_path / "shard-unit.json").read_text())
-    assert {t["nodeid"]: t["outcome"] for t in unit["tests"]} == {
-        "tests/unit/test_pr_leaks.py::test_known": "passed",
-        "tests/unit/test_pr_leaks.py::test_fixed": "passed",
-        "tests/unit/test_pr_leaks.py::test_new": "error",
-    }
-    assert unit["baseline"]["fixed"] == [
-        {"nodeid": "tests/unit/test_pr_leaks.py::test_fixed", "kind": "shm"}
-    ]
+    # The pull request's run splits by the durations the base's isolated runs measured:
+    # each group's estimate is what the file says of its tests, and the groups differ by
+    # no more than one test's time (least duration first).
+    head = shards("head")
+    for _code, estimate, tests in head.values():
+        assert estimate == pytest.approx(sum(durations[t] for t in tests), abs=0.011)
+    one, two = (estimate for _, estimate, _ in head.values())
+    assert abs(one - two) <= max(durations.values()) + 0.011
+    [leaking] = [g for g, (_, _, tests) in head.items() if any("test_new" in t for t in tests)]
+    assert head[leaking][0] == 1  # the new leak fails its shard; the known one not
+    unit = json.loads((tmp_path / f"shard-{leaking}.json").read_text())
+    assert {t["nodeid"]: t["outcome"] for t in unit["tests"]}[
+        "tests/unit/test_pr_leaks.py::test_new"
+    ] == "error"
     assert run(merge, "head").returncode == 0
     compared = run(compare, "head")
     assert compared.returncode == 1, compared.stderr
@@ -547,14 +578,14 @@ def test_the_ci_recipes_commands_on_a_pull_request(tmp_path, monkeypatch):
     assert out[0].startswith(new)
     assert out[1:3] == [
         "FIXED  tests/unit/test_pr_leaks.py::test_fixed: leak shm",
-        "compared 4 tests: 1 new, 1 fixed",
+        "compared 5 tests: 1 new, 1 fixed",
     ]
     [annotation] = [line for line in out if line.startswith("::")]
     where = f"file=tests/unit/test_pr_leaks.py,line={_line('test_new')}"
     assert annotation.startswith(f"::error {where},title=pytest-gpuiso%3A new against the base")
     step = (tmp_path / "step-summary.md").read_text()
     # each session's summary (a step of its own in the workflow) and the two merges'
-    assert step.splitlines().count("## pytest-gpuiso") == 5
+    assert step.splitlines().count("## pytest-gpuiso") == 6
     assert "## pytest-gpuiso: against the base" in step and "### New" in step
     assert "### New" in (tmp_path / "compare.md").read_text()
 
