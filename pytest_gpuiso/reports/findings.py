@@ -5,9 +5,11 @@ each test's last attempt: once per test, however many workers or attempts) or fr
 comparison with the base branch (what is new), is written out as
 
 * GitHub Actions workflow commands (``::error file=F,line=L,title=T::message``) on the
-  step's output, which GitHub shows at the test's line in the pull request; at most
-  ``PER_LEVEL`` of each level, as GitHub shows no more per step (the rest summarised in
-  one annotation naming them);
+  step's output, which GitHub shows at the test's line in the pull request. GitHub shows
+  ``PER_LEVEL`` of each level a step and ``PER_JOB`` a job and drops the rest silently,
+  so they are chosen on purpose: new findings before known ones (the baseline's notices),
+  tests in the files the pull request changed first (``changed_files``), errors before
+  warnings; what does not fit is counted in one last "N more not shown" notice;
 * a GitLab Code Quality report (JSON), which a merge request shows in its widget.
 
 Each workflow command is a line of its own that needs no earlier line, with one limit:
@@ -22,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +35,9 @@ from .report import bound
 GITHUB_ENV = "GITHUB_ACTIONS"  # "true" on GitHub Actions' runners
 WORKSPACE_ENV = "GITHUB_WORKSPACE"  # the checkout, which annotation paths are relative to
 PER_LEVEL = 10  # annotations of one level GitHub shows for a step
+PER_JOB = 50  # annotations GitHub shows for a job, all its steps together
+BASE_REF_ENV = "GITHUB_BASE_REF"  # a pull request's base branch, on its workflow runs
+GIT_TIMEOUT = 10.0  # seconds git may take to name the changed files
 LEVELS = ("error", "warning", "notice")
 SEVERITY = {"error": "major", "warning": "minor", "notice": "info"}  # Code Quality's
 LEAKED = {  # what a test left behind: one, and {n} of them
@@ -171,27 +177,85 @@ def _command(finding: Finding) -> str:
     return f"::{finding.level} {','.join(props)}::{_data(finding.message)}"
 
 
-def github(findings: list[Finding]) -> list[str]:
-    """The workflow commands, errors first; past ``PER_LEVEL`` of a level, the last one
-    shown names the rest (GitHub drops what a step annotates beyond that)."""
-    lines = []
-    for level in LEVELS:
-        mine = [f for f in findings if f.level == level]
-        shown = mine if len(mine) <= PER_LEVEL else mine[: PER_LEVEL - 1]
-        lines += [_command(f) for f in shown]
-        rest = mine[len(shown) :]
-        if rest:
-            tests = sorted({f.nodeid for f in rest})
-            names = ", ".join(tests[:20]) + (
-                f" and {len(tests) - 20} more" if len(tests) > 20 else ""
-            )
-            title = f"pytest-gpuiso: {len(rest)} more {level}s"
-            message = (
-                f"{len(rest)} more findings of level {level} (GitHub shows {PER_LEVEL} a step), "
-                f"in {names}; all are in the log's gpu-isolate summary and the reports."
-            )
-            lines.append(f"::{level} title={_property(title)}::{_data(message)}")
+def changed_files() -> frozenset[str]:
+    """The files a pull request changed, relative to the checkout (as ``locate`` names
+    them), on a pull request's workflow run (``GITHUB_BASE_REF``): against the base
+    branch's merge base (``origin/BASE...HEAD``), else, where HEAD is GitHub's merge
+    commit of the pull request (a shallow checkout), against its first parent; empty
+    where git cannot tell (no git, no repository, the base not fetched)."""
+    base = os.environ.get(BASE_REF_ENV)
+    if not base:
+        return frozenset()
+    top = next((os.environ[name] for name in CHECKOUT_ENVS if os.environ.get(name)), None)
+    said = _git(top, "diff", "-z", "--name-only", "--relative", f"origin/{base}...HEAD", "--")
+    if said is None and _git(top, "rev-parse", "-q", "--verify", "HEAD^2") is not None:
+        said = _git(top, "diff", "-z", "--name-only", "--relative", "HEAD^1", "HEAD", "--")
+    return frozenset(os.fsdecode(p) for p in (said or b"").split(b"\0") if p)
+
+
+def _git(where: str | None, *args: str) -> bytes | None:
+    """What ``git ARGS`` printed in ``where``; None where it failed or could not run."""
+    try:
+        ran = subprocess.run(
+            ["git", *args],
+            cwd=where,
+            capture_output=True,
+            timeout=GIT_TIMEOUT,
+            stdin=subprocess.DEVNULL,
+        )
+    except (OSError, subprocess.SubprocessError):  # no git, a hung one, no such folder
+        return None
+    return ran.stdout if ran.returncode == 0 else None
+
+
+def _first(finding: Finding, changed: frozenset[str]) -> tuple[bool, bool, int]:
+    """The order annotations are chosen in: new before known, the pull request's files
+    first, then by level."""
+    known = finding.level == "notice"  # a leak the baseline knows
+    return known, finding.file not in changed, LEVELS.index(finding.level)
+
+
+def github(findings: list[Finding], changed: frozenset[str] = frozenset()) -> list[str]:
+    """The workflow commands of the findings GitHub will show (``_first`` chooses them,
+    ``changed``: the pull request's files), and where some do not fit, a last notice
+    saying how many more there are and in which tests."""
+    ordered = sorted(findings, key=lambda f: _first(f, changed))  # stable: report order
+    shown = _fit(ordered, PER_LEVEL, PER_JOB)
+    if len(shown) < len(ordered):  # room for the notice that says so
+        shown = _fit(ordered, PER_LEVEL, PER_JOB - 1, notices=PER_LEVEL - 1)
+    lines = [_command(f) for f in shown]
+    chosen = set(map(id, shown))
+    rest = [f for f in ordered if id(f) not in chosen]
+    if rest:
+        counts = ", ".join(
+            f"{n} {level}{'s' if n != 1 else ''}"
+            for level in LEVELS
+            if (n := sum(f.level == level for f in rest))
+        )
+        tests = list(dict.fromkeys(f.nodeid for f in rest))
+        names = ", ".join(tests[:20]) + (f" and {len(tests) - 20} more" if len(tests) > 20 else "")
+        title = f"pytest-gpuiso: {len(rest)} more not shown"
+        message = (
+            f"{len(rest)} more findings not shown ({counts}; GitHub shows {PER_LEVEL} "
+            f"annotations of each level a step, {PER_JOB} a job), in {names}; all are in "
+            "the log's gpu-isolate summary and the reports."
+        )
+        lines.append(f"::notice title={_property(title)}::{_data(message)}")
     return lines
+
+
+def _fit(
+    ordered: list[Finding], per_level: int, total: int, notices: int = PER_LEVEL
+) -> list[Finding]:
+    """The first findings of ``ordered`` that fit: ``per_level`` of errors and warnings,
+    ``notices`` notices, ``total`` in all."""
+    room = {level: per_level for level in LEVELS} | {"notice": notices}
+    shown = []
+    for finding in ordered:
+        if len(shown) < total and room[finding.level] > 0:
+            room[finding.level] -= 1
+            shown.append(finding)
+    return shown
 
 
 def code_quality(findings: list[Finding]) -> str:

@@ -157,18 +157,74 @@ def test_a_tests_leaks_of_one_kind_are_one_annotation():
     assert len({i["fingerprint"] for i in issues}) == 2
 
 
-def test_past_githubs_limit_the_last_annotation_of_a_level_names_the_rest():
+def test_past_githubs_limit_one_last_notice_counts_the_rest_and_names_their_tests():
     records = [_record(f"t.py::test_{n:02}", [_leak(level="fail")]) for n in range(12)]
     records.append(_record("t.py::test_warned", [_leak(level="warn")]))
     lines = findings.github(findings.of_records(records))
     errors = [line for line in lines if line.startswith("::error")]
-    assert len(errors) == findings.PER_LEVEL
-    assert all("file=t.py" in line for line in errors[:9])
-    assert errors[9].startswith("::error title=pytest-gpuiso%3A 3 more errors::")
-    assert "in t.py::test_09, t.py::test_10, t.py::test_11;" in errors[9]
-    assert [line for line in lines if line.startswith("::warning")] == [
-        lines[-1]
-    ] and "test_warned" in lines[-1]
+    assert errors == [line for line in lines[: findings.PER_LEVEL]]
+    assert all(f"test_{n:02}" in line for n, line in enumerate(errors))
+    assert lines[findings.PER_LEVEL].startswith("::warning file=t.py,")
+    assert len(lines) == findings.PER_LEVEL + 2
+    notice = lines[-1]
+    assert notice.startswith("::notice title=pytest-gpuiso%3A 2 more not shown::2 more findings")
+    assert "(2 errors; GitHub shows 10 annotations of each level a step, 50 a job)" in notice
+    assert "in t.py::test_10, t.py::test_11;" in notice
+
+
+def test_new_findings_and_the_pull_requests_files_come_first():
+    """New (errors, warnings) before known (the baseline's notices); among each, tests in
+    the files the pull request changed; past ten notices, the ninth is the last shown so
+    that the notice counting the rest is seen."""
+    known = [_record(f"a.py::test_k{n:02}", [_leak(level="known")]) for n in range(12)]
+    warned = [_record(f"a.py::test_w{n}", [_leak(level="warn")]) for n in range(2)]
+    changed = [_record("b.py::test_c", [_leak(level="warn")])]
+    lines = findings.github(findings.of_records(known + warned + changed), frozenset({"b.py"}))
+    assert [line.split(",")[0] for line in lines[:3]] == [
+        "::warning file=b.py",
+        "::warning file=a.py",
+        "::warning file=a.py",
+    ]
+    notices = [line for line in lines if line.startswith("::notice file=")]
+    assert len(notices) == findings.PER_LEVEL - 1 and "test_k00" in notices[0]
+    assert lines[-1].startswith("::notice title=pytest-gpuiso%3A 3 more not shown::")
+    assert "(3 notices;" in lines[-1]
+    # Nothing past the limits: every finding, and no notice about the rest.
+    assert len(findings.github(findings.of_records(warned + changed))) == 3
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_the_changed_files_of_githubs_merge_commit_in_a_shallow_checkout(tmp_path, monkeypatch):
+    """Without origin/BASE (actions/checkout fetches the merge commit alone), the merge
+    commit's first parent is the base; outside a pull request's run, or where git cannot
+    tell (not a repository), no file is changed."""
+
+    def git(*args):
+        subprocess.run(
+            ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+            cwd=tmp_path,
+            check=True,
+            capture_output=True,
+        )
+
+    monkeypatch.setenv(findings.WORKSPACE_ENV, str(tmp_path))
+    monkeypatch.setenv(findings.BASE_REF_ENV, "main")
+    assert findings.changed_files() == frozenset()  # not a repository
+    (tmp_path / "kept.py").write_text("")
+    git("init", "-q", "-b", "main")
+    git("add", "kept.py")
+    git("commit", "-qm", "base")
+    git("checkout", "-qb", "pr")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "t é.py").write_text("")
+    git("add", "sub")
+    git("commit", "-qm", "pr")
+    git("checkout", "-q", "main")
+    assert findings.changed_files() == frozenset()  # HEAD is no merge commit
+    git("merge", "-q", "--no-ff", "-m", "merge", "pr")
+    assert findings.changed_files() == frozenset({"sub/t é.py"})
+    monkeypatch.delenv(findings.BASE_REF_ENV)
+    assert findings.changed_files() == frozenset()
 
 
 def test_annotations_are_wanted_on_github_only_unless_asked(monkeypatch):
