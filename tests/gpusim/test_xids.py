@@ -1,0 +1,124 @@
+"""Xids on the simulated GPU, judged by NVIDIA's Xid catalog after every test that held a
+GPU (fixtures/programs/gpusim/sim_health.py injects them): an application's fails the
+test alone, a corrected error is noted, one that needs a reset quarantines the GPU with
+the catalog's action said everywhere; a GPU that could not be probed is said to be so."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPORT, GpuIso, program
+
+pytestmark = [pytest.mark.installation, pytest.mark.versions]
+
+MOD = "sim_health.py"
+RESET = "reset the GPU (nvidia-smi -r as root, with no process on it)"
+
+
+def _run(gpuiso: GpuIso, *tests: str) -> pytest.RunResult:
+    (gpuiso.path / MOD).write_text(program(MOD).read_text())
+    names = [f"{MOD}::{name}" for name in tests]
+    return gpuiso.run(REPORT, "-p", "no:randomly", "--gpu-isolate-summary=summary.md", *names)
+
+
+def _quarantined() -> list[str]:
+    """The QUARANTINED rows of ``python -m pytest_gpuiso status``."""
+    status = subprocess.run(
+        [sys.executable, "-m", "pytest_gpuiso", "status"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd="/",  # not a source tree, which would shadow the installed package
+    )
+    assert status.returncode == 0, status.stderr
+    return [line for line in status.stdout.splitlines() if "QUARANTINED" in line]
+
+
+@pytest.fixture
+def gpuiso(gpuiso_spawn: GpuIso, sim: Path, monkeypatch: pytest.MonkeyPatch) -> GpuIso:
+    """Sessions over one simulated GPU (GPU 0)."""
+    monkeypatch.setenv("GPUISO_HEALTH_LOG", str(gpuiso_spawn.path / "gpus.log"))
+    monkeypatch.setenv("GPUISO_SIM_GPUS", "Sim H100,81559")
+    return gpuiso_spawn
+
+
+def test_an_application_xid_fails_its_test_and_leaves_the_gpu_in_service(gpuiso: GpuIso) -> None:
+    tests = ("test_application_xid", "test_application_xid_and_failure", "test_ignored_xid")
+    result = _run(gpuiso, *tests)
+    result.assert_outcomes(passed=1, failed=2)
+    said = "Xid {} ({}) on GPU 0 during the test: NVIDIA's Xid catalog says restart the application"
+    result.stdout.fnmatch_lines(
+        [
+            "*gpu-isolate: " + said.format(13, "graphics engine exception") + "*",
+            "*RuntimeError: CUDA error: an illegal memory access*",  # its own failure stays
+            "*gpu-isolate Xids*",
+            said.format(31, "GPU memory page fault") + "*",
+        ]
+    )
+    records = gpuiso.records()
+    passed = records[f"{MOD}::test_application_xid"]
+    assert passed["outcome"] == "failed"
+    assert passed["gpu_health"] == {
+        "devices": ["0"],
+        "quarantined": {},
+        "xids": [
+            {
+                "device": "0",
+                "xid": 13,
+                "name": "graphics engine exception",
+                "class": "application",
+                "action": "restart the application: the test's code or kernel is at fault, "
+                "not the GPU",
+                "fails_test": True,
+            }
+        ],
+    }
+    own = records[f"{MOD}::test_application_xid_and_failure"]["gpu_health"]
+    assert own["quarantined"] == {} and own["probed"].startswith("a sticky CUDA error")
+    [ignored] = records[f"{MOD}::test_ignored_xid"]["gpu_health"]["xids"]
+    assert (ignored["xid"], ignored["class"], ignored["fails_test"]) == (92, "ignore", False)
+    assert "QUARANTINED" not in result.stdout.str()
+    assert _quarantined() == []
+
+
+def test_an_xid_that_needs_a_reset_quarantines_the_gpu_saying_so(gpuiso: GpuIso) -> None:
+    result = _run(gpuiso, "test_reset_xid")
+    result.assert_outcomes(passed=1)  # the test did nothing wrong: its GPU did
+    test = f"{MOD}::test_reset_xid"
+    failed = f"Xid 48 (double-bit ECC error): {RESET}"
+    checked = gpuiso.records()[test]["gpu_health"]
+    assert checked["probed"] == "an Xid during it"
+    assert checked["quarantined"] == {"0": failed}
+    assert [(x["xid"], x["class"], x["action"]) for x in checked["xids"]] == [(48, "reset", RESET)]
+    result.stdout.fnmatch_lines([f"*QUARANTINED GPU 0 after {test}: {failed}"])
+    summary = (gpuiso.path / "summary.md").read_text()
+    assert "### GPU health" in summary and failed in summary
+    [row] = _quarantined()
+    assert row.split()[0] == "0" and "Xid 48 (double-bit ECC error)" in row
+
+
+def test_a_gpu_the_cuda_driver_cannot_probe_could_not_be_assessed(
+    gpuiso: GpuIso, gpusim_libs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NVML but no CUDA driver: the GPU a crashed test held is neither healthy nor
+    quarantined, and every report says it could not be assessed and why."""
+    only_nvml = tmp_path / "only-nvml"
+    only_nvml.mkdir()
+    (only_nvml / "libnvidia-ml.so.1").symlink_to(gpusim_libs / "libnvidia-ml.so.1")
+    monkeypatch.setenv("LD_LIBRARY_PATH", str(only_nvml))
+    result = _run(gpuiso, "test_crash")
+    result.assert_outcomes(failed=1)
+    test = f"{MOD}::test_crash"
+    checked = gpuiso.records()[test]["gpu_health"]
+    assert checked["probed"] == "it crashed with SIGABRT" and checked["quarantined"] == {}
+    [why] = checked["unassessed"].values()
+    assert list(checked["unassessed"]) == ["0"]
+    assert why.startswith("the CUDA driver cannot be loaded: libcuda.so.1")
+    result.stdout.fnmatch_lines([f"gpu-isolate: GPU 0 could not be assessed after {test} (*"])
+    summary = (gpuiso.path / "summary.md").read_text()
+    assert "Could not be assessed" in summary and "libcuda.so.1" in summary
+    assert _quarantined() == []
