@@ -19,10 +19,11 @@ MOD = "sim_health.py"
 RESET = "reset the GPU (nvidia-smi -r as root, with no process on it)"
 
 
-def _run(gpuiso: GpuIso, *tests: str) -> pytest.RunResult:
+def _run(gpuiso: GpuIso, *tests: str, options: tuple[str, ...] = ()) -> pytest.RunResult:
     (gpuiso.path / MOD).write_text(program(MOD).read_text())
     names = [f"{MOD}::{name}" for name in tests]
-    return gpuiso.run(REPORT, "-p", "no:randomly", "--gpu-isolate-summary=summary.md", *names)
+    summary = "--gpu-isolate-summary=summary.md"
+    return gpuiso.run(REPORT, "-p", "no:randomly", summary, *options, *names)
 
 
 def _quarantined() -> list[str]:
@@ -85,6 +86,15 @@ def test_an_application_xid_fails_its_test_and_leaves_the_gpu_in_service(gpuiso:
     assert _quarantined() == []
 
 
+def test_an_application_xid_on_a_shared_gpu_is_only_noted(gpuiso: GpuIso) -> None:
+    """Two slots on the GPU: the Xid may be the other test's, so it fails neither."""
+    result = _run(gpuiso, "test_application_xid", options=("--gpu-isolate-slots=2",))
+    result.assert_outcomes(passed=1)
+    [xid] = gpuiso.records()[f"{MOD}::test_application_xid"]["gpu_health"]["xids"]
+    assert (xid["xid"], xid["class"], xid["fails_test"]) == (13, "application", False)
+    assert _quarantined() == []
+
+
 def test_an_xid_that_needs_a_reset_quarantines_the_gpu_saying_so(gpuiso: GpuIso) -> None:
     result = _run(gpuiso, "test_reset_xid")
     result.assert_outcomes(passed=1)  # the test did nothing wrong: its GPU did
@@ -101,24 +111,36 @@ def test_an_xid_that_needs_a_reset_quarantines_the_gpu_saying_so(gpuiso: GpuIso)
     assert row.split()[0] == "0" and "Xid 48 (double-bit ECC error)" in row
 
 
-def test_a_gpu_the_cuda_driver_cannot_probe_could_not_be_assessed(
-    gpuiso: GpuIso, gpusim_libs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("kept", "said"),
+    [
+        ("libnvidia-ml.so.1", "the CUDA driver cannot be loaded: libcuda.so.1"),
+        ("libcuda.so.1", "NVML: "),
+    ],
+    ids=["no-cuda-driver", "no-nvml"],
+)
+def test_a_gpu_the_probe_cannot_run_on_could_not_be_assessed(
+    gpuiso: GpuIso,
+    gpusim_libs: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    kept: str,
+    said: str,
 ) -> None:
-    """NVML but no CUDA driver: the GPU a crashed test held is neither healthy nor
-    quarantined, and every report says it could not be assessed and why."""
-    only_nvml = tmp_path / "only-nvml"
-    only_nvml.mkdir()
-    (only_nvml / "libnvidia-ml.so.1").symlink_to(gpusim_libs / "libnvidia-ml.so.1")
-    monkeypatch.setenv("LD_LIBRARY_PATH", str(only_nvml))
-    result = _run(gpuiso, "test_crash")
+    """Only one of NVML and the CUDA driver: the GPU a crashed test held is neither
+    healthy nor quarantined, and every report says it could not be assessed and why."""
+    only = tmp_path / "only"
+    only.mkdir()
+    (only / kept).symlink_to(gpusim_libs / kept)
+    monkeypatch.setenv("LD_LIBRARY_PATH", str(only))
+    result = _run(gpuiso, "test_crash", options=("--gpu-isolate-devices=0:80GiB",))
     result.assert_outcomes(failed=1)
     test = f"{MOD}::test_crash"
     checked = gpuiso.records()[test]["gpu_health"]
     assert checked["probed"] == "it crashed with SIGABRT" and checked["quarantined"] == {}
-    [why] = checked["unassessed"].values()
     assert list(checked["unassessed"]) == ["0"]
-    assert why.startswith("the CUDA driver cannot be loaded: libcuda.so.1")
+    assert checked["unassessed"]["0"].startswith(said)
     result.stdout.fnmatch_lines([f"gpu-isolate: GPU 0 could not be assessed after {test} (*"])
     summary = (gpuiso.path / "summary.md").read_text()
-    assert "Could not be assessed" in summary and "libcuda.so.1" in summary
+    assert "Could not be assessed" in summary and said in summary
     assert _quarantined() == []
