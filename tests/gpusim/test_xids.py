@@ -26,17 +26,29 @@ def _run(gpuiso: GpuIso, *tests: str, options: tuple[str, ...] = ()) -> pytest.R
     return gpuiso.run(REPORT, "-p", "no:randomly", summary, *options, *names)
 
 
-def _quarantined() -> list[str]:
-    """The QUARANTINED rows of ``python -m pytest_gpuiso status``."""
-    status = subprocess.run(
-        [sys.executable, "-m", "pytest_gpuiso", "status"],
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "pytest_gpuiso", *args],
         capture_output=True,
         text=True,
         timeout=120,
         cwd="/",  # not a source tree, which would shadow the installed package
     )
+
+
+def _quarantined() -> list[str]:
+    """The QUARANTINED rows of ``python -m pytest_gpuiso status``."""
+    status = _cli("status")
     assert status.returncode == 0, status.stderr
     return [line for line in status.stdout.splitlines() if "QUARANTINED" in line]
+
+
+def _only(library: str, gpusim_libs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Of the simulator's NVML and CUDA driver, only ``library`` can be loaded."""
+    only = tmp_path / "only"
+    only.mkdir()
+    (only / library).symlink_to(gpusim_libs / library)
+    monkeypatch.setenv("LD_LIBRARY_PATH", str(only))
 
 
 @pytest.fixture
@@ -129,10 +141,7 @@ def test_a_gpu_the_probe_cannot_run_on_could_not_be_assessed(
 ) -> None:
     """Only one of NVML and the CUDA driver: the GPU a crashed test held is neither
     healthy nor quarantined, and every report says it could not be assessed and why."""
-    only = tmp_path / "only"
-    only.mkdir()
-    (only / kept).symlink_to(gpusim_libs / kept)
-    monkeypatch.setenv("LD_LIBRARY_PATH", str(only))
+    _only(kept, gpusim_libs, tmp_path, monkeypatch)
     result = _run(gpuiso, "test_crash", options=("--gpu-isolate-devices=0:80GiB",))
     result.assert_outcomes(failed=1)
     test = f"{MOD}::test_crash"
@@ -144,3 +153,26 @@ def test_a_gpu_the_probe_cannot_run_on_could_not_be_assessed(
     summary = (gpuiso.path / "summary.md").read_text()
     assert "Could not be assessed" in summary and said in summary
     assert _quarantined() == []
+
+
+def test_reset_does_not_lift_a_quarantine_on_a_probe_that_could_not_run(
+    sim: Path,
+    lease_region: Path,
+    gpusim_libs: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from pytest_gpuiso.gpu.devices import Devices
+    from pytest_gpuiso.gpu.leases import Leases
+
+    leases = Leases(Devices(("0",), "test"), 1, path=str(lease_region))
+    leases.release(leases.acquire(1, "t::a", 5.0))
+    leases.quarantine("0", "after t::a (an Xid during it): Xid 48 (double-bit ECC error)")
+    _only("libnvidia-ml.so.1", gpusim_libs, tmp_path, monkeypatch)
+    refused = _cli("reset", "--device", "0")
+    assert refused.returncode == 1
+    assert "GPU 0 could not be assessed (the CUDA driver cannot be loaded" in refused.stderr
+    assert "left quarantined (--force lifts it anyway)" in refused.stderr
+    assert set(leases.quarantined()) == {"0"}
+    assert _cli("reset", "--device", "0", "--force").returncode == 0
+    assert leases.quarantined() == {}
