@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import REPORT, GpuIso, program
+from tests.helpers import command as _cli
 from tests.helpers.lease_table import wait_until
 
 pytestmark = [pytest.mark.installation, pytest.mark.versions]
@@ -41,16 +42,6 @@ def _gpus(log: Path) -> dict[str, set[str]]:
         name, gpu = line.split()
         found.setdefault(name, set()).add(gpu)
     return found
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "pytest_gpuiso", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd="/",  # not a source tree, which would shadow the installed package
-    )
 
 
 def _repair(gpu: str) -> None:

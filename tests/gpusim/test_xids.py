@@ -5,13 +5,12 @@ the catalog's action said everywhere; a GPU that could not be probed is said to 
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import REPORT, GpuIso, program
+from tests.helpers import command as _cli
 
 pytestmark = [pytest.mark.installation, pytest.mark.versions]
 
@@ -24,16 +23,6 @@ def _run(gpuiso: GpuIso, *tests: str, options: tuple[str, ...] = ()) -> pytest.R
     names = [f"{MOD}::{name}" for name in tests]
     summary = "--gpu-isolate-summary=summary.md"
     return gpuiso.run(REPORT, "-p", "no:randomly", summary, *options, *names)
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "pytest_gpuiso", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd="/",  # not a source tree, which would shadow the installed package
-    )
 
 
 def _quarantined() -> list[str]:
