@@ -2,7 +2,7 @@
 
 Runs in pytest's process (``gpu_probe`` also as its own, short-lived process). Owns the
 lease table (``leases``: who holds which GPU, memory and port, shared by every session of
-the user), GPU health and quarantine (``health``, ``gpu_probe``), NVML (``nvml``) and
-ROCm (``rocm``), pinned xdist workers (``pinning``, ``workers``) and ``MASTER_PORT``
-leases (``ports``). Never imports ``parent`` or ``child``.
+the user), GPU health and quarantine (``health``, ``gpu_probe``, ``xids``: NVIDIA's Xid
+catalog), NVML (``nvml``) and ROCm (``rocm``), pinned xdist workers (``pinning``,
+``workers``) and ``MASTER_PORT`` leases (``ports``). Never imports ``parent`` or ``child``.
 """

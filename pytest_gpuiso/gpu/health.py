@@ -3,23 +3,27 @@
 A fresh process per test cures a poisoned CUDA context, not a poisoned device: an
 illegal memory access that left the GPU in an error state, an Xid 79 (fallen off the
 bus), an uncorrectable ECC error, a kernel that keeps running after its process died.
-After an isolated test that held GPUs crashed (a signal), timed out, or failed with a
-sticky CUDA error (``why_probe``), each of its GPUs is probed while its lease is still
-held (``checkup``):
+After every isolated test that held GPUs, the Xids each GPU raised since its lease are
+judged by NVIDIA's catalog (``xids``, a 0 ms NVML event wait): an application's fails
+the test (on a GPU no other test shared), one that needs a reset, a reboot or service
+quarantines the GPU. After a test that crashed (a signal), timed out, or failed with a
+sticky CUDA error (``why_probe``), each of its GPUs is also probed while its lease is
+still held (``checkup``):
 
-1. NVML (``nvml.NvmlReader.problems``, a few ms): the device answers, no Xid critical
-   error since the lease, no pages waiting to be retired, no new uncorrectable ECC
+1. NVML (``nvml.NvmlReader.problems``, a few ms): the device answers, no Xid that puts
+   it in doubt since the lease, no pages waiting to be retired, no new uncorrectable ECC
    error; and the GPU memory leak check (when on) found neither the test's process
    still on it nor its memory still in use (a holder that is not the test's, another
    user's job, is only noted: it says nothing of the GPU, ``leaks.gpu_memory.of_test``);
 2. when that passes, the CUDA driver in a fresh process (``gpu_probe``: a context, an
    allocation, a synchronise), bounded by ``PROBE_TIMEOUT``.
 
-A GPU that fails is quarantined in the lease table (``leases.Leases.quarantine``): no
-session of the user leases it until ``python -m pytest_gpuiso reset --device N``
-re-probes it and lifts it, or the session itself does every ``--gpu-isolate-reprobe``
-seconds. With ``--gpu-isolate-health=always`` the NVML part also runs on every lease
-(``Health.lease``).
+A GPU a part could not run on (no NVML, no CUDA driver) is "not assessed": neither
+healthy nor quarantined, and said so. A GPU that fails is quarantined in the lease
+table (``leases.Leases.quarantine``): no session of the user leases it until ``python -m
+pytest_gpuiso reset --device N`` re-probes it and lifts it, or the session itself does
+every ``--gpu-isolate-reprobe`` seconds. With ``--gpu-isolate-health=always`` the NVML
+part also runs on every lease (``Health.lease``).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from typing import Any, Protocol
 
 from ..leaks import Leak
 from ..values import GpuMemory
-from . import rocm
+from . import rocm, xids
 from .gpu_probe import FULL, NO_DRIVER
 from .leases import LABEL_LEN, Lease, LeaseError, Leases
 from .nvml import NvmlReader
@@ -95,12 +99,19 @@ def _failure(report: dict[str, Any]) -> str:
 
 
 def driver_probe(env: dict[str, str], timeout: float = PROBE_TIMEOUT) -> str | None:
+    """What the driver part (``driver_check``) found failed, or None."""
+    return driver_check(env, timeout)[0]
+
+
+def driver_check(
+    env: dict[str, str], timeout: float = PROBE_TIMEOUT
+) -> tuple[str | None, str | None]:
     """The driver part (``gpu_probe``) in a fresh process with ``env`` (the one GPU made
-    visible); what failed, or None (also where it cannot tell: no CUDA driver, no process
-    to be had; and where the GPU only had no memory to give: full, of someone else's
-    memory perhaps, is not broken). A probe stuck in the driver past ``timeout`` is killed
-    and, if even that does not end it (a process in the kernel's uninterruptible sleep),
-    left behind."""
+    visible): (what failed, why it could not tell), each None when there is nothing to
+    say. It cannot tell without a CUDA driver or a process to be had; a GPU that only
+    had no memory to give (full, of someone else's memory perhaps) is not broken. A probe
+    stuck in the driver past ``timeout`` is killed and, if even that does not end it (a
+    process in the kernel's uninterruptible sleep), left behind."""
     try:
         proc = subprocess.Popen(
             [sys.executable, "-m", "pytest_gpuiso.gpu.gpu_probe"],
@@ -110,19 +121,21 @@ def driver_probe(env: dict[str, str], timeout: float = PROBE_TIMEOUT) -> str | N
             stderr=subprocess.STDOUT,
             text=True,
         )
-    except OSError:  # out of processes: that says nothing of the GPU
-        return None
+    except OSError as exc:  # out of processes: that says nothing of the GPU
+        return None, f"no process for the CUDA driver probe ({exc.strerror or exc})"
     try:
         said, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.communicate(timeout=KILL_WAIT)
-        return f"the CUDA driver probe did not finish within {timeout:g} s"
-    if proc.returncode in (0, NO_DRIVER, FULL):
-        return None
+        return f"the CUDA driver probe did not finish within {timeout:g} s", None
     last = (said.strip().splitlines() or [""])[-1]
-    return f"the CUDA driver probe failed: {last or f'exit status {proc.returncode}'}"
+    if proc.returncode == NO_DRIVER:
+        return None, last or "no CUDA driver"
+    if proc.returncode in (0, FULL):
+        return None, None
+    return f"the CUDA driver probe failed: {last or f'exit status {proc.returncode}'}", None
 
 
 def _leaked_on(device: str, leaks: list[Leak]) -> list[str]:
@@ -143,14 +156,27 @@ def _leaked_on(device: str, leaks: list[Leak]) -> list[str]:
 
 
 def probe(device: str, nvml: NvmlReader, env: dict[str, str], found: list[str] = ()) -> str:
-    """What is wrong with ``device``: NVML's part (and ``found``, what else is known of
-    it), then, only when that finds nothing, the driver part with ``env``; "" when it is
-    healthy."""
-    problems = nvml.problems(device) + list(found)
-    if not problems:
-        broken = driver_probe(env)
-        problems = [broken] if broken else []
-    return "; ".join(problems)
+    """What is wrong with ``device`` (``examine``); "" when nothing is found."""
+    return examine(device, nvml, env, found)[0]
+
+
+def examine(
+    device: str, nvml: NvmlReader, env: dict[str, str], found: list[str] = ()
+) -> tuple[str, str]:
+    """What is wrong with ``device``: NVML's part (with the Xids NVIDIA's catalog says
+    put it in doubt) and ``found``, what else is known of it; then, only when that finds
+    nothing, the driver part with ``env``. Returns (what is wrong, why it could not be
+    assessed): ("", "") when it is healthy; ("", why) when a part could not run (no
+    NVML, no CUDA driver): not known to be healthy, nor unhealthy."""
+    untold = [] if nvml.available() else [f"NVML: {nvml.error or 'unavailable'}"]
+    doubts = [x.text() for x in map(xids.classify, nvml.xids(device)) if x.quarantines]
+    problems = nvml.problems(device) + doubts + list(found)
+    if problems:
+        return "; ".join(problems), ""
+    broken, cannot = driver_check(env)
+    if broken:
+        return broken, ""
+    return "", "; ".join(untold + ([cannot] if cannot else []))
 
 
 def checkup(
@@ -158,15 +184,18 @@ def checkup(
     nvml: NvmlReader,
     leaks: list[Leak],
     env_of: dict[str, dict[str, str]],
-) -> dict[str, str]:
-    """Probe each of ``devices`` (``env_of``: the driver probe's environment for each);
-    what failed on each that is not healthy ({} when all are)."""
-    failed = {}
+) -> tuple[dict[str, str], dict[str, str]]:
+    """Probe each of ``devices`` (``env_of``: the driver probe's environment for each):
+    what failed on each that is not healthy, and why each that could not be assessed
+    was not ({}, {} when all are healthy)."""
+    failed, unassessed = {}, {}
     for device in devices:
-        problem = probe(device, nvml, env_of[device], _leaked_on(device, leaks))
+        problem, untold = examine(device, nvml, env_of[device], _leaked_on(device, leaks))
         if problem:
             failed[device] = problem
-    return failed
+        elif untold:
+            unassessed[device] = untold
+    return failed, unassessed
 
 
 def quarantine_reason(problem: str, nodeid: str, why: str) -> str:
@@ -234,19 +263,48 @@ class Health:
         checked = lease.devices if self.mode == "always" else ()
         return {d: "; ".join(p) for d in checked if (p := self.nvml.problems(d))}
 
-    def after(self, nodeid: str, lease: Lease, outcome: RunEnd) -> dict[str, Any] | None:
-        """Probe the test's GPUs when its run put them in doubt, and quarantine those that
-        fail (before its lease is released); what was probed and why (None: not probed)."""
-        why = None if self.mode == "off" else why_probe(outcome)
-        if why is None:
+    def after(
+        self, nodeid: str, lease: Lease, outcome: RunEnd, shared: bool = False
+    ) -> dict[str, Any] | None:
+        """Judge the Xids of the test's GPUs since its lease by NVIDIA's catalog, probe
+        its GPUs when its run put them in doubt, and quarantine those that fail or had an
+        Xid that needs a reset, a reboot or service (before its lease is released). What
+        was found (None: no Xid, no probe): ``xids`` (each with ``fails_test``: an
+        application Xid on a GPU no other test shared (``shared``) is the test's own
+        failure), ``probed`` (why), ``quarantined`` and ``unassessed`` (device -> why)."""
+        if self.mode == "off":
             return None
-        env_of = {device: self.leases.visible((device,)) for device in lease.devices}
-        failed = checkup(lease.devices, self.nvml, outcome.leaks, env_of)
+        seen = [(d, xids.classify(n)) for d in lease.devices for n in self.nvml.xids(d)]
+        why = why_probe(outcome)
+        if why is None and not seen:
+            return None
+        failed: dict[str, str] = {}
+        for device, xid in seen:
+            if xid.quarantines:
+                failed[device] = "; ".join(filter(None, (failed.get(device), xid.text())))
+        unassessed: dict[str, str] = {}
+        if why is not None:
+            rest = tuple(d for d in lease.devices if d not in failed)
+            env_of = {device: self.leases.visible((device,)) for device in rest}
+            found, unassessed = checkup(rest, self.nvml, outcome.leaks, env_of)
+            failed.update(found)
+        elif failed:
+            why = "an Xid during it"
         for device, problem in failed.items():
             refused = self.leases.quarantine(device, quarantine_reason(problem, nodeid, why))
             if refused:
                 failed[device] = f"{problem} (not quarantined: {refused})"
-        return {"probed": why, "devices": list(lease.devices), "quarantined": failed}
+        checked: dict[str, Any] = {"devices": list(lease.devices), "quarantined": failed}
+        if why is not None:
+            checked["probed"] = why
+        if unassessed:
+            checked["unassessed"] = unassessed
+        if seen:
+            checked["xids"] = [
+                {**x.entry(d), "fails_test": x.kind == xids.APPLICATION and not shared}
+                for d, x in seen
+            ]
+        return checked
 
     def _reprobe(self) -> None:
         """Probe again the quarantined GPUs whose last probe is ``reprobe`` seconds old, and
@@ -259,5 +317,5 @@ class Health:
             if min(age, now - self._tried.get(device, -math.inf)) < self.reprobe:
                 continue
             self._tried[device] = now
-            if not probe(device, self.nvml, self.leases.visible((device,))):
-                self.leases.lift(device)
+            if examine(device, self.nvml, self.leases.visible((device,))) == ("", ""):
+                self.leases.lift(device)  # healthy, not only: could not be assessed

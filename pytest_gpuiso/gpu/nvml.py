@@ -252,8 +252,9 @@ class NvmlReader:
 
     def problems(self, device: str) -> list[str]:
         """What NVML says is wrong with ``device`` since ``track_errors``: it does not
-        answer, an Xid critical error, pages waiting to be retired or rows to be remapped
-        (or a row that could not be), new uncorrectable ECC errors."""
+        answer, pages waiting to be retired or rows to be remapped (or a row that could
+        not be), new uncorrectable ECC errors. Its Xids are read apart (``xids``), and
+        judged by NVIDIA's catalog (``health``, ``xids``)."""
         if not self.available():
             return []
         nvml = self._nvml
@@ -265,7 +266,7 @@ class NvmlReader:
             nvml.nvmlDeviceGetMemoryInfo(handle)
         except Exception as exc:  # GPU_IS_LOST, a device that no longer answers
             return [f"it does not answer NVML ({_nvml_reason(exc)})"]
-        found = [f"Xid {xid}" for xid in self.xids(device) if xid not in APPLICATION_XIDS]
+        found = []
         with contextlib.suppress(Exception):  # not supported: no page retirement (Ampere on)
             if nvml.nvmlDeviceGetRetiredPagesPendingStatus(handle):
                 found.append("memory pages are waiting to be retired (a reset retires them)")
@@ -282,9 +283,6 @@ class NvmlReader:
 
 
 XID_CRITICAL = 0x8  # nvmlEventTypeXidCriticalError
-# Xids an application causes (a bad kernel, an aborted or killed process, a reset channel):
-# the GPU itself is fine. The set NVIDIA's Kubernetes device plugin ignores by default.
-APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 109})
 UNCORRECTED = 1  # NVML_MEMORY_ERROR_TYPE_UNCORRECTED
 VOLATILE_ECC = 0  # NVML_VOLATILE_ECC: since the driver loaded
 

@@ -113,10 +113,11 @@ def _lift(region: object, path: str, device: str, force: bool) -> int:
             env = visible_env((row,))
             if row.isdigit() and "CUDA_DEVICE_ORDER" not in os.environ:
                 env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # an index as NVML numbers them
-            problem = health.probe(row, nvml, env)
-            if problem:  # a refusal: 1, like a finding
-                why = f"still fails its probe: {problem}; left quarantined"
-                return _error(f"GPU {device} {why} (--force lifts it anyway)", 1)
+            problem, untold = health.examine(row, nvml, env)
+            if problem or untold:  # a refusal: 1, like a finding
+                why = f"still fails its probe: {problem}" if problem else ""
+                why = why or f"could not be assessed ({untold})"
+                return _error(f"GPU {device} {why}; left quarantined (--force lifts it anyway)", 1)
     finally:
         nvml.close()
     try:

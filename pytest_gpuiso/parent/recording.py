@@ -124,7 +124,7 @@ def build_record(
         # processes held on one of them (NVML, sampled; None: unknown)
         record["gpu_memory"] = lease.memory or None
         record["gpu_memory_peak"] = peak
-    if health is not None:  # its GPUs were probed after it: {probed, devices, quarantined}
+    if health is not None:  # its GPUs: {devices, quarantined, probed?, unassessed?, xids?}
         record["gpu_health"] = health
     if run.folded:
         record["warnings_folded"] = run.folded

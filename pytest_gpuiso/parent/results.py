@@ -24,6 +24,7 @@ from .outcome import Outcome
 
 LEAK_SECTION = "gpu-isolate leaks"
 LEAK_PROPERTY = "gpu_isolate_leak"  # junit <property> name of each leak
+XID_SECTION = "gpu-isolate Xids"  # a failed test's application Xids
 
 
 def item_reports(
@@ -147,11 +148,7 @@ def _attach_leaks(item: pytest.Item, reports: list[pytest.TestReport], verdict: 
             f"(--gpu-isolate-leaks {verdict.policy_text}):\n"
             + "\n".join(f"  {leak.kind}: {inert(leak.detail)}" for leak in verdict.failing)
         )
-        failed = synthetic_report(item, "teardown", problem)
-        failed.sections = list(last.sections)
-        failed.user_properties = list(last.user_properties)
-        failed.duration = last.duration
-        reports[-1] = last = failed
+        reports[-1] = last = _failed_instead(item, last, problem)
     # What the failure above says in full is not said again in the section.
     shown = [
         line
@@ -164,6 +161,35 @@ def _attach_leaks(item: pytest.Item, reports: list[pytest.TestReport], verdict: 
         *last.user_properties,
         *((LEAK_PROPERTY, line) for line in lines),
     ]
+
+
+def attach_xids(item: pytest.Item, reports: list[pytest.TestReport], xids: list[dict]) -> None:
+    """The application Xids its GPUs raised during the test (``gpu.health``: the entries
+    with ``fails_test``): NVIDIA's catalog puts them on the application, so a passed
+    call fails naming them; a failure already there stays, with them in a section."""
+    faults = [x for x in xids if x.get("fails_test")]
+    if not faults or not reports:
+        return
+    text = "\n".join(
+        f"Xid {x['xid']} ({x['name']}) on GPU {x['device']} during the test: "
+        f"NVIDIA's Xid catalog says {x['action']}"
+        for x in faults
+    )
+    at = next((i for i, r in enumerate(reports) if r.when == "call"), len(reports) - 1)
+    if reports[at].when == "call" and reports[at].passed:
+        reports[at] = _failed_instead(item, reports[at], f"gpu-isolate: {text}")
+    else:
+        reports[at].sections.append((XID_SECTION, text))
+
+
+def _failed_instead(item: pytest.Item, rep: pytest.TestReport, problem: str) -> pytest.TestReport:
+    """A failed report of ``rep``'s phase saying ``problem``, with its sections, user
+    properties and duration."""
+    failed = synthetic_report(item, rep.when, problem)
+    failed.sections = list(rep.sections)
+    failed.user_properties = list(rep.user_properties)
+    failed.duration = rep.duration
+    return failed
 
 
 def setup_error_reports(item: pytest.Item, message: str) -> list[pytest.TestReport]:

@@ -46,7 +46,13 @@ from .launcher import StartError
 from .outcome import Outcome
 from .prewarm import WarmJob
 from .recording import attach_record, build_record
-from .results import apply_xfail, item_reports, setup_error_reports, skip_reports
+from .results import (
+    apply_xfail,
+    attach_xids,
+    item_reports,
+    setup_error_reports,
+    skip_reports,
+)
 from .session import STATE, State, health, isolated, launcher, settle
 from .started import Started
 from .supervisor import Running
@@ -246,7 +252,7 @@ def _finish(item: pytest.Item, plan: Plan, state: State, turn: Turn, running: Ru
     checked = None  # its GPUs probed, before anyone else may lease them
     checks = health(state)
     if lease is not None and checks is not None:
-        checked = checks.after(item.nodeid, lease, outcome)
+        checked = checks.after(item.nodeid, lease, outcome, _shared(spec, state))
     number = turn.port.port if turn.port is not None else None
     turn.release(state)
     start_error = _tell_start_problems(item, state)
@@ -262,6 +268,7 @@ def _finish(item: pytest.Item, plan: Plan, state: State, turn: Turn, running: Ru
         replay.echo(item.config, outcome.output)
     stop = outcome.exits or start_error
     reports = item_reports(item, spec, outcome, verdict)
+    attach_xids(item, reports, checked.get("xids", []) if checked else [])
     payload: dict[str, Any] = {}
     for sent in outcome.payloads:  # one, unless a plugin misbehaved
         payload.update(sent)
@@ -303,9 +310,15 @@ def _probes(spec: IsolationSpec, state: State, lease: Lease | None) -> tuple[Pro
         cleanup = s.cleanup and "shm" not in spec.allow_leaks
         probes.append(ShmProbe(s.shm_ignore, cleanup=cleanup, alone=not state.parallel))
     if lease is not None and s.leak_level("gpu_memory") != "off" and state.nvml.available():
-        shared = s.slots > 1 or spec.gpu_memory is not None  # other tests may share its GPUs
+        shared = _shared(spec, state)
         probes.append(GpuMemoryProbe(state.nvml, lease.devices, s.gpu_tolerance_mib, shared=shared))
     return tuple(probes)
+
+
+def _shared(spec: IsolationSpec, state: State) -> bool:
+    """Whether other tests may use the test's GPUs beside it (slots, memory leases): what
+    is seen on them then cannot be pinned on it."""
+    return state.settings.slots > 1 or spec.gpu_memory is not None
 
 
 def _prewarm_safely(item: pytest.Item, nextitem: pytest.Item | None, state: State) -> None:

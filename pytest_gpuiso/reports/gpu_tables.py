@@ -25,19 +25,39 @@ def quarantines(records: list[dict[str, Any]]) -> list[tuple[str, str, str, str]
     return found
 
 
+def unassessed(records: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
+    """(test, GPU, why) for each GPU probed after a test that could not be assessed (no
+    NVML, no CUDA driver): neither healthy nor quarantined."""
+    found = []
+    for r in records:
+        checked = r.get("gpu_health")
+        if isinstance(checked, dict) and isinstance(checked.get("unassessed"), dict):
+            for device, why in sorted(checked["unassessed"].items()):
+                found.append((r["nodeid"], str(device), str(why)))
+    return found
+
+
 def health(records: list[dict[str, Any]]) -> list[str]:
-    """The "GPU health" part: each GPU quarantined after a test, what failed and why."""
-    found = quarantines(records)
-    if not found:
+    """The "GPU health" part: each GPU quarantined after a test, what failed, why and
+    what to do (NVIDIA's Xid catalog's action is in what failed); each that could not be
+    assessed, and why."""
+    found, untold = quarantines(records), unassessed(records)
+    if not found and not untold:
         return []
     lines = ["", "### GPU health", ""]
-    lines += ["Quarantined for every session of the user until `python -m pytest_gpuiso reset"]
-    lines += ["--device N` re-probes and lifts it.", ""]
-    lines += ["| GPU | after test | probed because | what failed |", "|---|---|---|---|"]
+    if found:
+        lines += ["Quarantined for every session of the user until `python -m pytest_gpuiso"]
+        lines += ["reset --device N` re-probes and lifts it.", ""]
+        lines += ["| GPU | after test | probed because | what failed |", "|---|---|---|---|"]
     for nodeid, device, problem, why in found[:MARKDOWN_ROWS]:
         lines.append(
             f"| {_cell(device)} | {_code_cell(nodeid)} | {_cell(why)} | {_cell(problem)} |"
         )
+    if untold:
+        lines += ["", "Could not be assessed (neither healthy nor quarantined):", ""]
+        lines += ["| GPU | after test | why |", "|---|---|---|"]
+    for nodeid, device, why in untold[:MARKDOWN_ROWS]:
+        lines.append(f"| {_cell(device)} | {_code_cell(nodeid)} | {_cell(why)} |")
     return lines
 
 

@@ -15,7 +15,7 @@ from ..values import KINDS, count_text
 from . import fixtures, mdtext
 from .baseline import baseline_lines, fixed_table
 from .files import STEP_SUMMARY_ENV, append_step_summary, step_summary_path, write_text
-from .gpu_tables import MARKDOWN_ROWS, health, quarantines, right_size
+from .gpu_tables import MARKDOWN_ROWS, health, quarantines, right_size, unassessed
 from .mdtext import cell as _cell
 from .mdtext import code_cell as _code_cell
 from .mdtext import kind_cell as _kind
@@ -101,6 +101,9 @@ def terminal_summary(
         _flagged(tr, "CRASHED", f"{r['nodeid']}{_attempt(r)} ({r['exit']['signal']})")
     for nodeid, device, problem, _ in quarantines(records):
         _flagged(tr, "QUARANTINED", f"GPU {device} after {nodeid}: {problem}")
+    for nodeid, device, why in unassessed(records):
+        what = f"GPU {device} could not be assessed after {nodeid} ({why})"
+        tr.write_line(f"gpu-isolate: {inert(what)}")
     for r in records:  # not the tests' doing: one line each, never blamed
         for note in gpu_notes(r):
             tr.write_line(f"gpu-isolate: {inert(note)} (after {inert(r['nodeid'])})")
@@ -126,7 +129,7 @@ def notable(records: list[dict[str, Any]]) -> bool:
     """Whether the records hold something to look at: a timeout, a crash, an escaped
     process, a reported leak or a noted GPU holder (``-qq`` shows the gpu-isolate summary
     only then)."""
-    return bool(quarantines(records)) or any(
+    return bool(quarantines(records) or unassessed(records)) or any(
         r["exit"]["timed_out"]
         or r["exit"]["signal"]
         or r.get("escaped")

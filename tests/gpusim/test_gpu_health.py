@@ -13,11 +13,21 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import REPORT, GpuIso, program
+from tests.helpers import command as _cli
 from tests.helpers.lease_table import wait_until
 
 pytestmark = [pytest.mark.installation, pytest.mark.versions]
 
 MOD = "sim_health.py"
+XID_79 = "Xid 79 (GPU has fallen off the bus): reboot the machine"
+XID_79_ENTRY = {
+    "device": "0",
+    "xid": 79,
+    "name": "GPU has fallen off the bus",
+    "class": "reboot",
+    "action": "reboot the machine",
+    "fails_test": False,
+}
 
 
 def _run(gpuiso: GpuIso, *args: str) -> pytest.RunResult:
@@ -32,16 +42,6 @@ def _gpus(log: Path) -> dict[str, set[str]]:
         name, gpu = line.split()
         found.setdefault(name, set()).add(gpu)
     return found
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "pytest_gpuiso", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd="/",  # not a source tree, which would shadow the installed package
-    )
 
 
 def _repair(gpu: str) -> None:
@@ -108,13 +108,14 @@ def test_an_xid_quarantines_and_a_test_left_without_a_healthy_gpu_says_how_to_li
     assert checked == {
         "probed": "it crashed with SIGABRT",
         "devices": ["0"],
-        "quarantined": {"0": "Xid 79"},
+        "quarantined": {"0": XID_79},
+        "xids": [XID_79_ENTRY],
     }
     result.stdout.fnmatch_lines(
         [
             "*ERROR at setup of test_after[[]0[]]*",
             "*quarantined: GPU 0 (after *test_xid_then_crash (it crashed with SIGABRT): "
-            "Xid 79); `python -m pytest_gpuiso reset --device 0` re-probes and lifts it*",
+            f"{XID_79}); `python -m pytest_gpuiso reset --device 0` re-probes and lifts it*",
         ]
     )
     # The Xid is past: the next session's re-probe finds the GPU healthy and lifts it.
@@ -140,7 +141,8 @@ def test_an_xid_during_a_pinned_workers_test_is_seen(
     assert checked == {
         "probed": "it crashed with SIGABRT",
         "devices": ["0"],
-        "quarantined": {"0": "Xid 79"},
+        "quarantined": {"0": XID_79},
+        "xids": [XID_79_ENTRY],
     }
 
 
@@ -242,8 +244,16 @@ class _Nvml:
     def __init__(self, problems: dict[str, list[str]] | None = None, lost_first=False) -> None:
         self.problems_of, self.lost_first, self.watched = dict(problems or {}), lost_first, []
 
+    error = None
+
+    def available(self) -> bool:
+        return True
+
     def track_errors(self, device: str) -> None:
         self.watched.append(device)
+
+    def xids(self, device: str) -> list[int]:
+        return []
 
     def problems(self, device: str) -> list[str]:
         if self.lost_first:
@@ -302,11 +312,11 @@ def test_reprobe_lifts_a_quarantined_gpu_that_passes_again(
     leases.quarantine("1", "the CUDA driver probe failed: cuCtxSynchronize: CUDA error 700")
     probed = []
 
-    def driver_probe(env: dict[str, str]) -> str | None:
+    def driver_check(env: dict[str, str]) -> tuple[str | None, str | None]:
         probed.append(env["CUDA_VISIBLE_DEVICES"])
-        return "still broken" if env["CUDA_VISIBLE_DEVICES"] == "1" else None
+        return ("still broken" if env["CUDA_VISIBLE_DEVICES"] == "1" else None), None
 
-    monkeypatch.setattr(health, "driver_probe", driver_probe)
+    monkeypatch.setattr(health, "driver_check", driver_check)
     checks = health.Health(leases, _Nvml(), "after-failure", 0.001)
     time.sleep(0.01)  # both quarantines are older than the re-probe interval
     lease = checks.lease(1, "t::b", 5.0, None)
@@ -389,7 +399,7 @@ class _FakePynvml:
         return self.remapped
 
 
-def test_the_nvml_part_counts_what_came_since_the_lease_and_only_the_gpus_fault() -> None:
+def test_the_nvml_part_counts_what_came_since_the_lease() -> None:
     from pytest_gpuiso.gpu.nvml import NvmlReader
 
     fake = _FakePynvml()
@@ -398,10 +408,10 @@ def test_the_nvml_part_counts_what_came_since_the_lease_and_only_the_gpus_fault(
     fake.events, fake.ecc = [48], 3  # before the lease: not this run's
     reader.track_errors("0")
     assert reader.problems("0") == []
-    fake.events = [45, 79, 13]  # a killed process's and a bad kernel's Xids do not count
+    fake.events = [45, 79, 13]  # read apart, and judged by the catalog (gpu/xids.py)
+    assert reader.xids("0") == [45, 79, 13] and reader.xids("0") == []
     fake.ecc, fake.remapped = 5, (0, 1, 1, 0)
     assert reader.problems("0") == [
-        "Xid 79",
         "memory rows are waiting to be remapped (a reset remaps them)",
         "2 uncorrectable ECC errors",
     ]

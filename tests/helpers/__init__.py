@@ -48,6 +48,17 @@ def _programs() -> dict[str, list[Path]]:
     return found
 
 
+def command(*args: str) -> subprocess.CompletedProcess:
+    """``python -m pytest_gpuiso ARGS`` (status, reset, ...), from outside the checkout."""
+    return subprocess.run(
+        [sys.executable, "-m", "pytest_gpuiso", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd="/",  # not a source tree, which would shadow the installed package
+    )
+
+
 def program(name: str) -> Path:
     """The program (a file or a folder) ``name`` in fixtures/programs/<feature>/, or a
     file inside a program's folder (``plugin_cov_old/conftest.py``): tests name
