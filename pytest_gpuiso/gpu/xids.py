@@ -56,6 +56,7 @@ ACTIONS = {
 # Xid -> (what it is, the catalog's immediate-action bucket), A100 and later.
 CATALOG: dict[int, tuple[str, str]] = {
     8: ("GPU stopped processing", "RESTART_APP"),
+    11: ("invalid or corrupted push buffer stream", "RESTART_APP"),
     13: ("graphics engine exception", "RESTART_APP"),
     31: ("GPU memory page fault", "RESTART_APP"),
     43: ("GPU stopped processing (a channel the driver reset)", "IGNORE"),
@@ -76,6 +77,7 @@ CATALOG: dict[int, tuple[str, str]] = {
     119: ("GSP RPC timeout", "RESET_GPU"),
     120: ("GSP error", "RESET_GPU"),
     121: ("C2C link corrected error", "IGNORE"),
+    126: ("a fault the catalog puts on the application", "RESTART_APP"),
     140: ("unrecovered ECC error", "RESET_GPU"),
     154: ("GPU recovery action changed", "XID_154_EVAL"),
 }

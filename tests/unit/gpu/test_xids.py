@@ -12,7 +12,7 @@ from pytest_gpuiso.gpu import xids
 @pytest.mark.parametrize(
     ("number", "kind"),
     [
-        *((n, xids.APPLICATION) for n in (8, 13, 31, 68, 94)),  # restart the application
+        *((n, xids.APPLICATION) for n in (8, 11, 13, 31, 68, 94, 126)),  # restart the application
         *((n, xids.IGNORE) for n in (43, 45, 63, 92, 121)),  # informational
         *((n, xids.RESET) for n in (48, 95, 109, 119, 120, 140)),  # reset the GPU
         (79, xids.REBOOT),  # fallen off the bus
