@@ -145,14 +145,19 @@ def test_two_sessions_at_once_listen_on_distinct_ports(
 
 
 def test_a_port_is_leased_once_until_released():
-    span = range(40100, 40103)
+    """Below Linux's ephemeral range (32768-60999): a port there may be any socket's at the
+    time (CI once found one of 40100-40102 bound by another test's connection)."""
+    span = range(LEASED_PORTS, LEASED_PORTS + 3)
     first, second = ports.lease(span), ports.lease(span)
     assert first.port != second.port
     held = {first.port, second.port}
     first.release()
     again = [ports.lease(span) for _ in range(2)]
     assert {lease.port for lease in again} | held == set(span)
-    taken = r"no free MASTER_PORT in 40100-40102: 3 of its names held by your own processes;"
+    last = LEASED_PORTS + 2
+    taken = (
+        rf"no free MASTER_PORT in {LEASED_PORTS}-{last}: 3 of its names held by your own processes;"
+    )
     with pytest.raises(ports.PortError, match=taken):
         ports.lease(span)
     for lease in [second, *again]:
@@ -186,6 +191,7 @@ def test_a_port_held_in_another_process_or_bound_is_skipped():
 
 
 HELD_PORT = 28200  # not in the plugin's range (29500-31499) nor the ephemeral one
+LEASED_PORTS = 28250  # the same
 HOLD = (
     "import socket, os, sys, time\n"
     "s = socket.socket(socket.AF_UNIX)\n"
