@@ -131,7 +131,7 @@ def _compare(opts: argparse.Namespace) -> int:
         print(compare.text(result), end="")
         found = findings.of_changes(result.new, head)
         if findings.wanted(opts.annotations):
-            for line in findings.github(found, findings.changed_files()):
+            for line in findings.workflow_commands(found):
                 print(line)
         if opts.markdown is not None:
             outputs.append((opts.markdown, compare.markdown(result), "Markdown"))

@@ -103,7 +103,7 @@ class Recorder:
                 f"gpu-isolate: Markdown summary written to {', '.join(self.summaries)}"
             )
         if findings.wanted(state.settings.annotations):  # none in an xdist worker
-            for line in findings.github(self.found, findings.changed_files()):
+            for line in findings.workflow_commands(self.found):
                 terminalreporter.write_line(line)
 
     def _run(self, session: pytest.Session) -> dict[str, Any]:

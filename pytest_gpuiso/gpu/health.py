@@ -155,11 +155,6 @@ def _leaked_on(device: str, leaks: list[Leak]) -> list[str]:
     return found
 
 
-def probe(device: str, nvml: NvmlReader, env: dict[str, str], found: list[str] = ()) -> str:
-    """What is wrong with ``device`` (``examine``); "" when nothing is found."""
-    return examine(device, nvml, env, found)[0]
-
-
 def examine(
     device: str, nvml: NvmlReader, env: dict[str, str], found: list[str] = ()
 ) -> tuple[str, str]:

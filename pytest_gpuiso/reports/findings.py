@@ -215,6 +215,12 @@ def _first(finding: Finding, changed: frozenset[str]) -> tuple[bool, bool, int]:
     return known, finding.file not in changed, LEVELS.index(finding.level)
 
 
+def workflow_commands(findings: list[Finding]) -> list[str]:
+    """``github`` of the findings in the pull request's order (git is asked only when
+    there is something to annotate)."""
+    return github(findings, changed_files() if findings else frozenset())
+
+
 def github(findings: list[Finding], changed: frozenset[str] = frozenset()) -> list[str]:
     """The workflow commands of the findings GitHub will show (``_first`` chooses them,
     ``changed``: the pull request's files), and where some do not fit, a last notice

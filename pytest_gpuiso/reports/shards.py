@@ -191,15 +191,14 @@ def durations(
 
 def read_durations(path: str | os.PathLike[str]) -> dict[str, float]:
     """The entries of a durations file that is there ({} where there is none yet); a file
-    that is not ``{nodeid: seconds}`` is a ``ReportError`` naming it."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            found = json.load(f)
-    except FileNotFoundError:
+    that is not ``{nodeid: seconds}`` is a ``ReportError`` naming it. Read as a report
+    is (``_read_report``: a FIFO or ``/dev/zero`` there hangs nothing)."""
+    if not os.path.lexists(path):
         return {}
-    except OSError as exc:
-        raise ReportError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    except (ValueError, UnicodeDecodeError) as exc:  # not JSON, not UTF-8
+    data = _read_report(str(path))
+    try:
+        found = json.loads(data.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:  # not JSON (UnicodeDecodeError is one)
         raise ReportError(f"{path}: not a durations file (not JSON: {exc})") from None
     if isinstance(found, list) and all(
         isinstance(e, list) and len(e) == 2 and isinstance(e[0], str) for e in found

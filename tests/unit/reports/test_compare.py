@@ -4,6 +4,7 @@ base, from two JSON reports."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -287,3 +288,11 @@ def test_a_durations_file_that_is_not_one_is_one_line_and_left_alone(
     [line] = capsys.readouterr().err.splitlines()
     assert line.startswith(f"error: {path}: {problem}")
     assert path.read_text() == content and not (tmp_path / "m.json").exists()
+
+
+def test_a_durations_path_that_is_a_fifo_is_one_line_not_a_hang(tmp_path: Path, capsys) -> None:
+    path = tmp_path / ".test_durations"
+    os.mkfifo(path)
+    one = _report(tmp_path / "one.json", _record("t.py::test_a", wall=2.5))
+    assert main(["merge", one, "--durations", str(path)]) == 2
+    assert capsys.readouterr().err == f"error: {path}: not a regular file\n"
