@@ -17,8 +17,7 @@ from typing import Any
 
 import _pytest.capture as _capture
 from _pytest import tmpdir as _tmpdir
-from _pytest.config import _prepareconfig as prepare_config  # noqa: F401 - re-exported
-from _pytest.config import apply_warning_filters, create_terminal_writer
+from _pytest.config import Config, _prepareconfig, apply_warning_filters, create_terminal_writer
 from _pytest.faulthandler import fault_handler_stderr_fd_key  # noqa: F401 - re-exported
 from _pytest.junitxml import _check_record_param_type as check_record_param_type  # noqa: F401
 from _pytest.junitxml import xml_key  # noqa: F401 - re-exported
@@ -27,6 +26,27 @@ from _pytest.skipping import evaluate_xfail_marks  # noqa: F401 - re-exported
 
 # pytest.TerminalReporter is public only from pytest 8.4 on.
 from _pytest.terminal import TerminalReporter  # noqa: F401 - re-exported
+
+
+def prepare_config(args: list[str], plugins: list[Any]) -> Any:
+    """Parse pytest's configuration in a process of ours (a test's, the fork server, its
+    template) from pytest's own arguments, with what pytest warns about it unsaid here.
+
+    pytest's process parsed the same configuration first and said its config-time
+    warnings there, under the project's filters (one its ``filterwarnings = error`` makes
+    an error ends that session before any test runs). Here they are an echo, or an
+    artifact of this process: ``pytest_gpuiso`` (or a preloaded module) imported before
+    pytest marks the installed plugins for assertion rewriting ("Module already imported
+    so cannot be rewritten"). So ``Config.issue_config_time_warning`` (public, on pytest
+    8.0 and 9.2 the one way pytest and plugins issue them) neither raises nor records
+    them, for the life of this process, whose configuration this is.
+    """
+    Config.issue_config_time_warning = _said_by_pytests_process  # type: ignore[method-assign]
+    return _prepareconfig(args, plugins=plugins)
+
+
+def _said_by_pytests_process(self: Any, warning: Warning, stacklevel: int) -> None:
+    """``Config.issue_config_time_warning`` in our processes (``prepare_config``)."""
 
 
 def set_capture_tempfile(factory: Callable[..., Any]) -> None:

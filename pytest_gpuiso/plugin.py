@@ -64,8 +64,9 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     settings = read_settings(config)
     debugger = _debugger(config)
-    if debugger and settings.mode == "all":  # marked tests: said once one is collected
-        warn_start(config, f"{debugger}: {_IN_PROCESS}")
+    said = bool(debugger) and settings.mode == "all"  # marked tests: once one is collected
+    if said:
+        warn_start(config, f"{debugger}: {_IN_PROCESS}", notice=True)
     unavailable = native.missing()  # not Linux, or built without the C extensions
     if debugger or unavailable:
         settings = dataclasses.replace(settings, mode="off")
@@ -78,6 +79,7 @@ def pytest_configure(config: pytest.Config) -> None:
         parallel=hasattr(config, "workerinput"),
         cache=getattr(config, "cache", None),  # learnt imports, for the next session
         debugger=debugger,
+        debugger_said=said,
         unavailable=unavailable or "",
     )
     config.stash[STATE] = state
@@ -199,6 +201,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     if ran.stop is not None:  # pytest.exit() or Ctrl-C in the test: end the session here too
         runner.stop_session(ran.stop)
     ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+    if ran.halt is not None and not item.session.shouldstop:  # as -x stops it (and xdist's
+        item.session.shouldstop = ran.halt  # controller, told by the worker)
     return True
 
 
@@ -232,8 +236,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if state is None:
         return
     if state.debugger and state.settings.mode == "off":
-        if any(item.get_closest_marker(MARKER) for item in session.items):
-            warn_start(session.config, f"{state.debugger}: {_IN_PROCESS}")
+        if not state.debugger_said and any(
+            item.get_closest_marker(MARKER) for item in session.items
+        ):
+            warn_start(session.config, f"{state.debugger}: {_IN_PROCESS}", notice=True)
         return
     modules = {str(item.path) for item in session.items if isolated(item)}
     if not modules:

@@ -41,8 +41,15 @@ class Recorder:
         self.baseline: dict[str, Any] | None = None  # what became of the leak baseline
         self.found: list[Finding] = []  # its findings, for annotations and GitLab
         self.started = time.time()  # the session's start, for the JSON report
+        self.collected: float | None = None  # when collection ended (time.monotonic)
+        self.own = 0.0  # every test's own time (setup, call, teardown), isolated or not
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        self.collected = time.monotonic()
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self.own += report.duration or 0.0
         record = record_of(report)
         if record is not None:
             from .reports import findings
@@ -88,12 +95,19 @@ class Recorder:
             return  # an xdist worker's terminal is not shown
         from .reports import findings, report
 
+        config = self.config
+        if state.unavailable and (config.get_verbosity() < 0 or config.option.no_header):
+            # the header's line, which -q and --no-header do not show: said all the same
+            terminalreporter.write_line(f"gpu-isolate: off: {state.unavailable}")
         quiet = self.config.get_verbosity() <= -2  # -qq: only what needs attention
         wanted = out.records or self.baseline
         if wanted and not (quiet and not report.notable(out.records) and not self.fixed):
             failed = any(p.startswith("--gpu-isolate-report") for p in self.unwritten)
             written = None if failed else out.report_path
-            report.terminal_summary(terminalreporter, out.records, written, self.baseline)
+            clock = None  # one process ran every test: its wall clock against their time
+            if self.collected is not None and not config.pluginmanager.has_plugin("dsession"):
+                clock = (time.monotonic() - self.collected, self.own)
+            report.terminal_summary(terminalreporter, out.records, written, self.baseline, clock)
         if out.records and self.config.option.durations is not None:
             report.startup_durations(terminalreporter, out.records, self.config)
         for problem in self.unwritten:

@@ -8,6 +8,7 @@ the caller makes a failure of the test, or a usage error of the session).
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 import pytest
@@ -49,16 +50,24 @@ def issue_for_test(warning: Warning, filename: str, lineno: int) -> str:
     return "shown" if passed else "ignored"
 
 
-def warn_session(config: pytest.Config, warning: Warning) -> bool:
-    """Issue a warning of the session (no test's marks apply); False when a filter made
-    it an error. It shows in pytest's warnings summary as ``gpu-isolate:0``."""
+def warn_session(
+    config: pytest.Config, warning: Warning, *, notice: bool = False, stacklevel: int = 1
+) -> bool:
+    """Issue a warning of the session (no test's marks apply), at the line of ours that
+    issues it (``stacklevel`` frames up from its caller); False when a filter made it an
+    error. ``notice``: information (tests run in-process for a debugger), which a filter's
+    ``error`` shows all the same: it ends nothing."""
+    caller = sys._getframe(stacklevel)
+    where = (caller.f_code.co_filename, caller.f_lineno)
     with warnings.catch_warnings(record=True) as log:
         warnings.simplefilter("always", type(warning))
         _compat.apply_session_filters(config)
         try:
-            warnings.warn_explicit(warning, type(warning), "gpu-isolate", 0)
+            warnings.warn_explicit(warning, type(warning), *where)
         except type(warning):
-            return False
+            if not notice:
+                return False
+            log.append(warnings.WarningMessage(warning, type(warning), *where))
     for record in log:
         config.hook.pytest_warning_recorded.call_historic(
             kwargs=dict(warning_message=record, when="runtest", nodeid="", location=None)

@@ -98,7 +98,11 @@ def refuse_inherited_cuda() -> None:
 
 
 def internal_error() -> str:
-    return "internal error in the isolated process:\n" + traceback.format_exc()
+    """The exception being handled, as an ``ERROR`` frame's text: its one-line summary
+    first (what pytest shows of a process that could not start), then its traceback."""
+    kind, exc, _ = sys.exc_info()
+    summary = " ".join(" ".join(traceback.format_exception_only(kind, exc)).split())
+    return f"internal error in the isolated process: {summary}\n{traceback.format_exc()}"
 
 
 def bootstrap(boot: Bootstrap, conn: Connection) -> None:

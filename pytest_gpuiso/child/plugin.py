@@ -106,12 +106,16 @@ _CHILD_OVERRIDES: dict[str, Any] = {
 def override_options(option: Any, basetemp: str, extra: tuple = ()) -> None:
     """Set the child's options: ours, then what plugins asked for through
     ``pytest_gpuiso_child_options`` (``extra``: (dest, value) pairs), then basetemp."""
-    for name, value in _CHILD_OVERRIDES.items():
-        if hasattr(option, name):
-            setattr(option, name, value)
+    _override(option)
     for name, value in extra:
         setattr(option, name, value)
     option.basetemp = basetemp
+
+
+def _override(option: Any) -> None:
+    for name, value in _CHILD_OVERRIDES.items():
+        if hasattr(option, name):
+            setattr(option, name, value)
 
 
 class ChildPlugin:
@@ -132,6 +136,12 @@ class ChildPlugin:
         self.config = config
         if self.job is not None:
             self._record_junit(config)
+        # A conftest's pytest_cmdline_main may have set them again (xdist's -n for a run
+        # of its suite, when not an xdist worker): this process runs one test, no workers.
+        _override(config.option)
+        dsession = config.pluginmanager.get_plugin("dsession")  # xdist's, made for it
+        if dsession is not None:
+            config.pluginmanager.unregister(dsession)
         # The parent keeps the last-failed / new-first caches and the stepwise state.
         for name in ("lfplugin", "nfplugin", "stepwiseplugin"):
             found = config.pluginmanager.get_plugin(name)
@@ -303,6 +313,8 @@ class ChildPlugin:
         return True
 
     def pytest_internalerror(self, excrepr: Any, excinfo: Any) -> None:
+        if self.channel is None:  # the fork server's template: no test's process yet
+            return
         self.channel.send(
             frames.ERROR, f"internal pytest error in the isolated process:\n{excrepr}"
         )

@@ -13,6 +13,24 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+# What to do about a leak of each kind: said once with the failure or warning naming it.
+ADVICE = {
+    "shm": "to fix: unlink the segment before the test ends (SharedMemory.unlink(), "
+    'os.unlink of its /dev/shm path); to allow: allow_leaks=["shm"] in the test\'s '
+    "gpu_isolated marker",
+    "process": "to fix: wait for the processes the test started (join(), wait(), or "
+    'terminate() then wait()); to allow: allow_leaks=["process"] in the test\'s '
+    "gpu_isolated marker",
+    "gpu_memory": "to fix: free what the test holds on the GPU (drop its tensors, end the "
+    'processes it started); to allow: allow_leaks=["gpu_memory"] in the test\'s '
+    "gpu_isolated marker, or a --gpu-isolate-gpu-tolerance in MiB",
+}
+
+
+def advice(kinds: list[str]) -> str:
+    """One line of what to do for each kind among ``kinds`` (in the order of KINDS)."""
+    return "\n".join(f"  {kind}: {ADVICE[kind]}" for kind in ADVICE if kind in kinds)
+
 
 @dataclass(frozen=True)
 class RunInfo:

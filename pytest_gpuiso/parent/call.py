@@ -27,6 +27,7 @@ from ..wire.jobs import CallJob
 from . import supervisor
 from .launcher import Launcher
 from .outcome import Outcome
+from .results import trim_stack
 from .watch import Bounds
 
 _CALLS = itertools.count(1)
@@ -51,6 +52,11 @@ class RemoteError(IsolationError):
         super().__init__(f"{type_name}: {message}\n\nRemote traceback:\n{remote_traceback}")
         self.type_name = type_name
         self.remote_traceback = remote_traceback
+
+
+# The public names (``pytest_gpuiso.IsolatedTimeout``), as tracebacks and pickles say them.
+for _public in (IsolationError, IsolatedTimeout, RemoteError):
+    _public.__module__ = "pytest_gpuiso"
 
 
 class RemoteTraceback(Exception):
@@ -172,7 +178,7 @@ def _unwrap(func: Callable[..., Any], outcome: Outcome, timeout: float | None) -
         part
         for part in (
             "\n".join(outcome.errors),
-            f"Stack at the timeout:\n{outcome.stack}" if outcome.stack else "",
+            f"Stack at the timeout:\n{trim_stack(outcome.stack)}" if outcome.stack else "",
             f"Last output:\n{outcome.output_tail}" if outcome.output_tail else "",
         )
         if part

@@ -51,6 +51,7 @@ class Run(Protocol):
     leak_checks: tuple[str, ...]
     folded: int  # its warnings an earlier test's process gave (not replayed again)
     gpu_notes: tuple[str, ...]  # GPU holders on its GPUs that were not its: not blamed
+    start_failure: Any  # its process could not start (``supervisor.StartFailure``), or None
 
 
 def build_record(
@@ -107,6 +108,9 @@ def build_record(
             "uncollected": outcome.uncollected if outcome else None,
         },
     }
+    failure = run.start_failure
+    if failure is not None:  # its process's own words; "tried": false, none was started
+        record["start"].update(error=failure.line, traceback=failure.text, tried=bool(outcome))
     if location is not None and location[1] is not None:  # a file and line: where it is
         record["location"] = {"file": location[0], "line": location[1] + 1}
     if outcome is not None and outcome.fixtures:  # set up anew in its process

@@ -17,11 +17,17 @@ from typing import Any
 import pytest
 
 from .. import _compat
-from ..leaks import Verdict
+from ..leaks import ADVICE, Verdict
 from ..reports.termtext import inert
 from ..warning_types import GpuIsoLeakWarning, GpuIsoStartWarning, issue_for_test, warn_for_test
 from ..wire import frames
 from . import standins
+
+# How a project whose warnings are errors keeps leaks warnings (the last filter wins).
+KEEP_WARNING = (
+    "to keep leaks warnings, add default::pytest_gpuiso.GpuIsoLeakWarning to filterwarnings "
+    "after error (or -W default::pytest_gpuiso.GpuIsoLeakWarning)"
+)
 
 
 def warn_leaks(item: pytest.Item, verdict: Verdict) -> Verdict:
@@ -32,7 +38,9 @@ def warn_leaks(item: pytest.Item, verdict: Verdict) -> Verdict:
     warned: list = []
     errors: list = []
     for leak in verdict.warning:
-        warning = GpuIsoLeakWarning(f"{leak.kind}: {inert(leak.detail)}")
+        advice = ADVICE.get(leak.kind)
+        text = f"{leak.kind}: {inert(leak.detail)}" + (f" ({advice})" if advice else "")
+        warning = GpuIsoLeakWarning(text)
         how = issue_for_test(warning, str(item.path), lineno)
         (errors if how == "error" else warned).append(leak)
         if how == "ignored":  # reported still, but not annotated
@@ -45,7 +53,8 @@ def warn_leaks(item: pytest.Item, verdict: Verdict) -> Verdict:
         verdict,
         failing=verdict.failing + errors,
         warning=warned,
-        policy_text=f"{verdict.policy_text}; GpuIsoLeakWarning is an error by -W/filterwarnings",
+        policy_text=f"{verdict.policy_text}; GpuIsoLeakWarning is an error by -W/filterwarnings:"
+        f" {KEEP_WARNING}",
     )
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from .._compat import evaluate_xfail_marks
-from ..leaks import Verdict
+from ..leaks import Verdict, advice
 from ..reports.termtext import inert
 from ..settings import IsolationSpec
 from ..wire import frames
@@ -147,6 +147,8 @@ def _attach_leaks(item: pytest.Item, reports: list[pytest.TestReport], verdict: 
             f"{'s' if len(verdict.failing) != 1 else ''} behind "
             f"(--gpu-isolate-leaks {verdict.policy_text}):\n"
             + "\n".join(f"  {leak.kind}: {inert(leak.detail)}" for leak in verdict.failing)
+            + "\nWhat to do:\n"
+            + advice([leak.kind for leak in verdict.failing])
         )
         reports[-1] = last = _failed_instead(item, last, problem)
     # What the failure above says in full is not said again in the section.
@@ -286,7 +288,9 @@ def describe_problem(
             )
             head = (
                 f"Start-up timeout: the test process did not finish starting ({doing}) "
-                f"within {spec.startup_timeout:g} s{ended} {escalation}; the test did not run"
+                f"within {spec.startup_timeout:g} s{ended} {escalation}; the test did not run "
+                "(to allow more: --gpu-isolate-startup-timeout, or startup_timeout= in the "
+                "test's gpu_isolated marker)"
             )
         elif outcome.expired == "exit":
             head = (
@@ -296,7 +300,9 @@ def describe_problem(
         else:
             head = (
                 f"Timeout: the isolated test timed out after {spec.timeout:g} s "
-                f"(timeout from {spec.timeout_source}) during {phase}{ended} {escalation}"
+                f"(timeout from {spec.timeout_source}) during {phase}{ended} {escalation}; "
+                "to fix: its stack below shows where it waited; to allow more: timeout= in "
+                "the test's gpu_isolated marker, or --gpu-isolate-timeout"
             )
     elif outcome.signal_name:
         head = (

@@ -55,7 +55,7 @@ from .results import (
 )
 from .session import STATE, State, health, isolated, launcher, settle
 from .started import Started
-from .supervisor import Running
+from .supervisor import Running, StartFailure
 from .watch import Bounds
 
 
@@ -76,6 +76,8 @@ class Ran:
     leak_checks: tuple[str, ...] = ()  # the leak kinds checked after it
     folded: int = 0  # its warnings an earlier test's process gave (not replayed again)
     gpu_notes: tuple[str, ...] = ()  # GPU holders on its GPUs that were not its: not blamed
+    start_failure: StartFailure | None = None  # its process could not start (its words)
+    halt: str | None = None  # why the session stops after it (none of its processes can start)
 
     @property
     def complete(self) -> bool:
@@ -139,6 +141,10 @@ def run_item(item: pytest.Item, nextitem: pytest.Item | None) -> Ran:
             ran = Ran(setup_error_reports(item, plan.error))
         elif plan.missing is not None:
             ran = Ran(skip_reports(item, f"gpu-isolate: test needs {plan.missing}"))
+        elif state.cannot_start is not None:  # no process of this session can start
+            failure = state.cannot_start
+            reports = setup_error_reports(item, failure.message(_verbose(item)))
+            ran = Ran(reports, spec, start_failure=failure)
         else:
             running = _go(item, plan, state, turn)
             if isinstance(running, Ran):
@@ -255,7 +261,9 @@ def _finish(item: pytest.Item, plan: Plan, state: State, turn: Turn, running: Ru
         checked = checks.after(item.nodeid, lease, outcome, _shared(spec, state))
     number = turn.port.port if turn.port is not None else None
     turn.release(state)
+    failure = supervisor.start_failure(outcome)
     start_error = _tell_start_problems(item, state)
+    halt = _note_start(state, outcome, failure)
     leaks = outcome.leaks + [torch_check.leak(data) for data in outcome.torch_leaks]
     known = state.baseline.kinds(item.nodeid) if state.baseline is not None else frozenset()
     verdict = judge(leaks, dict(state.settings.leaks), spec.allow_leaks, known)
@@ -264,10 +272,13 @@ def _finish(item: pytest.Item, plan: Plan, state: State, turn: Turn, running: Ru
     verdict = replay.warn_leaks(item, verdict)
     replay.replay_junit(item.config, outcome.junit)
     replay.warn_cuda_without_gpu(item, spec.gpus == 0, outcome.driver)
-    if outcome.finished and outcome.output:
+    if outcome.finished and outcome.output and failure is None:  # not its start's noise
         replay.echo(item.config, outcome.output)
     stop = outcome.exits or start_error
-    reports = item_reports(item, spec, outcome, verdict)
+    if failure is not None:
+        reports = setup_error_reports(item, failure.message(_verbose(item)))
+    else:
+        reports = item_reports(item, spec, outcome, verdict)
     attach_xids(item, reports, checked.get("xids", []) if checked else [])
     payload: dict[str, Any] = {}
     for sent in outcome.payloads:  # one, unless a plugin misbehaved
@@ -293,7 +304,29 @@ def _finish(item: pytest.Item, plan: Plan, state: State, turn: Turn, running: Ru
         checks,
         folded,
         notes,
+        start_failure=failure,
+        halt=halt,
     )
+
+
+def _verbose(item: pytest.Item) -> bool:
+    return item.config.get_verbosity() > 0
+
+
+def _note_start(state: State, outcome: Outcome, failure: StartFailure | None) -> str | None:
+    """Keep count of the processes that could not start. The same failure twice in a row:
+    the tests after fail at once with it; and where no test's process began its test yet
+    in this session, none can: the session stops, for the reason returned (``Ran.halt``)."""
+    if failure is None:
+        state.began = state.began or outcome.began is not None
+        state.start_failed = None
+        return None
+    again = state.start_failed is not None and state.start_failed.line == failure.line
+    state.start_failed = failure
+    if not again:
+        return None
+    state.cannot_start = failure
+    return None if state.began else f"gpu-isolate: no test's process can start: {failure.line}"
 
 
 def _warm_while_waiting(plan: Plan, state: State) -> Started | None:

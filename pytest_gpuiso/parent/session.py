@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # what isolating needs is imported when a test is first isola
     from ..reports.baseline import Baseline
     from .launcher import Launcher
     from .prewarm import Prewarmer
+    from .supervisor import StartFailure
 
 
 @dataclass
@@ -52,8 +53,13 @@ class State:
     cache: Any = None  # pytest's cache (config.cache; none with -p no:cacheprovider)
     unavailable: str = ""  # why isolation cannot work here (``native.missing``): it is off
     debugger: str = ""  # --pdb or --trace: isolation is off so that it reaches the tests
+    debugger_said: bool = False  # and said so at configure (every test was to be isolated)
     prepared: bool = False  # ``prepare`` ran: the GPUs are known, stale sessions ended
     warned: set[tuple[Any, ...]] = field(default_factory=set)  # warnings replayed (``replay``)
+    began: bool = False  # a test's process began its test in this session
+    start_failed: StartFailure | None = None  # the last test's process could not start
+    # the same start failure twice in a row: the tests after fail at once with it
+    cannot_start: StartFailure | None = None
 
 
 @dataclass
@@ -178,13 +184,13 @@ def prepare(config: pytest.Config, state: State) -> None:
     state.pin = pinning.own(config, settings, state.pins, state.leases)
 
 
-def warn_start(config: pytest.Config, text: str) -> None:
+def warn_start(config: pytest.Config, text: str, notice: bool = False) -> None:
     """Say ``text`` once, as a warning of the session; a usage error where a filter makes
-    ``GpuIsoStartWarning`` an error."""
+    ``GpuIsoStartWarning`` an error, unless it is a ``notice`` (``warn_session``)."""
     from ..warning_types import GpuIsoStartWarning, warn_session
 
     text = f"gpu-isolate: {text}"
-    if not warn_session(config, GpuIsoStartWarning(text)):
+    if not warn_session(config, GpuIsoStartWarning(text), notice=notice, stacklevel=2):
         raise pytest.UsageError(f"{text} (GpuIsoStartWarning is an error by -W/filterwarnings)")
 
 

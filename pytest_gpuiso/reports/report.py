@@ -58,6 +58,13 @@ def _tests(records: list[dict[str, Any]]) -> int:
     return len({r["nodeid"] for r in records})
 
 
+def _ran(record: dict[str, Any]) -> bool:
+    """Whether a process of its own ran the test (not: a bad marker, a lease it never got,
+    a process that could not start)."""
+    start = record.get("start")
+    return record.get("pid") is not None and not (isinstance(start, dict) and start.get("error"))
+
+
 def _attempt(record: dict[str, Any]) -> str:
     """The attempt of a rerun test's record, as " (attempt 2)"; "" for other records."""
     attempt = record.get("attempt", 1)
@@ -69,13 +76,19 @@ def terminal_summary(
     records: list[dict[str, Any]],
     path: Path | None,
     baseline: dict[str, Any] | None = None,
+    clock: tuple[float, float] | None = None,
 ) -> None:
+    """``clock``: the session's wall time after collection and every test's own time
+    (setup, call, teardown), where one process ran them all (``wall_line``)."""
     timed_out = [r for r in records if ending(r).kind == "timeout"]
     crashed = [r for r in records if ending(r).kind == "crash"]
     escaped = sum(len(r.get("escaped", [])) for r in records)
     reruns = sum(1 for r in records if r["outcome"] == "rerun")
     tr.write_sep("-", "gpu-isolate")
-    parts = [f"{_tests(records)} isolated"] + ([f"{reruns} rerun"] if reruns else [])
+    ran = [r for r in records if _ran(r)]
+    unstarted = _tests([r for r in records if not _ran(r) and r["outcome"] == "error"])
+    parts = [f"{_tests(ran)} isolated"] + ([f"{unstarted} never started"] if unstarted else [])
+    parts += [f"{reruns} rerun"] if reruns else []
     parts += [f"{len(timed_out)} timed out", f"{len(crashed)} crashed"]
     if escaped:
         parts.append(f"{count_text(escaped, 'escaped process', 'escaped processes')} killed")
@@ -86,6 +99,8 @@ def terminal_summary(
     cost = cost_line(records)
     if cost:
         tr.write_line("gpu-isolate: " + cost)
+        if clock is not None:
+            tr.write_line("gpu-isolate: " + wall_line(*clock))
     again = fixtures.rebuilt(records)  # said once a session, where it surprises
     if again:
         tr.write_line("gpu-isolate: " + again, yellow=True)
@@ -176,6 +191,16 @@ def cost_line(records: list[dict[str, Any]]) -> str:
     if waited >= 0.05:
         line += f"; {_seconds(waited)} waiting for GPUs"
     return line
+
+
+def wall_line(wall: float, own: float) -> str:
+    """What users compare against: the session's wall clock after collection beside the
+    tests' own time (in-process, the two differ by pytest's bookkeeping only)."""
+    return (
+        f"wall clock {_seconds(wall)} after collection for {_seconds(own)} of the tests' own "
+        f"setup, call and teardown: {_seconds(max(0.0, wall - own))} more, about what "
+        "running in-process saves"
+    )
 
 
 def _seconds(value: float) -> str:

@@ -114,6 +114,11 @@ class GpuIso:
                 *self.plugin_args, *self.start_options, *args, timeout=timeout
             )
 
+    def run_as_installed(self, *args: str, timeout: float = 180) -> pytest.RunResult:
+        """``run`` with every installed plugin loaded, as users run: pytest then marks the
+        plugins' packages for assertion rewriting (``run`` loads only those it names)."""
+        return self.pytester.runpytest_subprocess(*self.start_options, *args, timeout=timeout)
+
     def report(self, name: str = "report.json") -> dict:
         return json.loads((self.path / name).read_text())
 

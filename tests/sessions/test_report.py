@@ -11,7 +11,7 @@ import pytest
 
 import pytest_gpuiso
 from pytest_gpuiso.reports.record import Exit, Record, Start
-from pytest_gpuiso.reports.report import cost_line
+from pytest_gpuiso.reports.report import cost_line, wall_line
 
 # pytest's report formats, hooks and internals: CI's lowest-versions stage runs them all
 pytestmark = pytest.mark.versions
@@ -93,7 +93,7 @@ def test_json_report_records_every_isolated_test(gpuiso_spawn, xdist):
     # what isolation cost, from the same records the report holds
     cost = cost_line(list(records.values()))
     assert cost.startswith("isolation cost ") and f" over {len(EXPECTED)} tests (~" in cost
-    result.stdout.fnmatch_lines([f"gpu-isolate: {cost}"])
+    result.stdout.fnmatch_lines([f"gpu-isolate: {cost}", "gpu-isolate: wall clock * s after *"])
 
 
 def test_the_cost_line_sums_what_each_process_took_beyond_its_test():
@@ -119,6 +119,16 @@ def test_the_cost_line_sums_what_each_process_took_beyond_its_test():
         "call and teardown"
     )
     assert cost_line([record(0.0, 0.0, startup=None)]) == ""
+
+
+def test_the_wall_clock_line_says_what_in_process_would_save():
+    """The session's wall clock after collection against the tests' own time: what users
+    compare (a run in-process), beside the processes' cost."""
+    assert wall_line(7.9, 3.5) == (
+        "wall clock 7.9 s after collection for 3.5 s of the tests' own setup, call and "
+        "teardown: 4.4 s more, about what running in-process saves"
+    )
+    assert wall_line(1.0, 1.2).endswith(": 0.0 s more, about what running in-process saves")
 
 
 def test_report_path_from_ini_is_relative_to_invocation_dir(gpuiso_spawn):

@@ -58,6 +58,12 @@ def test_timeout_raises_with_the_stack():
     assert "timed out after 1 s" in message
     assert "in hang" in message
     assert isinstance(info.value, TimeoutError)
+    # the caller's frames, not the plugin's; the exception by its public name
+    assert "pytest_gpuiso/" not in message, message
+    assert "frames of pytest and pytest-gpuiso internals" in message
+    assert f"{type(info.value).__module__}.{type(info.value).__qualname__}" == (
+        "pytest_gpuiso.IsolatedTimeout"
+    )
 
 
 def test_crash_names_the_signal():

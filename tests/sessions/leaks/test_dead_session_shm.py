@@ -6,6 +6,7 @@ shim's logs there: deleted with --gpu-isolate-cleanup, else named, said once eit
 from __future__ import annotations
 
 import contextlib
+import re
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -52,8 +53,10 @@ def test_with_cleanup_the_next_session_deletes_it_and_says_so_once(
         result = gpuiso.run(DEVICES, "--gpu-isolate-cleanup", f"{PROGRAM}::test_next")
         result.assert_outcomes(passed=1, warnings=1)
         [line] = _lines(result)
-        assert line.strip() == (
-            "gpu-isolate:0: GpuIsoStartWarning: gpu-isolate: deleted 1 /dev/shm entry "
+        where, _, said = line.strip().partition(": ")
+        assert re.fullmatch(r".*/pytest_gpuiso/[\w/]+\.py:\d+", where), line  # our line
+        assert said == (
+            "GpuIsoStartWarning: gpu-isolate: deleted 1 /dev/shm entry "
             f"(1 MiB) created by the tests of a pytest session that died (pid {dead}): "
             f"{segment}"
         ), line

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -52,7 +53,7 @@ def _seen(log: Path) -> dict[str, dict]:
 
 
 def _start_warnings(result: pytest.RunResult) -> list[str]:
-    return [line for line in result.outlines if "GpuIsoStartWarning" in line]
+    return [line for line in result.outlines if ": GpuIsoStartWarning: " in line]
 
 
 def _in_process(iso: GpuIso, log: Path) -> dict[str, dict]:
@@ -118,7 +119,8 @@ def test_a_thread_no_library_stops_makes_the_server_refuse_once(iso: GpuIso) -> 
     )
     result.assert_outcomes(passed=2, warnings=1)
     [warning] = _start_warnings(result)
-    assert warning.strip().startswith("gpu-isolate:0: GpuIsoStartWarning: "), warning
+    # located at the line of ours that issued it (a file, not a made-up name)
+    assert re.match(r".*/pytest_gpuiso/[\w/]+\.py:\d+: GpuIsoStartWarning: ", warning), warning
     assert (
         "the fork server refused to fork: the fork server has 2 threads (importing "
         "start_thread_mod started 1; gpuiso-test-poller); a fork could deadlock; isolated "

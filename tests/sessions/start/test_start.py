@@ -108,7 +108,7 @@ def _starts(iso: GpuIso, *more: str) -> dict[str, dict]:
 
 
 def _start_warnings(result: pytest.RunResult) -> list[str]:
-    return [line for line in result.outlines if "GpuIsoStartWarning" in line]
+    return [line for line in result.outlines if ": GpuIsoStartWarning: " in line]
 
 
 # --------------------------------------------------------------------------- the default
@@ -712,13 +712,15 @@ def test_waiting_processes_do_not_outlive_the_session(gpuiso: GpuIso, logs: Logs
         (
             ["--gpu-isolate-preload=nosuchmodule_xyz"],
             "",
-            "invalid value 'nosuchmodule_xyz' for --gpu-isolate-preload: "
-            "no module named 'nosuchmodule_xyz'",
+            "invalid value 'nosuchmodule_xyz' for --gpu-isolate-preload: expected none, or "
+            "names of installed modules separated by commas or spaces (no module named "
+            "'nosuchmodule_xyz')",
         ),
         (
             ["--gpu-isolate-preload=1bad"],
             "",
-            "invalid value '1bad' for --gpu-isolate-preload: '1bad' is not a module name",
+            "invalid value '1bad' for --gpu-isolate-preload: expected none, or names of "
+            "installed modules separated by commas or spaces ('1bad' is not a module name)",
         ),
         (
             ["--gpu-isolate-prewarm=-1"],

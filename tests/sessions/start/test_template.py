@@ -396,7 +396,7 @@ def test_no_precollect_forks_from_the_parsed_configuration(env: Env) -> None:
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     assert [line for line in result.errlines if line] == [
         "ERROR: gpu-isolate: invalid value 'sometimes' for ini gpu_isolate_precollect: "
-        "expected true or false"
+        "expected true or false (also yes/no, y/n, t/f, on/off, 1/0)"
     ]
 
 
@@ -447,13 +447,13 @@ def test_forks_wait_for_a_template_that_is_still_collecting(env: Env) -> None:
         False,
         "the template was still collecting after 0 s",
     )
-    for value, expected in [("soon", ">= 0"), ("1e10", "from 0 to 240")]:
+    for value in ("soon", "1e10"):  # both name the one range accepted
         env.monkeypatch.setenv(TEMPLATE_WAIT_ENV, value)
         result = env.run("test_template_slow.py")
         assert result.ret == pytest.ExitCode.USAGE_ERROR
         assert [line for line in result.errlines if line] == [
             f"ERROR: gpu-isolate: invalid value {value!r} for environment variable "
-            f"{TEMPLATE_WAIT_ENV}: expected a number of seconds {expected}"
+            f"{TEMPLATE_WAIT_ENV}: expected a number of seconds from 0 to 240"
         ]
 
 
@@ -619,7 +619,7 @@ def test_threaded_fork_server_falls_back_to_spawn(env: Env) -> None:
     (env.iso.path / "conftest_heartbeat_thread.py").rename(env.iso.path / "conftest.py")
     result = env.run(program)
     result.assert_outcomes(passed=2, warnings=1)
-    [warning] = [line for line in result.outlines if "GpuIsoStartWarning" in line]
+    [warning] = [line for line in result.outlines if ": GpuIsoStartWarning: " in line]
     assert "2 threads" in warning and "heartbeat" in warning, warning
     assert {r["start"]["method"] for r in env.iso.records().values()} == {"spawn"}
 

@@ -77,11 +77,13 @@ def test_the_next_session_ends_a_dead_sessions_daemons_and_says_so_once(
         result = gpuiso.run(DEVICES, f"{PROGRAM}::test_next")
         result.assert_outcomes(passed=1, warnings=1)
         [line] = _ended_lines(result)
+        where, _, said = line.strip().partition(": ")
+        assert re.fullmatch(r".*/pytest_gpuiso/[\w/]+\.py:\d+", where), line  # our line
         head = (
-            "gpu-isolate:0: GpuIsoStartWarning: gpu-isolate: ended 2 processes left running "
+            "GpuIsoStartWarning: gpu-isolate: ended 2 processes left running "
             f"by a pytest session that died (pid {dead}): pid "
         )
-        assert line.strip().startswith(head), line
+        assert said.startswith(head), line
         assert sorted(map(int, re.findall(r"(?:\): |; )pid (\d+) ", line))) == sorted(daemons)
         assert wait_gone(daemons, timeout=5) == []
         assert list(private_tmpdir.iterdir()) == []

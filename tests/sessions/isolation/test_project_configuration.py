@@ -1,0 +1,128 @@
+"""The project's own configuration is law: a strict project (warnings as errors, strict
+markers and config, xfail_strict, live logs) runs isolated as it runs in-process, and a
+test's process that cannot start says its own reason, once the same reason repeats for
+every later test at once, and stops a session where none can start. Each test runs the
+programs in fixtures/programs/isolation/ through a real pytest session."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import pytest
+
+STRICT = "strict_project"
+FAILS = "start_fails"
+STRICT_OUTCOMES = {"passed": 4, "failed": 1, "xfailed": 1}
+CAUSE = "RuntimeError: this plugin cannot run here"
+
+
+def _summary(result: pytest.RunResult) -> set[str]:
+    """The short test summary's line of each test (-rA), e.g. "PASSED test_strict.py::x"."""
+    return {line for line in result.outlines if re.match(r"(PASSED|FAILED|XFAIL) \S+::", line)}
+
+
+def _strict(gpuiso, monkeypatch) -> None:
+    """The strict project, with a plugin distribution that lists pytest_gpuiso's files (as
+    an installed wheel does) on the path: pytest marks it for rewriting at start-up."""
+    gpuiso.copy(STRICT)
+    site = gpuiso.path / STRICT / "site"
+    path = os.environ.get("PYTHONPATH")
+    monkeypatch.setenv("PYTHONPATH", f"{site}{os.pathsep}{path}" if path else str(site))
+
+
+# pytest's configuration (rewrite marks, config-time warnings) and the installed plugins:
+# CI's wheel stage runs them with pytest-gpuiso installed from the wheel
+@pytest.mark.installation
+@pytest.mark.parametrize(
+    "warnings", ["ini", "-W error", "PYTHONWARNINGS=error", "--import-mode=importlib"]
+)
+def test_a_strict_project_ends_isolated_as_in_process(gpuiso, monkeypatch, warnings) -> None:
+    """filterwarnings = error (ini), -W error, PYTHONWARNINGS=error (the interpreter's own,
+    from its start: our bootstrap too) and importlib mode: the same outcomes as in-process,
+    test by test; no process failed to start."""
+    _strict(gpuiso, monkeypatch)
+    args = ["--gpu-isolate", "--gpu-isolate-report=report.json", "-rA"]
+    if warnings.startswith("-"):
+        args += warnings.split()
+    elif warnings.startswith("PYTHONWARNINGS"):
+        monkeypatch.setenv("PYTHONWARNINGS", "error")
+    in_process = gpuiso.run_as_installed("--no-gpu-isolate", *args[2:], STRICT)
+    in_process.assert_outcomes(**STRICT_OUTCOMES)
+    result = gpuiso.run_as_installed(*args, STRICT)
+    result.assert_outcomes(**STRICT_OUTCOMES)
+    assert _summary(result) == _summary(in_process)
+    records = gpuiso.records()
+    assert len(records) == 6
+    assert all("error" not in r["start"] and r["pid"] for r in records.values()), records
+    result.stdout.fnmatch_lines(["gpu-isolate: 6 isolated, 0 timed out, 0 crashed"])
+
+
+def test_a_process_that_cannot_start_says_why_and_the_session_stops(gpuiso, monkeypatch) -> None:
+    """No test's process can start: its own error is the test's (the traceback with -v),
+    not retried; the second test's same error stops the session at once, in one line;
+    the records say why, with the process's pid; the summary counts the tests that never
+    started apart from the isolated ones."""
+    gpuiso.copy(FAILS)
+    monkeypatch.setenv("START_FAILS", "always")
+    result = gpuiso.run("--gpu-isolate", "--gpu-isolate-report=report.json", "-p", "no:randomly")
+    result.assert_outcomes(errors=2)
+    assert result.ret == pytest.ExitCode.INTERRUPTED
+    result.stdout.fnmatch_lines(
+        [
+            "*ERROR at setup of test_1*",
+            f"gpu-isolate: the test's process could not start: {CAUSE}",
+            "(-v shows the traceback of the test's process)",
+            "gpu-isolate: 0 isolated, 2 never started, 0 timed out, 0 crashed",
+            f"*Interrupted: gpu-isolate: no test's process can start: {CAUSE}*",
+        ]
+    )
+    text = result.stdout.str()
+    assert "another process" not in text and "INTERNALERROR" not in text
+    records = gpuiso.records()
+    assert sorted(records) == [f"{FAILS}/test_start_fails.py::test_{n}" for n in (1, 2)]
+    for record in records.values():
+        assert record["outcome"] == "error"
+        assert isinstance(record["pid"], int)
+        start = record["start"]
+        assert (start["error"], start["tried"]) == (CAUSE, True)
+        assert "start_fails/conftest.py" in start["traceback"], start["traceback"]
+    verbose = gpuiso.run(
+        "--gpu-isolate", "-v", "-p", "no:randomly", f"{FAILS}/test_start_fails.py::test_1"
+    )
+    verbose.assert_outcomes(errors=1)
+    verbose.stdout.fnmatch_lines(
+        [f"gpu-isolate: the test's process could not start: {CAUSE}", "*Traceback*", CAUSE]
+    )
+
+
+def test_a_repeated_start_failure_fails_later_tests_at_once(gpuiso_spawn, tmp_path, monkeypatch):
+    """A test's process ran its test, then two could not start with the same error: the
+    session goes on, and the tests after fail at once with that error, no process started
+    for them (each started afresh: no prewarming, which would configure them early)."""
+    gpuiso_spawn.copy(FAILS)
+    monkeypatch.setenv("START_FAILS", str(tmp_path / "flag"))
+    result = gpuiso_spawn.run(
+        "--gpu-isolate", "--gpu-isolate-prewarm=0", "--gpu-isolate-report=report.json"
+    )
+    result.assert_outcomes(passed=1, errors=4)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(
+        ["gpu-isolate: 1 isolated, 4 never started, 0 timed out, 0 crashed"]
+    )
+    records = gpuiso_spawn.records()
+    tried = {nodeid.rsplit("_", 1)[1]: r["start"].get("tried") for nodeid, r in records.items()}
+    assert tried == {"1": None, "2": True, "3": True, "4": False, "5": False}
+    assert {r["start"].get("error") for r in records.values()} == {None, CAUSE}
+    report = json.loads((gpuiso_spawn.path / "report.json").read_text())
+    assert [r["pid"] is None for r in report["tests"]] == [False, False, False, True, True]
+
+
+def test_a_conftest_that_asks_for_xdist_workers_runs_its_tests_isolated(gpuiso) -> None:
+    """The conftest sets -n in pytest_cmdline_main where the process is no xdist worker (a
+    test's process is none): there it runs its one test, and starts no workers."""
+    gpuiso.copy("conftest_sets_workers")
+    result = gpuiso.run("--gpu-isolate", "-p", "no:randomly", "conftest_sets_workers")
+    result.assert_outcomes(passed=1)
+    assert "could not start" not in result.stdout.str()
