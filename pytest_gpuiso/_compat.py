@@ -69,7 +69,9 @@ def retarget_basetemp(config: Any, basetemp: str) -> None:
     too; elsewhere pytest's tmpdir plugin makes a new factory.
     """
     factory = getattr(config, "_tmp_path_factory", None)
-    if factory is not None and hasattr(factory, "_given_basetemp"):
+    if factory is None:  # -p no:tmpdir: no tmp_path, nothing to point
+        return
+    if hasattr(factory, "_given_basetemp"):
         factory._given_basetemp = Path(os.path.abspath(basetemp))
         factory._basetemp = None
         return

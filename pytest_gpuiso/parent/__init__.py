@@ -2,7 +2,8 @@
 
 Runs in pytest's process only. ``runner`` takes a test down one straight path: its plan
 (``jobs``), its GPU lease, its process started (``launcher``, ``started``, ``prewarm``)
-and watched to its end (``supervisor``, ``watch``, ``leaving``), what it sent decoded
+and watched to its end (``supervisor``, ``watch``, ``leaving``) or counted among those
+that could not start (``start_failures``), what it sent decoded
 (``outcome``, ``results``) and replayed into pytest (``replay``); ``session`` holds the
 session's side of isolation and ``call`` runs a function isolated (``run_isolated``).
 Owns the tests' processes and the leases they hold; never creates a CUDA context.

@@ -40,7 +40,7 @@ from ..settings import IsolationSpec
 from ..values import KINDS
 from ..warning_types import GpuIsoStartWarning, warn_session
 from ..wire.environment import MEMORY_ENV
-from . import replay, supervisor
+from . import replay, start_failures, supervisor
 from .jobs import PLAN, Plan, plan_for
 from .launcher import StartError
 from .outcome import Outcome
@@ -54,8 +54,9 @@ from .results import (
     skip_reports,
 )
 from .session import STATE, State, health, isolated, launcher, settle
+from .start_failures import StartFailure
 from .started import Started
-from .supervisor import Running, StartFailure
+from .supervisor import Running
 from .watch import Bounds
 
 
@@ -142,9 +143,7 @@ def run_item(item: pytest.Item, nextitem: pytest.Item | None) -> Ran:
         elif plan.missing is not None:
             ran = Ran(skip_reports(item, f"gpu-isolate: test needs {plan.missing}"))
         elif state.cannot_start is not None:  # no process of this session can start
-            failure = state.cannot_start
-            reports = setup_error_reports(item, failure.message(_verbose(item)))
-            ran = Ran(reports, spec, start_failure=failure)
+            ran = Ran(state.cannot_start.reports(item), spec, start_failure=state.cannot_start)
         else:
             running = _go(item, plan, state, turn)
             if isinstance(running, Ran):
@@ -261,9 +260,9 @@ def _finish(item: pytest.Item, plan: Plan, state: State, turn: Turn, running: Ru
         checked = checks.after(item.nodeid, lease, outcome, _shared(spec, state))
     number = turn.port.port if turn.port is not None else None
     turn.release(state)
-    failure = supervisor.start_failure(outcome)
+    failure = start_failures.of(outcome)
     start_error = _tell_start_problems(item, state)
-    halt = _note_start(state, outcome, failure)
+    halt = start_failures.note(state, outcome, failure)
     leaks = outcome.leaks + [torch_check.leak(data) for data in outcome.torch_leaks]
     known = state.baseline.kinds(item.nodeid) if state.baseline is not None else frozenset()
     verdict = judge(leaks, dict(state.settings.leaks), spec.allow_leaks, known)
@@ -275,10 +274,7 @@ def _finish(item: pytest.Item, plan: Plan, state: State, turn: Turn, running: Ru
     if outcome.finished and outcome.output and failure is None:  # not its start's noise
         replay.echo(item.config, outcome.output)
     stop = outcome.exits or start_error
-    if failure is not None:
-        reports = setup_error_reports(item, failure.message(_verbose(item)))
-    else:
-        reports = item_reports(item, spec, outcome, verdict)
+    reports = failure.reports(item) if failure else item_reports(item, spec, outcome, verdict)
     attach_xids(item, reports, checked.get("xids", []) if checked else [])
     payload: dict[str, Any] = {}
     for sent in outcome.payloads:  # one, unless a plugin misbehaved
@@ -307,26 +303,6 @@ def _finish(item: pytest.Item, plan: Plan, state: State, turn: Turn, running: Ru
         start_failure=failure,
         halt=halt,
     )
-
-
-def _verbose(item: pytest.Item) -> bool:
-    return item.config.get_verbosity() > 0
-
-
-def _note_start(state: State, outcome: Outcome, failure: StartFailure | None) -> str | None:
-    """Keep count of the processes that could not start. The same failure twice in a row:
-    the tests after fail at once with it; and where no test's process began its test yet
-    in this session, none can: the session stops, for the reason returned (``Ran.halt``)."""
-    if failure is None:
-        state.began = state.began or outcome.began is not None
-        state.start_failed = None
-        return None
-    again = state.start_failed is not None and state.start_failed.line == failure.line
-    state.start_failed = failure
-    if not again:
-        return None
-    state.cannot_start = failure
-    return None if state.began else f"gpu-isolate: no test's process can start: {failure.line}"
 
 
 def _warm_while_waiting(plan: Plan, state: State) -> Started | None:

@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # what isolating needs is imported when a test is first isola
     from ..reports.baseline import Baseline
     from .launcher import Launcher
     from .prewarm import Prewarmer
-    from .supervisor import StartFailure
+    from .start_failures import StartFailure
 
 
 @dataclass

@@ -21,8 +21,7 @@ up its user's processes, after the launcher's last look at it), ran none of its 
 code: the go is still in its pipe, or could not be written there. ``Running.unstarted``
 says so, and the runner starts another (``REPLACEMENTS`` at most). One that read it is
 the test's: its death is the test's crash, never run again. One that said why it could
-not go on before its test began (an error: its configuration, a plugin, a conftest)
-failed to start (``start_failure``): another would fail alike, none is started.
+not go on before its test began failed to start (``start_failures``): none is started.
 """
 
 from __future__ import annotations
@@ -33,14 +32,13 @@ import fcntl
 import os
 import termios
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from ..leaks import Leak, Probe, RunInfo
 from ..leaks.process import ProcessProbe
 from ..proc.proctree import Child, children, descendant_keys
 from ..proc.workdir import remove
-from ..wire import frames, jobs
+from ..wire import jobs
 from . import leaving
 from .launcher import Launcher
 from .outcome import Outcome, captured_tail, read_output, signal_name
@@ -57,36 +55,6 @@ def unstarted_error(how: str, died: int) -> str:
         f"{died - 1} started to replace it: another process kills this session's waiting "
         "processes (a test or a tool that kills its user's processes, such as pkill -f)"
     )
-
-
-@dataclass(frozen=True)
-class StartFailure:
-    """Why a test's process ended before its test began, in the process's own words."""
-
-    line: str  # what went wrong, in one line
-    text: str  # everything it said (the traceback)
-
-    def message(self, verbose: bool) -> str:
-        """A test's error: the line, then the traceback (with -v) or where to see it."""
-        more = self.text if verbose else "(-v shows the traceback of the test's process)"
-        return f"the test's process could not start: {self.line}\n\n{more}"
-
-
-def start_failure(outcome: Outcome) -> StartFailure | None:
-    """The process's own error when it ended, unkilled and in time, before its test began
-    and before it reported anything; None otherwise (the test's outcome is its own)."""
-    if outcome.began is not None or outcome.timed_out or outcome.signal_name:
-        return None
-    if outcome.reports or not outcome.errors:
-        return None
-    text = "\n\n".join(outcome.errors)
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    if not lines:
-        return StartFailure("(it said nothing more)", text)
-    line = lines[0].removeprefix("internal error in the isolated process: ")
-    if line.endswith(":"):  # a heading (pytest's INTERNALERROR): the error is its last line
-        line = lines[-1].removeprefix("INTERNALERROR>").strip().removeprefix("E").strip()
-    return StartFailure(line, text)
 
 
 def go(
@@ -180,9 +148,9 @@ class Running:
         finally:
             duration = time.monotonic() - self.go_at
             launcher.finished(started, watched.left)
-            said = frames.ERROR in watched.received.kinds  # why it ended, in its words
-            if not interrupted and watched.expired is None and not watched.left and not said:
-                self.unstarted = self._died_before_go()
+            died = None  # before its go; not yet known whether it said why (``decode``)
+            if not interrupted and watched.expired is None and not watched.left:
+                died = self._died_before_go()
             leaks = self._check(interrupted, watched.left)
             started.close()
             written = read_output(started.output) if started.output else ""
@@ -205,6 +173,7 @@ class Running:
             uncollected=started.uncollected,
         ).decode(watched.received, watched.cutoff)
         outcome.collected = outcome.collected or outcome.ahead
+        self.unstarted = died if not outcome.errors else None  # one that said why: its own
         if interrupted and watched.cutoff is None:  # a test's Ctrl-C (not past a bound):
             # its leaks are reported, then the session ends
             stop = {"interrupt": True, "message": "KeyboardInterrupt", "returncode": None}

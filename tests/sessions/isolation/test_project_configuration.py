@@ -59,6 +59,22 @@ def test_a_strict_project_ends_isolated_as_in_process(gpuiso, monkeypatch, warni
     result.stdout.fnmatch_lines(["gpu-isolate: 6 isolated, 0 timed out, 0 crashed"])
 
 
+@pytest.mark.parametrize(
+    "plugin",
+    ["tmpdir", "legacypath", "logging", "warnings", "junitxml", "faulthandler", "monkeypatch"],
+)
+def test_a_builtin_plugin_turned_off_changes_nothing_isolated(gpuiso, plugin) -> None:
+    """-p no:NAME of one of pytest's own plugins: the tests that need it end as they do
+    in-process (an error: no such fixture), the others pass; no process fails to start."""
+    gpuiso.copy("builtin_fixtures")
+    args = ("-p", f"no:{plugin}", "-rA", "builtin_fixtures")
+    in_process = gpuiso.run("--no-gpu-isolate", *args)
+    result = gpuiso.run("--gpu-isolate", *args)
+    assert result.parseoutcomes() == in_process.parseoutcomes()
+    assert _summary(result) == _summary(in_process), result.stdout.str()
+    assert "could not start" not in result.stdout.str()
+
+
 def test_a_process_that_cannot_start_says_why_and_the_session_stops(gpuiso, monkeypatch) -> None:
     """No test's process can start: its own error is the test's (the traceback with -v),
     not retried; the second test's same error stops the session at once, in one line;
