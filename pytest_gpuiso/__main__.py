@@ -29,9 +29,10 @@ an existing durations file is updated: tests this run did not run keep their ent
 exit status: 0 when the outputs were written; 2 for a usage error (no REPORT, none of
 --markdown, --json, --durations) or when an input report cannot be read or used (missing, not
 JSON, another version, a malformed record: nothing is written then) or an output cannot
-be written, with one line on stderr: "error: PATH: problem". A test found in more than
-one shard (overlapping shards) is merged anyway, with one "warning: NODEID is in N
-shards: ..." line on stderr for each such test."""
+be written, with one line on stderr: "error: PATH: problem". Tests found in more than
+one shard (overlapping shards) are merged anyway, each counted once (every attempt of it
+in the shard that holds its last attempt), with one line on stderr: "warning: N tests
+are in more than one shard ...", naming the first few and their shards."""
 
 
 def _error(message: str, status: int = 2) -> int:
@@ -43,20 +44,21 @@ def _error(message: str, status: int = 2) -> int:
 def _merge(opts: argparse.Namespace) -> int:
     from .reports import files, report, shards
 
-    merged: list[dict] = []  # each shard's path and session
     try:
-        records = shards.merge(opts.reports, merged)
+        merged = shards.merge(opts.reports)
         kept = shards.read_durations(opts.durations) if opts.durations is not None else None
     except shards.ReportError as exc:
         return _error(str(exc))
-    for line in shards.duplicates(records):  # overlapping shards: counted twice
-        print(f"warning: {line}", file=sys.stderr)
+    overlap = shards.overlap_line(merged.overlapping)
+    if overlap:
+        print(f"warning: {overlap}", file=sys.stderr)
+    records, runs = merged.records, merged.runs
     tests = len({r["nodeid"] for r in records})  # a rerun test has a record per attempt
     shards_text = f"{tests} tests from {len(opts.reports)} reports"
     text = report.markdown(records)
     durations = json.dumps(shards.durations(records, kept), indent=2, sort_keys=True) + "\n"
     outputs = [
-        (opts.json, "JSON report", lambda path: files.write_json(path, records, shards=merged)),
+        (opts.json, "JSON report", lambda path: files.write_json(path, records, shards=runs)),
         (opts.markdown, "Markdown summary", lambda path: files.write_text(path, text)),
         (opts.durations, "durations file", lambda path: files.write_text(path, durations)),
     ]
@@ -90,10 +92,11 @@ COMPARE_HELP = """\
 compare two JSON reports (--gpu-isolate-report, or shards merged with `merge --json`),
 test by test on each test's last attempt: a leak kind, crash or timeout a test has in
 HEAD and did not have in BASE, a start-up or GPU memory peak that grew past its
-threshold (new); what BASE had and HEAD no longer has (fixed); tests on one side only
-(listed, never new). What is new can also become GitHub annotations at the tests' lines
-and a GitLab Code Quality report. The Markdown is also appended to $GITHUB_STEP_SUMMARY
-when that is set.
+threshold (new); what BASE had and HEAD no longer has (fixed). A test only in HEAD (one
+the change added) is listed, and what it does wrong is new: a leak its marker does not
+allow, a crash, a timeout. A test only in BASE is listed for information, never counted.
+What is new can also become GitHub annotations at the tests' lines and a GitLab Code
+Quality report. The Markdown is also appended to $GITHUB_STEP_SUMMARY when that is set.
 
 With --write-baseline FILE, also write HEAD's leaks as a leak baseline
 (--gpu-isolate-leak-baseline); given one report, only that.

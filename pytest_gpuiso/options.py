@@ -361,14 +361,14 @@ OPTIONS: tuple[Option, ...] = (
 # Settings fields no row fills: the post-step of read_settings makes them from other values.
 DERIVED = ("template_wait",)
 
-
 # What most users set, first in ``pytest --help``; the others (tuning) in a group of their own.
 MAIN = frozenset(
     f"gpu_isolate{suffix}"
     for suffix in ("", "_timeout", "_start", "_gpus", "_devices", "_leaks", "_report", "_summary")
 )
+REFERENCE = "https://github.com/pytest-gpuiso/pytest-gpuiso/blob/main/docs/options.md"
 MAIN_GROUP = ("gpu-isolate", "GPU test isolation (pytest-gpuiso)")
-TUNING_GROUP = ("gpu-isolate-tuning", "GPU test isolation, tuning (pytest-gpuiso: docs/options.md)")
+TUNING_GROUP = ("gpu-isolate-tuning", f"GPU test isolation, tuning (pytest-gpuiso: {REFERENCE})")
 
 
 def add_options(parser: pytest.Parser) -> None:

@@ -13,6 +13,8 @@ This module imports only ``values`` and ``options`` of pytest-gpuiso's.
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +33,7 @@ from .values import (
     TEMPLATE_WAIT_DEFAULT,
     GpuMemory,
     SpecError,
+    bad_value,
     parse_allowed,
     parse_count,
     parse_memory,
@@ -123,16 +126,13 @@ def spec_for_item(item: pytest.Item, settings: Settings) -> IsolationSpec:
     marker = item.get_closest_marker(MARKER)
     kwargs: dict[str, Any] = dict(marker.kwargs) if marker is not None else {}
     if marker is not None and marker.args:
-        raise SpecError(
-            f"invalid {MARKER} marker: positional arguments {marker.args!r} are not accepted; "
-            f"use keyword arguments ({', '.join(MARKER_KWARGS)})"
-        )
+        keywords = ", ".join(f"{k}=" for k in MARKER_KWARGS)
+        what = f"{MARKER} marker positional arguments"
+        raise bad_value(marker.args, what, f"none, only keyword arguments {keywords}")
     unknown = sorted(set(kwargs) - set(MARKER_KWARGS))
     if unknown:
-        raise SpecError(
-            f"invalid {MARKER} marker argument {unknown[0]!r}: "
-            f"expected one of {', '.join(MARKER_KWARGS)}"
-        )
+        names = f"{', '.join(MARKER_KWARGS[:-1])} or {MARKER_KWARGS[-1]}"
+        raise bad_value(unknown[0], f"{MARKER} marker argument name", names)
 
     if "timeout" in kwargs:
         timeout = parse_seconds(
@@ -257,13 +257,18 @@ def _given(config: pytest.Config, option: Option) -> tuple[Any, str] | None:
     return None
 
 
+# What pytest reads as a bool ini key (``_pytest.config._strtobool``), case aside.
+TRUTH_VALUES = "true or false (also yes/no, y/n, t/f, on/off, 1/0)"
+
+
 def _ini_bool(config: pytest.Config, name: str) -> bool:
     """An ini key of type bool; pytest's error on a bad value becomes one line naming it."""
     try:
         return bool(config.getini(name))
     except (ValueError, TypeError, pytest.UsageError) as exc:  # "invalid truth value 'x'"
         text = str(exc)
-        value = text.removeprefix("invalid truth value ") if "truth value" in text else ""
-        raise SpecError(
-            f"invalid value {value or text} for ini {name}: expected true or false"
-        ) from None
+        given: Any = text
+        if text.startswith("invalid truth value "):
+            with contextlib.suppress(ValueError, SyntaxError):  # its repr, read back
+                given = ast.literal_eval(text.removeprefix("invalid truth value "))
+        raise bad_value(given, f"ini {name}", TRUTH_VALUES) from None

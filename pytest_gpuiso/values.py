@@ -1,15 +1,17 @@
 """Every value pytest-gpuiso accepts, parsed and checked: the bottom floor.
 
 Each parser takes the value as given and where it came from, and raises ``SpecError``
-with one line naming it (``--gpu-isolate-timeout``, ``ini gpu_isolate_timeout``,
-``marker argument timeout``); callers turn it into a usage error (CLI, ini) or the
-test's setup error (marker). The defaults and bounds every setting shares live here too.
+with one line of one shape (``bad_value``): where it came from (``--gpu-isolate-timeout``,
+``ini gpu_isolate_timeout``, ``gpu_isolated marker argument timeout``), the value, and
+every form accepted there; callers turn it into a usage error (CLI, ini) or the test's
+setup error (marker). The defaults and bounds every setting shares live here too.
 
 This module imports nothing of pytest-gpuiso's: everything else may import it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 import os
@@ -52,48 +54,58 @@ class SpecError(ValueError):
     """A bad setting. The message is one line naming the source and the value."""
 
 
+SHOWN = 40  # characters of a bad value's repr an error shows whole (400 digits: the start)
+
+
+def bad_value(value: Any, what: str, expected: str, problem: str = "") -> SpecError:
+    """The one shape of a bad setting's error: ``invalid value V for WHERE: expected
+    FORMS`` (every form accepted there), then what is wrong with it where the forms alone
+    do not say, in parentheses."""
+    shown = repr(value)
+    if len(shown) > SHOWN:  # its start, and the closing quote of a string
+        shown = shown[: SHOWN - 4] + "..." + (shown[-1] if shown[-1] in "'\"" else "")
+    why = f" ({problem})" if problem else ""
+    return SpecError(f"invalid value {shown} for {what}: expected {expected}{why}")
+
+
 def parse_seconds(
     value: Any, what: str, *, allow_zero: bool, high: float = MAX_SECONDS, unit: str = "seconds"
 ) -> float:
     """Parse a duration in seconds (or another ``unit``) up to ``high``; ``what`` names
     the source for the error message."""
-    bound = ">= 0" if allow_zero else "> 0"
-    problem = f"invalid value {value!r} for {what}: expected a number of {unit} {bound}"
-    if isinstance(value, bool):
-        raise SpecError(problem)
-    if isinstance(value, (int, float)):
+    seconds = math.nan
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
         try:
             seconds = float(value)
         except OverflowError:  # an int too large for a float
             seconds = math.inf
     elif isinstance(value, str):
-        try:
+        with contextlib.suppress(ValueError):
             seconds = float(value.strip())
-        except ValueError:
-            raise SpecError(problem) from None
+    low_ok = seconds >= 0 if allow_zero else seconds > 0  # False for NaN
+    if low_ok and seconds <= high and math.isfinite(seconds):
+        return seconds
+    if math.isinf(high):
+        forms = f"a number of {unit} {'>= 0' if allow_zero else '> 0'}"
+    elif allow_zero:
+        forms = f"a number of {unit} from 0 to {high:g}"
     else:
-        raise SpecError(problem)
-    if math.isnan(seconds) or seconds < 0 or (seconds == 0 and not allow_zero):
-        raise SpecError(problem)
-    if seconds > high or math.isinf(seconds):
-        raise SpecError(f"{problem}, at most {high:g}" if math.isfinite(high) else problem)
-    return seconds
+        forms = f"a number of {unit} > 0, at most {high:g}"
+    raise bad_value(value, what, forms)
 
 
 def parse_int(value: Any, what: str, low: int, high: int) -> int:
     """Parse an integer in [low, high] from an option or ini text."""
     number = int(value.strip()) if isinstance(value, str) and value.strip().isdigit() else None
     if number is None or not low <= number <= high or isinstance(value, bool):
-        raise SpecError(
-            f"invalid value {value!r} for {what}: expected an integer from {low} to {high}"
-        )
+        raise bad_value(value, what, f"an integer from {low} to {high}")
     return number
 
 
 def parse_count(value: Any, what: str) -> int:
     """Parse a non-negative integer (a GPU count)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise SpecError(f"invalid value {value!r} for {what}: expected an integer >= 0")
+        raise bad_value(value, what, "an integer >= 0")
     return value
 
 
@@ -101,9 +113,7 @@ def parse_start(value: str, what: str) -> tuple[str, str]:
     """A start method given (and no reason for it: it was chosen)."""
     text = value.strip().lower()
     if text not in START_METHODS:
-        raise SpecError(
-            f"invalid value {value!r} for {what}: expected {' or '.join(START_METHODS)}"
-        )
+        raise bad_value(value, what, " or ".join(START_METHODS))
     return text, ""
 
 
@@ -143,8 +153,11 @@ def parse_warnings(value: str, what: str) -> str:
 def _choice(value: str, what: str, choices: tuple[str, ...]) -> str:
     text = value.strip().lower()
     if text not in choices:
-        raise SpecError(f"invalid value {value!r} for {what}: expected {', '.join(choices)}")
+        raise bad_value(value, what, ", ".join(choices))
     return text
+
+
+PRELOAD_FORMS = "none, or names of installed modules separated by commas or spaces"
 
 
 def parse_preload(value: str, what: str) -> tuple[str, ...]:
@@ -155,14 +168,14 @@ def parse_preload(value: str, what: str) -> tuple[str, ...]:
     names = tuple(dict.fromkeys(n for n in re.split(r"[,\s]+", value.strip()) if n))
     for name in names:
         if not _MODULE_NAME.match(name):
-            raise SpecError(f"invalid value {value!r} for {what}: {name!r} is not a module name")
+            raise bad_value(value, what, PRELOAD_FORMS, f"{name!r} is not a module name")
         top = name.split(".", 1)[0]
         try:
             found = importlib.util.find_spec(top) is not None
         except (ImportError, ValueError):
             found = False
         if not found:
-            raise SpecError(f"invalid value {value!r} for {what}: no module named {top!r}")
+            raise bad_value(value, what, PRELOAD_FORMS, f"no module named {top!r}")
     return names
 
 
@@ -178,19 +191,26 @@ class GpuMemory:
         return self.size or capacity * self.share // WHOLE
 
 
-def parse_size(value: Any, what: str) -> int:
-    """Bytes from an int or ``"12GiB"``, ``"512 MiB"``, ``"1.5GB"``, ``"80000000"``."""
-    shown = repr(value) if len(repr(value)) <= 40 else f"{repr(value)[:36]}...'"  # 400 digits
-    problem = f"invalid value {shown} for {what}: expected bytes or a size like 12GiB or 8GB"
+UNITS_TEXT = "B, KB, MB, GB, TB, KiB, MiB, GiB or TiB"
+SIZE_FORMS = (
+    f"bytes or a size such as 12GiB, 512MiB or 1.5GB (in {UNITS_TEXT}), more than 0 bytes "
+    "and less than 8 EiB"
+)
+MEMORY_FORMS = f"{SIZE_FORMS}, or a share of the GPU such as 25% (more than 0%, at most 100%)"
+
+
+def parse_size(value: Any, what: str, forms: str = SIZE_FORMS) -> int:
+    """Bytes from an int or ``"12GiB"``, ``"512 MiB"``, ``"1.5GB"``, ``"80000000"``
+    (``forms``: what the error says is accepted where the size is read)."""
     if isinstance(value, int) and not isinstance(value, bool):
         size = value
     elif isinstance(value, str) and (m := _SIZE.match(value)):
         whole, fraction, unit = m.group(1), m.group(2) or "", (m.group(3) or "B").upper()
         size = int(whole + fraction) * _UNITS[unit] // 10 ** len(fraction)  # exact
     else:
-        raise SpecError(problem)
+        raise bad_value(value, what, forms)
     if not 0 < size < 1 << 63:
-        raise SpecError(f"{problem} (more than 0 bytes, less than 8 EiB)")
+        raise bad_value(value, what, forms)
     return size
 
 
@@ -217,9 +237,15 @@ def parse_memory(value: Any, what: str) -> GpuMemory:
         except ValueError:
             percent = math.nan
         if not 0 < percent <= 100:
-            raise SpecError(f"invalid value {value!r} for {what}: expected a percentage 0-100")
+            raise bad_value(value, what, MEMORY_FORMS)
         return GpuMemory(value.strip(), share=max(1, round(percent * WHOLE / 100)))
-    return GpuMemory(str(value).strip(), size=parse_size(value, what))
+    return GpuMemory(str(value).strip(), size=parse_size(value, what, MEMORY_FORMS))
+
+
+DEVICES_FORMS = (
+    "auto, none, or GPU indices or UUIDs separated by commas, each once and each with an "
+    "optional :SIZE such as 0:80GiB"
+)
 
 
 def parse_devices(value: str, what: str) -> tuple[list[str] | None, tuple[tuple[str, int], ...]]:
@@ -232,15 +258,13 @@ def parse_devices(value: str, what: str) -> tuple[list[str] | None, tuple[tuple[
     for part in text.split(","):
         name, colon, size = part.strip().partition(":")
         if not CUDA_ID.match(name):
-            raise SpecError(
-                f"invalid value {value!r} for {what}: expected auto, none or a comma-separated "
-                f"list of GPU indices or UUIDs, each with an optional :SIZE (bad entry {part!r})"
-            )
+            raise bad_value(value, what, DEVICES_FORMS, f"bad entry {part!r}")
         names.append(name)
         if colon:
             sizes[name] = parse_size(size, f"{what} (device {name})")
-    if len(set(names)) != len(names):
-        raise SpecError(f"invalid value {value!r} for {what}: a device is listed twice")
+    twice = [name for n, name in enumerate(names) if name in names[:n]]
+    if twice:
+        raise bad_value(value, what, DEVICES_FORMS, f"device {twice[0]} is listed twice")
     return names, tuple(sizes.items())
 
 
@@ -250,21 +274,21 @@ def parse_policy(text: str, what: str) -> dict[str, str]:
     default = "warn"
     named: dict[str, str] = {}
     parts = [part.strip() for part in text.split(",")]
-    expected = f"expected {'|'.join(LEVELS)} or kind=level with kinds {', '.join(KINDS)}"
+    forms = f"{'|'.join(LEVELS)}, or kind=level with kinds {', '.join(KINDS)}, comma-separated"
     seen_default = False
     for part in parts:
         kind, sep, level = (s.strip() for s in part.partition("="))
         if not sep:
             kind, level = "", kind
-        bad = f"invalid value {text!r} for {what}: bad part {part!r}"
+        bad = f"bad part {part!r}"
         if level not in LEVELS or (sep and kind not in KINDS):
-            raise SpecError(f"{bad} ({expected})")
+            raise bad_value(text, what, forms, bad)
         if kind in named:
-            raise SpecError(f"{bad}: {kind} is given twice")
+            raise bad_value(text, what, forms, f"{bad}: {kind} is given twice")
         if kind:
             named[kind] = level
         elif seen_default:
-            raise SpecError(f"{bad}: a level for every kind is given twice")
+            raise bad_value(text, what, forms, f"{bad}: a level for every kind is given twice")
         else:
             default, seen_default = level, True
     return {kind: named.get(kind, default) for kind in KINDS}
@@ -278,30 +302,20 @@ def parse_leaks(text: str, what: str) -> tuple[tuple[str, str], ...]:
 def parse_allowed(value: Any, what: str) -> frozenset[str]:
     """The marker's ``allow_leaks``: a list of kinds (or one kind as a string, or ``"all"``)."""
     items = [value] if isinstance(value, str) else value
+    forms = f"a kind or a list of kinds ({', '.join(KINDS)}), or all"
     if not isinstance(items, (list, tuple, set, frozenset)) or not all(
         isinstance(k, str) for k in items
     ):
-        raise SpecError(
-            f"invalid value {value!r} for {what}: expected a list of kinds ({', '.join(KINDS)})"
-        )
+        raise bad_value(value, what, forms)
     unknown = sorted(set(items) - {*KINDS, "all"})
     if unknown:
-        raise SpecError(
-            f"invalid value {value!r} for {what}: unknown kind {unknown[0]!r} "
-            f"(expected {', '.join(KINDS)} or all)"
-        )
+        raise bad_value(value, what, forms, f"unknown kind {unknown[0]!r}")
     return frozenset(KINDS) if "all" in items else frozenset(items)
 
 
 def parse_template_wait(value: str, what: str) -> float:
     """Seconds a fork request waits for the template: from 0 to ``TEMPLATE_WAIT_MAX``."""
-    wait = parse_seconds(value, what, allow_zero=True, high=math.inf)
-    if wait > TEMPLATE_WAIT_MAX:
-        raise SpecError(
-            f"invalid value {value!r} for {what}: expected a number of seconds "
-            f"from 0 to {TEMPLATE_WAIT_MAX:g}"
-        )
-    return wait
+    return parse_seconds(value, what, allow_zero=True, high=TEMPLATE_WAIT_MAX)
 
 
 def parse_mode(on: bool, what: str) -> str:

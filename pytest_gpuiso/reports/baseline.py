@@ -11,12 +11,15 @@ The file::
     {"format": "pytest-gpuiso leak baseline", "version": 1,
      "leaks": [{"nodeid": "tests/t.py::test_x", "kind": "shm", "detail": "..."}]}
 
-``detail`` is for the reader; a test and a kind are what match.
+``detail`` is for the reader; a test and a kind are what match. A path with nothing
+there is a baseline that knows nothing (a CI recipe's first run, before one is written),
+said in one line of the summary; a file there that cannot serve is an error.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +36,7 @@ VERSION = 1
 class Baseline:
     path: str
     known: dict[str, frozenset[str]]  # node id -> the leak kinds known of it
+    missing: bool = False  # nothing was at the path: read as empty
 
     def kinds(self, nodeid: str) -> frozenset[str]:
         return self.known.get(nodeid, frozenset())
@@ -63,10 +67,12 @@ class Baseline:
         return sorted(set(self.known) - ran)
 
     def summary(self, records: list[dict[str, Any]]) -> dict[str, Any]:
-        """What the session made of the baseline, for the reports: its file, the leaks
-        it knew, its entries now fixed, the tests it names that did not run."""
+        """What the session made of the baseline, for the reports: its file (and whether
+        it was missing), the leaks it knew, its entries now fixed, the tests it names that
+        did not run."""
         return {
             "path": self.path,
+            "missing": self.missing,
             "entries": self.entries,
             "known": known_count(records),
             "fixed": [{"nodeid": n, "kind": k} for n, k in self.fixed(records)],
@@ -81,8 +87,10 @@ def _ran_through(record: dict[str, Any]) -> bool:
 
 
 def load(path: str) -> Baseline:
-    """The baseline in ``path`` (or a JSON report's leaks); ``ReportError`` names the file
-    and the problem in one line."""
+    """The baseline in ``path`` (or a JSON report's leaks), empty where nothing is there
+    (not even a dangling link); ``ReportError`` names the file and the problem in one line."""
+    if not os.path.lexists(path):
+        return Baseline(path, {}, missing=True)
     document = read_json(path)
     if isinstance(document, dict) and isinstance(document.get("tests"), list):
         return Baseline(path, _known(entries(records_of(path, document))))
@@ -133,6 +141,12 @@ def baseline_lines(summary: dict[str, Any], most: int) -> list[str]:
     """The terminal's lines on what became of the baseline (``Baseline.summary``): known
     leaks, fixed entries (at most ``most`` named), tests not run."""
     fixed, not_run = summary["fixed"], summary["not_run"]
+    if summary["missing"]:
+        return [
+            f"gpu-isolate: leak baseline {summary['path']}: no such file, read as empty (no "
+            "known leaks); write it with python -m pytest_gpuiso compare --write-baseline "
+            "FILE REPORT"
+        ]
     lines = [
         f"gpu-isolate: leak baseline {summary['path']}: {summary['known']} known leaks "
         f"reported, {len(fixed)} of its {summary['entries']} entries fixed, "

@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ..values import SpecError
+from ..values import SpecError, bad_value
 from .record import SCHEMA_VERSION
 
 STEP_SUMMARY_ENV = "GITHUB_STEP_SUMMARY"  # GitHub Actions' file for a step's Markdown
@@ -52,28 +52,34 @@ def check_output(value: str, what: str, base: str) -> None:
     (relative to ``base``): its folder (or the nearest one that exists: the writer makes
     the rest) must be a directory in which a file can be created."""
     path = os.path.normpath(os.path.join(base, value))
-    problem = f"invalid value {value!r} for {what}"
+
+    def bad(problem: str) -> SpecError:
+        return bad_value(value, what, OUTPUT_FORMS, problem)
+
     if os.path.isdir(path):
-        raise SpecError(f"{problem}: {path} is a directory")
+        raise bad(f"{path} is a directory")
     if written_in_place(path):  # /dev/null, /dev/stdout, a FIFO: appended to
         if not os.access(path, os.W_OK):
-            raise SpecError(f"{problem}: {path} cannot be written")
+            raise bad(f"{path} cannot be written")
         return  # its folder needs no room
     try:  # a link to a file: the file is replaced, in its folder
         path = resolved(path)
     except OSError as exc:
-        raise SpecError(f"{problem}: {exc.strerror}") from None
+        raise bad(str(exc.strerror)) from None
     folder = os.path.dirname(path)
     while not os.path.lexists(folder):
         folder = os.path.dirname(folder)
     if not os.path.isdir(folder):
-        raise SpecError(f"{problem}: {folder} is not a directory")
+        raise bad(f"{folder} is not a directory")
     try:  # os.access() says yes to root, even where nothing can be created (/proc)
         fd, probe = tempfile.mkstemp(prefix=".gpuiso-check-", dir=folder)
     except OSError as exc:
-        raise SpecError(f"{problem}: cannot write in {folder} ({exc.strerror or exc})") from None
+        raise bad(f"cannot write in {folder}: {exc.strerror or exc}") from None
     os.close(fd)
     os.unlink(probe)
+
+
+OUTPUT_FORMS = "a file in a folder that can be written, or a device or FIFO to write into"
 
 
 def written_in_place(path: str | os.PathLike) -> bool:

@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import linecache
 import os
 import subprocess
+import tokenize
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,18 +80,39 @@ def wanted(mode: str) -> bool:
 
 
 def locate(record: dict[str, Any], rootdir: Path) -> None:
-    """Add to the record's location the test file's path as GitHub and GitLab name it:
-    relative to the checkout (``GITHUB_WORKSPACE``, GitLab's ``CI_PROJECT_DIR``, else
-    the current directory), where it lies inside. Kept in the JSON report, so that
-    ``compare`` on another machine names the same file."""
+    """Make the record's location the one GitHub and GitLab show a finding at: its line
+    the test's ``def`` (``def_line``), and its ``path`` the test file's relative to the
+    checkout (``GITHUB_WORKSPACE``, GitLab's ``CI_PROJECT_DIR``, else the current
+    directory), where it lies inside. Kept in the JSON report, so that ``compare`` on
+    another machine names the same place. Called again on a located record, it changes
+    nothing."""
     location = record.get("location")
     if not isinstance(location, dict) or not isinstance(location.get("file"), str):
         return
     full = os.path.normpath(os.path.join(rootdir, location["file"]))
+    if isinstance(location.get("line"), int) and not isinstance(location["line"], bool):
+        location["line"] = def_line(full, location["line"])
     top = next((os.environ[name] for name in CHECKOUT_ENVS if os.environ.get(name)), "")
     top = os.path.abspath(top or os.getcwd())
     if os.path.commonpath([full, top]) == top:
         location["path"] = os.path.relpath(full, top)
+
+
+def def_line(file: str, line: int) -> int:
+    """The line (1-based) of the ``def`` that the decorator at ``line`` of ``file`` starts:
+    pytest's location of a decorated test is its first decorator's line (the function's
+    ``co_firstlineno``), where a reviewer looks for the test's name. ``line`` itself where
+    that is no decorator, or the file cannot be read or read as Python."""
+    lines = linecache.getlines(file)
+    if not 0 < line <= len(lines) or not lines[line - 1].lstrip().startswith("@"):
+        return line
+    try:  # a decorator's arguments may span lines, hold strings, comments, brackets
+        for token in tokenize.generate_tokens(iter(lines[line - 1 :]).__next__):
+            if token.type == tokenize.NAME and token.string in ("def", "class"):
+                return line + token.start[0] - 1
+    except (tokenize.TokenError, SyntaxError):  # IndentationError is one
+        pass
+    return line
 
 
 def _where(record: dict[str, Any]) -> tuple[str | None, int | None]:

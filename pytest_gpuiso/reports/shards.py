@@ -2,7 +2,8 @@
 
 Each JSON report is checked before anything is written: a regular file of bounded
 size, JSON, our schema version, and every record usable by the reports; problems are
-one ``ReportError`` line naming the file. Merged records name their shard.
+one ``ReportError`` line naming the file. Merged records name their shard; a test found
+in several shards is kept from one (``merge``), so that it counts once.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import json
 import math
 import os
 import stat
+from dataclasses import dataclass
 from typing import Any
 
 from ..values import KINDS
@@ -145,34 +147,72 @@ def records_of(path: str, document: dict[str, Any]) -> list[dict[str, Any]]:
     return document["tests"]
 
 
-def duplicates(records: list[dict[str, Any]]) -> list[str]:
-    """One line for each test found in more than one shard (sharding that overlaps)."""
-    shards: dict[str, list[str]] = {}
-    for r in records:
-        seen = shards.setdefault(r["nodeid"], [])
-        if r.get("shard") not in seen:
-            seen.append(r.get("shard"))
-    return [
-        f"{nodeid} is in {len(found)} shards: {', '.join(map(str, found))}"
-        for nodeid, found in shards.items()
-        if len(found) > 1
-    ]
+OVERLAP_NAMED = 3  # tests named in merge's one line on overlapping shards
 
 
-def merge(paths: list[str], runs: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
-    """The records of several shard reports, in order; each record names its shard
-    (the path it was read from, unless it already names one: a merge of merges). ``runs``
-    gets each shard's path and its report's session (a merged one's shards, in turn)."""
-    merged = []
+@dataclass(frozen=True)
+class Merged:
+    """What ``merge`` made of several shard reports."""
+
+    records: list[dict[str, Any]]  # each test from one report, each naming its shard
+    runs: list[dict[str, Any]]  # each shard's path and session (a merged one's shards)
+    overlapping: dict[str, list[str]]  # a test found in several reports -> those reports
+
+
+def merge(paths: list[str]) -> Merged:
+    """The records of several shard reports, in order; each record names its shard (the
+    path it was read from, unless it already names one: a merge of merges).
+
+    A test found in more than one report (shards that overlap) is kept from one, so that
+    it counts once, as in one session: every attempt of it in the report that holds its
+    last attempt (the later report where they tie), as ``last_attempts`` would choose."""
+    found: list[list[dict[str, Any]]] = []  # each report's records
+    runs: list[dict[str, Any]] = []
     for path in paths:
-        found = document(path)
-        for record in records_of(path, found):
-            merged.append({**record, "shard": record.get("shard", path)})
-        if runs is not None and isinstance(found.get("shards"), list):
-            runs += [s for s in found["shards"] if isinstance(s, dict)]
-        elif runs is not None:
-            runs.append({"path": path, "session": found.get("session")})
-    return merged
+        read = document(path)
+        records = records_of(path, read)
+        found.append([{**record, "shard": record.get("shard", path)} for record in records])
+        if isinstance(read.get("shards"), list):
+            runs += [s for s in read["shards"] if isinstance(s, dict)]
+        else:
+            runs.append({"path": path, "session": read.get("session")})
+    reports: dict[str, list[int]] = {}  # node id -> the reports it is in
+    last: dict[str, tuple[float, int]] = {}  # node id -> (its last attempt, its report)
+    for n, records in enumerate(found):
+        for record in records:
+            nodeid = record["nodeid"]
+            if n not in reports.setdefault(nodeid, []):
+                reports[nodeid].append(n)
+            attempt = record.get("attempt") if is_number(record.get("attempt")) else 1
+            last[nodeid] = max(last.get(nodeid, (attempt, n)), (attempt, n))
+    merged = [
+        record
+        for n, records in enumerate(found)
+        for record in records
+        if last[record["nodeid"]][1] == n
+    ]
+    overlapping = {
+        nodeid: [paths[n] for n in where] for nodeid, where in reports.items() if len(where) > 1
+    }
+    return Merged(merged, runs, overlapping)
+
+
+def overlap_line(overlapping: dict[str, list[str]]) -> str | None:
+    """One line on the tests found in more than one shard: how many, the first few with
+    their shards, and what merge kept of them; None where there are none."""
+    if not overlapping:
+        return None
+    named = [
+        f"{nodeid} ({', '.join(where)})"
+        for nodeid, where in list(overlapping.items())[:OVERLAP_NAMED]
+    ]
+    more = len(overlapping) - len(named)
+    tests = f"{len(overlapping)} test{'s are' if len(overlapping) != 1 else ' is'}"
+    return (
+        f"{tests} in more than one shard (shards that overlap), each counted once, from "
+        f"the shard with its last attempt: {', '.join(named)}"
+        + (f" and {more} more" if more else "")
+    )
 
 
 def durations(

@@ -1,6 +1,7 @@
 """The documentation as a fresh clone carries it: every relative link and anchor resolves,
 the options reference names every option and ini key, the development page's module map
-matches the package, and the README stays a short page that starts with its two commands.
+matches the package, and the README stays a short page that says what the plugin is
+in one sentence, then gives its two commands.
 Reads files only: no subprocess, no pytest run."""
 
 from __future__ import annotations
@@ -188,6 +189,53 @@ def _section(text: str, heading: str) -> str:
     return "\n".join(lines[start:end])
 
 
+_OUR_VARIABLE = re.compile(r"[\"']((?:PYTEST_)?GPUISO_[A-Z0-9_]+)[\"']")
+
+
+def test_every_environment_variable_of_ours_has_its_row_in_the_options_reference():
+    """Each GPUISO_* and PYTEST_GPUISO_* name the package spells (in a string: what it
+    reads or sets) is named in the reference's environment section."""
+    names = set()
+    for path in PACKAGE.rglob("*.py"):
+        names |= set(_OUR_VARIABLE.findall(path.read_text()))
+    assert len(names) >= 12, names  # the scan sees them (wire/environment.py, native.py)
+    section = _section((DOCS / "options.md").read_text(), "## Environment variables")
+    assert sorted(n for n in names if not re.search(rf"`{n}[`=]", section)) == []
+
+
+def test_every_option_of_the_commands_has_its_row_in_the_options_reference():
+    """``python -m pytest_gpuiso``: each command's options in a row of its own command
+    (``merge --durations``, ``compare --write-baseline``), the common ones anywhere."""
+    from pytest_gpuiso.__main__ import _parser
+
+    parser, commands = _parser()
+    section = _section((DOCS / "options.md").read_text(), "## `python -m pytest_gpuiso`")
+    first_cells = [line.split(" | ")[0] for line in section.splitlines() if line.startswith("| `")]
+    missing = []
+    for name, command in commands.items():
+        for action in command._actions:
+            for flag in set(action.option_strings) - {"-h", "--help"}:
+                if not any(f"`{name}" in cell and flag in cell for cell in first_cells):
+                    missing.append(f"{name} {flag}")
+    for action in parser._actions:
+        for flag in set(action.option_strings) - {"-h", "--help"}:
+            if not any(flag in cell for cell in first_cells):
+                missing.append(flag)
+    assert sorted(missing) == []
+
+
+def test_pytest_help_points_to_the_options_reference_where_a_wheels_user_can_read_it():
+    """A wheel has no docs/: pytest --help names the reference by its URL, the project's."""
+    from pytest_gpuiso import options
+
+    assert f"{_REPOSITORY}/blob/main/docs/options.md" == options.REFERENCE
+    assert (ROOT / options.REFERENCE.removeprefix(f"{_REPOSITORY}/blob/main/")).is_file()
+    shown = [title for _, title in (options.MAIN_GROUP, options.TUNING_GROUP)]
+    shown += [text for o in options.OPTIONS for text in (o.help, o.negative_help)]
+    assert options.REFERENCE in options.TUNING_GROUP[1]
+    assert [t for t in shown if re.search(r"(?<!/main/)\bdocs/", t)] == []
+
+
 def test_the_readmes_ini_example_parses_and_sets_real_keys():
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     section = _section(README.read_text(), "### In your ini file")
@@ -254,11 +302,19 @@ def test_the_module_map_names_no_module_the_package_lacks():
     assert sorted(set(_module_map()) - _package_modules()) == []
 
 
-def test_the_readme_is_short_and_starts_with_its_two_commands():
+def test_the_readme_is_short_and_says_what_it_is_before_its_two_commands():
+    """A sentence first (a new user met two bare commands before), then the two commands,
+    as they are: CI runs them."""
     lines = README.read_text().splitlines()
     assert len(lines) <= README_MAX_LINES, len(lines)
     demo, suite = README_COMMANDS
-    assert lines[:9] == ["# pytest-gpuiso", "", "```bash", demo, "```", "", "```bash", suite, "```"]
+    assert lines[:2] == ["# pytest-gpuiso", ""]
+    blank = lines.index("", 2)  # the paragraph before the commands
+    sentence = " ".join(lines[2:blank])
+    assert sentence.startswith("A pytest plugin that ") and sentence.endswith(".")
+    assert "```" not in sentence and sentence.count(". ") == 0  # one sentence, in prose
+    commands = ["```bash", demo, "```", "", "```bash", suite, "```"]
+    assert lines[blank + 1 : blank + 8] == commands
     # what the commands name is there: the demo suite and the test extra
     assert (ROOT / "fixtures" / "demo").is_dir()
     assert re.search(r"^test = \[", (ROOT / "pyproject.toml").read_text(), re.MULTILINE)

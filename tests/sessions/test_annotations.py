@@ -1,7 +1,7 @@
 """GitHub's annotation limits, handled on purpose (issue 50): a session with more leaks
 than GitHub shows annotations of a level, on a pull request that changed one of its two
-test files. The changed file's tests are annotated first, and one last notice counts what
-did not fit and names its tests."""
+test files. The changed file's tests are annotated first, at their def (not their first
+decorator), and one last notice counts what did not fit and names its tests."""
 
 from __future__ import annotations
 
@@ -54,6 +54,10 @@ def test_the_pull_requests_files_first_and_one_notice_for_the_rest(
     assert len(shown) == findings.PER_LEVEL + 1
     files = [line.split(",")[0] for line in shown[: findings.PER_LEVEL]]
     assert files == ["::warning file=test_b_changed.py"] * 2 + ["::warning file=test_a_kept.py"] * 8
+    # at the tests' def, under their two decorators (pytest's location is the first's line)
+    source = program("annotated_leaks.py").read_text().splitlines()
+    lines = {line.split(",")[1] for line in shown[: findings.PER_LEVEL]}
+    assert lines == {f"line={source.index('def test_leaks(n):') + 1}"}
     assert shown[-1].startswith("::notice title=pytest-gpuiso%3A 2 more not shown::2 more ")
     assert "(2 warnings; GitHub shows 10 annotations of each level a step" in shown[-1]
     assert "in test_a_kept.py::test_leaks[8], test_a_kept.py::test_leaks[9];" in shown[-1]

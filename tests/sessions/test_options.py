@@ -65,28 +65,37 @@ def test_grace_zero_is_valid(gpuiso_spawn):
     gpuiso_spawn.run("--gpu-isolate-grace=0").assert_outcomes(passed=2)
 
 
+MEMORY = (
+    "expected bytes or a size such as 12GiB, 512MiB or 1.5GB (in B, KB, MB, GB, TB, KiB, MiB, "
+    "GiB or TiB), more than 0 bytes and less than 8 EiB, or a share of the GPU such as 25% "
+    "(more than 0%, at most 100%)"
+)
+
+
 def test_bad_marker_arguments_fail_only_their_test(gpuiso_spawn):
-    """Each bad marker argument is an error of that test, named in one line; neighbours run."""
+    """Each bad marker argument is an error of that test, named in one line of one shape
+    (the value, where it came from, every form accepted there); neighbours run."""
     gpuiso_spawn.copy("test_markers.py")
     result = gpuiso_spawn.run("-rA")
     result.assert_outcomes(passed=2, errors=7)
     result.stdout.fnmatch_lines_random(
         [
+            # every form gpu_memory accepts, 25% included (the text named sizes only)
             "gpu-isolate: invalid value '12 parsecs' for gpu_isolated marker argument "
-            "gpu_memory: expected bytes or a size like 12GiB or 8GB",
-            "gpu-isolate: invalid value '150%' for gpu_isolated marker argument gpu_memory: "
-            "expected a percentage 0-100",
+            f"gpu_memory: {MEMORY}",
+            f"gpu-isolate: invalid value '150%' for gpu_isolated marker argument gpu_memory: "
+            f"{MEMORY}",
             "gpu-isolate: invalid value 'abc' for gpu_isolated marker argument timeout: "
-            "expected a number of seconds > 0",
+            "expected a number of seconds > 0, at most 604800",
             "gpu-isolate: invalid value -1 for gpu_isolated marker argument grace: "
-            "expected a number of seconds >= 0",
+            "expected a number of seconds from 0 to 604800",
             "gpu-isolate: invalid value 1.5 for gpu_isolated marker argument gpus: "
             "expected an integer >= 0",
-            "gpu-isolate: invalid gpu_isolated marker argument 'timout': "
-            "expected one of timeout, startup_timeout, grace, gpus, gpu_memory, allow_leaks",
-            "gpu-isolate: invalid gpu_isolated marker: positional arguments (5,) are not "
-            "accepted; use keyword arguments (timeout, startup_timeout, grace, gpus, gpu_memory, "
-            "allow_leaks)",
+            "gpu-isolate: invalid value 'timout' for gpu_isolated marker argument name: "
+            "expected timeout, startup_timeout, grace, gpus, gpu_memory or allow_leaks",
+            "gpu-isolate: invalid value (5,) for gpu_isolated marker positional arguments: "
+            "expected none, only keyword arguments timeout=, startup_timeout=, grace=, gpus=, "
+            "gpu_memory=, allow_leaks=",
             "ERROR test_markers.py::test_bad_timeout*",  # pytest 8.0: no " - message"
             "ERROR test_markers.py::test_positional_argument*",  # pytest 8.0: no " - message"
             "PASSED test_markers.py::test_good_marker",

@@ -128,7 +128,7 @@ def test_packing_never_overbooks_under_xdist(
 def test_bad_sizes_are_one_line_usage_errors(gpuiso_spawn: GpuIso, lease_region: Path) -> None:
     for args, line in (
         (("--gpu-isolate-gpu-memory=lots",), "*--gpu-isolate-gpu-memory: expected bytes*"),
-        (("--gpu-isolate-gpu-memory=0%",), "*expected a percentage 0-100*"),
+        (("--gpu-isolate-gpu-memory=0%",), "*or a share of the GPU such as 25% (more than 0%*"),
         (("--gpu-isolate-devices=0:huge",), "*--gpu-isolate-devices (device 0): expected bytes*"),
         (("--gpu-isolate-devices=0:0",), "*more than 0 bytes*"),
     ):

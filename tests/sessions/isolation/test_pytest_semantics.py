@@ -235,7 +235,8 @@ def test_help_shows_the_ini_keys_types(pytester: pytest.Pytester) -> None:
 
 
 def test_merge_warns_about_a_test_in_two_shards(gpuiso_spawn) -> None:
-    """Shards from sessions without xdist merge; a test in both is named on stderr."""
+    """Shards from sessions without xdist merge; a test in both is named on stderr, in one
+    line, and kept once: from the later shard (its last attempt there, as in one session)."""
     gpuiso_spawn.copy(FIXTURES)
     one = gpuiso_spawn.run("--gpu-isolate-report=one.json", "-k", "resource", FIXTURES)
     one.assert_outcomes(passed=1)
@@ -251,11 +252,12 @@ def test_merge_warns_about_a_test_in_two_shards(gpuiso_spawn) -> None:
     )
     assert merged.returncode == 0, merged.stderr
     assert merged.stderr.splitlines() == [
-        f"warning: {FIXTURES}::test_uses_resource is in 2 shards: one.json, two.json"
+        "warning: 1 test is in more than one shard (shards that overlap), each counted once, "
+        f"from the shard with its last attempt: {FIXTURES}::test_uses_resource (one.json, "
+        "two.json)"
     ]
     records = json.loads((gpuiso_spawn.path / "all.json").read_text())["tests"]
     assert sorted((r["nodeid"], r["shard"]) for r in records) == [
-        (f"{FIXTURES}::test_uses_resource", "one.json"),
         (f"{FIXTURES}::test_uses_resource", "two.json"),
         (f"{FIXTURES}::test_where", "two.json"),
     ]

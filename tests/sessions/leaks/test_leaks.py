@@ -400,7 +400,8 @@ def test_bad_allow_leaks_marker_fails_only_its_test(gpuiso_spawn):
     result.assert_outcomes(passed=1, errors=1)
     assert (
         "gpu-isolate: invalid value ['shm', 'gpu'] for gpu_isolated marker argument "
-        "allow_leaks: unknown kind 'gpu' (expected shm, process, gpu_memory or all)"
+        "allow_leaks: expected a kind or a list of kinds (shm, process, gpu_memory), or all "
+        "(unknown kind 'gpu')"
     ) in result.outlines
 
 

@@ -121,14 +121,14 @@ def test_allowed_kinds(value, kinds):
         (["shm", "SHM_LEAK"], "unknown kind 'SHM_LEAK'"),
         (["all", "gpu"], "unknown kind 'gpu'"),  # "all" does not hide a typo
         ("", "unknown kind ''"),
-        (["shm", 1], "expected a list of kinds"),
-        ([None], "expected a list of kinds"),
-        ([["shm"]], "expected a list of kinds"),
-        (None, "expected a list of kinds"),
-        (1, "expected a list of kinds"),
-        (True, "expected a list of kinds"),
-        (b"shm", "expected a list of kinds"),
-        ({"shm": True}, "expected a list of kinds"),
+        (["shm", 1], "expected a kind or a list of kinds (shm, process, gpu_memory), or all"),
+        ([None], "expected a kind or a list of kinds (shm, process, gpu_memory), or all"),
+        ([["shm"]], "expected a kind or a list of kinds (shm, process, gpu_memory), or all"),
+        (None, "expected a kind or a list of kinds (shm, process, gpu_memory), or all"),
+        (1, "expected a kind or a list of kinds (shm, process, gpu_memory), or all"),
+        (True, "expected a kind or a list of kinds (shm, process, gpu_memory), or all"),
+        (b"shm", "expected a kind or a list of kinds (shm, process, gpu_memory), or all"),
+        ({"shm": True}, "expected a kind or a list of kinds (shm, process, gpu_memory), or all"),
     ],
 )
 def test_bad_allowed_values_name_the_value_and_the_marker(value, why):

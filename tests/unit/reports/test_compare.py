@@ -192,6 +192,21 @@ def test_the_help_names_base_and_head_and_the_exit_status(capsys, monkeypatch) -
     assert 'or an output cannot be written (one line on stderr: "error: PATH: problem")' in text
 
 
+def test_the_help_says_what_a_test_on_one_side_only_counts_as(capsys, monkeypatch) -> None:
+    """A test only in HEAD that does something wrong is new (what compare does since issue
+    50); the help said tests on one side only were "never new"."""
+    monkeypatch.setenv("COLUMNS", "100")
+    with pytest.raises(SystemExit):
+        main(["compare", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "never new" not in text
+    assert (
+        "A test only in HEAD (one the change added) is listed, and what it does wrong is "
+        "new: a leak its marker does not allow, a crash, a timeout. A test only in BASE is "
+        "listed for information, never counted." in text
+    )
+
+
 def _with_session(path: Path, gpu: str, driver: str, torch: str | None) -> str:
     env = {"python": "3.11.7", "cuda_driver": driver, "gpus": [{"name": gpu, "memory": 1}]}
     env |= {"torch": torch} if torch else {}

@@ -219,6 +219,47 @@ def test_a_merged_report_merges_again_with_its_shard_names(tmp_path, shards):
     ] * 3 + [str(tmp_path / "third.json")]
 
 
+OK = {"timed_out": False}  # an exit's bound that did not run out
+
+
+def test_overlapping_shards_count_each_test_once_and_say_so_in_one_line(tmp_path):
+    """Four tests in both shards (one rerun in the first, so that its last attempt is
+    there), one in each alone: the Markdown counts six tests, each once, from the shard
+    with its last attempt, and stderr has one line for the overlap, not one per test.
+    Before, the Markdown counted every copy (10 outcomes for 6 tests) and stderr had a
+    line per overlapping test."""
+    both = [f"t.py::test_{n}" for n in range(4)]
+    first = [_record(n, "failed") for n in both[1:]] + [_record("t.py::test_one")]
+    first += [
+        _record(both[0], "rerun", attempt=1),
+        _record(both[0], "failed", attempt=2, exit={"code": -11, "signal": "SIGSEGV", **OK}),
+    ]
+    second = [_record(n) for n in both] + [_record("t.py::test_two")]
+    _write(tmp_path / "a.json", first)
+    _write(tmp_path / "b.json", second)
+    result = merge(tmp_path, "a.json", "b.json", "--markdown", "s.md", "--json", "m.json")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.splitlines() == [
+        "warning: 4 tests are in more than one shard (shards that overlap), each counted "
+        "once, from the shard with its last attempt: t.py::test_1 (a.json, b.json), "
+        "t.py::test_2 (a.json, b.json), t.py::test_3 (a.json, b.json) and 1 more"
+    ]
+    text = (tmp_path / "s.md").read_text(encoding="utf-8")
+    assert "**6 isolated tests** (1 failed, 5 passed, 1 rerun)" in text.splitlines()
+    assert "| `t.py::test_0` | failed | crashed with SIGSEGV |" in text.splitlines()
+    kept = json.loads((tmp_path / "m.json").read_text(encoding="utf-8"))["tests"]
+    assert sorted((t["nodeid"], t["outcome"], t["shard"]) for t in kept) == [
+        ("t.py::test_0", "failed", "a.json"),
+        ("t.py::test_0", "rerun", "a.json"),
+        ("t.py::test_1", "passed", "b.json"),
+        ("t.py::test_2", "passed", "b.json"),
+        ("t.py::test_3", "passed", "b.json"),
+        ("t.py::test_one", "passed", "a.json"),
+        ("t.py::test_two", "passed", "b.json"),
+    ]
+    assert text == report.markdown(kept)  # the merged report reads as its summary
+
+
 def test_one_shard_and_an_empty_shard(tmp_path, shards):
     _write(tmp_path / "empty.json", [])
     result = merge(tmp_path, "empty.json", "--markdown", "summary.md")

@@ -139,6 +139,55 @@ def test_paths_are_the_checkouts_and_kept_in_the_record(tmp_path, monkeypatch, e
     assert findings.github(findings.of_records([outside]))[0].startswith("::error file=sub/t.py,")
 
 
+DECORATED = """import pytest
+
+
+@pytest.mark.gpu_isolated(timeout=5)
+@pytest.mark.parametrize(
+    "n",
+    ["def", "@x"],  # a def in a string, a comment: def
+)
+def test_marked(n):
+    pass
+
+
+class TestGroup:
+    @pytest.mark.gpu_isolated
+    async def test_method(self):
+        pass
+
+
+def test_plain():
+    pass
+"""
+
+
+def test_a_decorated_tests_finding_is_at_its_def_not_its_first_decorator(tmp_path, monkeypatch):
+    """pytest's location of a decorated test is its first decorator's line (the function's
+    co_firstlineno); GitHub showed the annotation there. locate moves it to the def, once
+    (locating again changes nothing), and leaves a plain test's line and unreadable files'
+    lines as they are."""
+    monkeypatch.setenv(findings.WORKSPACE_ENV, str(tmp_path))
+    (tmp_path / "t.py").write_text(DECORATED)
+    lines = DECORATED.splitlines()
+    expected = {
+        4: lines.index("def test_marked(n):") + 1,
+        14: lines.index("    async def test_method(self):") + 1,
+        19: lines.index("def test_plain():") + 1,
+    }
+    assert lines[3].startswith("@") and lines[13].lstrip().startswith("@")  # 1-based 4, 14
+    for pytests_line, def_line in expected.items():
+        record = _record("t.py::test_x", [_leak(level="fail")], line=pytests_line)
+        findings.locate(record, tmp_path)
+        findings.locate(record, tmp_path)
+        assert record["location"] == {"file": "t.py", "line": def_line, "path": "t.py"}
+        [command] = findings.github(findings.of_records([record]))
+        assert command.startswith(f"::error file=t.py,line={def_line},")
+    (tmp_path / "broken.py").write_text("@decorator(\n")
+    assert findings.def_line(str(tmp_path / "broken.py"), 1) == 1
+    assert findings.def_line(str(tmp_path / "absent.py"), 4) == 4
+
+
 def test_a_tests_leaks_of_one_kind_are_one_annotation():
     """Twelve processes left by one test are one annotation (GitHub shows ten a step), and
     one Code Quality issue with a fingerprint of its own."""
@@ -334,6 +383,46 @@ def test_an_empty_list_of_leaks_is_a_baseline_that_knows_nothing(tmp_path):
     assert baseline.load(str(path)).known == {}
 
 
+def test_a_missing_baseline_file_knows_nothing_and_says_so_in_one_line(tmp_path):
+    """The CI recipe's first run names a baseline no run has written yet: read as empty,
+    said in one line of the summary, where it used to stop the session."""
+    path = tmp_path / "known-leaks.json"
+    found = baseline.load(str(path))
+    assert (found.known, found.missing) == ({}, True)
+    summary = found.summary([_record("t.py::test_a", [_leak(level="warn")])])
+    assert summary["missing"] is True and summary["entries"] == 0
+    assert baseline.baseline_lines(summary, 5) == [
+        f"gpu-isolate: leak baseline {path}: no such file, read as empty (no known leaks); "
+        "write it with python -m pytest_gpuiso compare --write-baseline FILE REPORT"
+    ]
+    (tmp_path / "known.json").write_text(baseline.text([]))
+    assert baseline.load(str(tmp_path / "known.json")).missing is False
+
+
+def test_a_path_there_that_is_no_baseline_stays_an_error(tmp_path):
+    """Only nothing at all is empty: a dangling link or a folder is the user's mistake."""
+    (tmp_path / "link.json").symlink_to(tmp_path / "nowhere.json")
+    (tmp_path / "folder.json").mkdir()
+    for name, problem in (
+        ("link.json", "cannot read: No such file or directory"),
+        ("folder.json", "cannot read: Is a directory"),
+    ):
+        with pytest.raises(ReportError) as raised:
+            baseline.load(str(tmp_path / name))
+        assert str(raised.value) == f"{tmp_path / name}: {problem}"
+
+
+def test_the_baseline_file_docs_ci_md_shows_is_one_that_loads(tmp_path):
+    """docs/ci.md documents the file's format with an example: it is one."""
+    text = (ROOT / "docs" / "ci.md").read_text().split("### The baseline file", 1)[1]
+    example = text.split("```json\n", 1)[1].split("```", 1)[0]
+    path = tmp_path / "known.json"
+    path.write_text(example)
+    assert baseline.load(str(path)).known == {
+        "tests/test_io.py::test_loader": frozenset({"shm", "process"})
+    }
+
+
 # ------------------------------------------------------------------------ compare's side
 
 
@@ -468,6 +557,25 @@ def test_a_pull_request_with_one_leak_new_one_fixed_one_known(gpuiso_spawn, monk
 
 
 @pytest.mark.installation
+def test_a_baseline_no_run_has_written_yet_is_read_as_empty(gpuiso_spawn, monkeypatch):
+    """The CI recipe's first run: the baseline's file is not there; the session runs, with
+    no known leaks, and says so in one line (it used to stop at its start)."""
+    monkeypatch.setenv("PR_SIDE", "head")
+    gpuiso_spawn.copy("test_pr_leaks.py")
+    args = ("--gpu-isolate-leak-baseline=known.json", "-k", "test_fixed", REPORT)
+    result = gpuiso_spawn.run("--gpu-isolate", *args)
+    result.assert_outcomes(passed=1)
+    assert result.ret == 0
+    [said] = [line for line in result.stdout.lines if "leak baseline" in line]
+    assert said == (
+        f"gpu-isolate: leak baseline {gpuiso_spawn.path}/known.json: no such file, read as "
+        "empty (no known leaks); write it with python -m pytest_gpuiso compare "
+        "--write-baseline FILE REPORT"
+    )
+    assert gpuiso_spawn.report()["baseline"]["missing"] is True
+
+
+@pytest.mark.installation
 @pytest.mark.parametrize(
     ("args", "problem"),
     [
@@ -532,12 +640,12 @@ def _split(ran: subprocess.CompletedProcess) -> float:
 @pytest.mark.installation
 def test_the_ci_recipes_commands_on_a_pull_request(tmp_path, monkeypatch):
     """The recipe's own commands, run as its workflow runs them: the base branch's shards
-    (its first run: no durations, so pytest-split splits by count; an empty baseline, so
-    its two leaks fail), merged, its durations and its leaks written; then the pull
-    request's shards, split by the durations the base's isolated runs measured, merged
-    and compared with the base's report: the new leak fails its shard and the comparison
-    (exit 1) and is its one annotation, the known one fails nothing, the fixed one is
-    listed."""
+    (its first run: no durations, so pytest-split splits by count; no baseline file yet,
+    read as empty, so its two leaks fail), merged, its durations and its leaks written;
+    then the pull request's shards, split by the durations the base's isolated runs
+    measured, merged and compared with the base's report: the new leak fails its shard and
+    the comparison (exit 1) and is its one annotation, the known one fails nothing, the
+    fixed one is listed."""
     pytest.importorskip("pytest_split")
     groups, commands = _recipe()
     shard, merge, compare = commands[0], commands[1], commands[2]
@@ -551,9 +659,6 @@ def test_the_ci_recipes_commands_on_a_pull_request(tmp_path, monkeypatch):
     (tmp_path / "tests" / "models").mkdir()
     shutil.copy(program("test_pr_leaks.py"), tmp_path / "tests" / "unit")
     (tmp_path / "tests" / "models" / "test_model.py").write_text(SLOW)
-    (tmp_path / "known-leaks.json").write_text(
-        json.dumps({"format": baseline.FORMAT, "version": 1, "leaks": []})
-    )
     shm = f"gpuiso-ci-{uuid.uuid4().hex[:8]}"
     env = {
         **os.environ,
