@@ -13,13 +13,19 @@ with multiprocessing's resource tracker, which would have deleted it at exit.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import hashlib
 import importlib.machinery
 import os
 import re
+import shutil
 import stat
+import subprocess
 from pathlib import Path
 from typing import NamedTuple
+
+from ..wire.environment import LOG_ENV
 
 SHM_DIR = "/dev/shm"
 _ESCAPED = re.compile(rb"%([0-9A-Fa-f]{2})")  # the shim's escape of bytes <= 0x20, % and 0x7f
@@ -38,6 +44,68 @@ def shim_path() -> str | None:
     return None
 
 
+_SPLITS = re.compile(r"[\s:]")  # where ld.so splits LD_PRELOAD: no path of it may hold one
+
+
+@functools.cache
+def preloadable() -> tuple[str | None, str]:
+    """The path to preload the shim by (None: it cannot be), and why not ("" when it can,
+    or when it was not built). Checked once a process: ld.so splits LD_PRELOAD at spaces
+    and colons, so a shim installed under such a path ("My Projects") is preloaded through
+    a link in our private folder; a process started with it must load it silently."""
+    shim = shim_path()
+    if shim is None:
+        return None, ""
+    path = shim if not _SPLITS.search(shim) else _linked(shim)
+    if path is None:
+        return None, f"its path has a space or colon, where ld.so splits LD_PRELOAD ({shim})"
+    problem = _load_problem(path)
+    return (None, problem) if problem else (path, "")
+
+
+def _linked(shim: str) -> str | None:
+    """A link to ``shim`` in our private folder (0700, ours), made once; None where that
+    folder's path too has a space or colon, or the link cannot be made."""
+    from ..proc import workdir
+
+    try:
+        folder = workdir.root()
+    except workdir.WorkdirError:
+        return None
+    link = folder / f"shmtrace-{hashlib.sha256(shim.encode()).hexdigest()[:16]}.so"
+    if _SPLITS.search(str(link)):
+        return None
+    try:
+        if os.readlink(link) == shim:
+            return str(link)
+    except OSError:
+        pass
+    temporary = folder / f".{link.name}.{os.getpid()}"
+    try:
+        os.symlink(shim, temporary)
+        os.replace(temporary, link)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        return None
+    return str(link)
+
+
+def _load_problem(path: str) -> str:
+    """What ld.so says when a program is started with ``path`` preloaded ("" if nothing)."""
+    true = shutil.which("true")
+    if true is None:
+        return ""
+    env = {**os.environ, "LD_PRELOAD": path}
+    env.pop(LOG_ENV, None)
+    try:
+        done = subprocess.run([true], env=env, capture_output=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"a program started with it could not run ({exc})"
+    said = done.stderr.decode(errors="replace").strip()
+    return said.splitlines()[0] if said else ""
+
+
 def preload_env() -> dict[str, str]:
     """What a process must be started with for the shim to trace it (empty: no shim).
 
@@ -47,7 +115,7 @@ def preload_env() -> dict[str, str]:
     ("ASan runtime does not come first"), so ``verify_asan_link_order=0`` joins
     ASAN_OPTIONS, unless the user set that key themselves.
     """
-    shim = shim_path()
+    shim, _ = preloadable()
     if shim is None:
         return {}
     user = os.environ.get("LD_PRELOAD", "")

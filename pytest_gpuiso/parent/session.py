@@ -222,7 +222,7 @@ def launcher(config: pytest.Config, state: State) -> Launcher:
     if state.launcher is None:
         from ..child import imports
         from ..forkserver import ServerBoot
-        from ..leaks.shm_log import preload_env
+        from ..leaks.shm_log import preload_env, preloadable
         from ..proc import workdir
         from ..proc._linux import set_child_subreaper
         from .launcher import Launcher
@@ -252,6 +252,12 @@ def launcher(config: pytest.Config, state: State) -> Launcher:
         )
         if s.prewarm:
             state.prewarmer = Prewarmer(state.launcher, s.prewarm)
+        unloadable = preloadable()[1]
+        if unloadable and s.leak_level("shm") != "off":  # said once, with the first test
+            state.launcher.serving.notice(
+                f"the /dev/shm shim cannot be preloaded ({unloadable}): a leaked /dev/shm "
+                "entry is told by what /dev/shm held before and after the test alone"
+            )
     return state.launcher
 
 
