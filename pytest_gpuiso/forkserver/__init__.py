@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..child import imports
+from ..proc._linux import wait_readable
 from ..proc.proctree import main_not_rerun, reap_or_kill, reap_pid, unlist
 from ..wire import wire
 from .fork import close_quietly, send_request
@@ -108,8 +109,9 @@ class ForkServer:
 
     def _answer(self, timeout: float, what: str) -> tuple[str, Any]:
         try:
-            if not self.conn.poll(timeout):
-                return "failed", f"the fork server did not answer ({what}) within {timeout:g} s"
+            why = wait_readable(self.conn, timeout, self.proc.pid)
+            if why is not None:  # stopped, it would never answer: spawn instead, at once
+                return "failed", f"the fork server did not answer ({what}): {why}"
             answer = wire.decode(self.conn.recv_bytes(_ANSWER_BYTES))
             kind, payload, *rest = answer
             if rest and type(rest[0]) is int:

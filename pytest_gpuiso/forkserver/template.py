@@ -29,7 +29,13 @@ from typing import Any, Protocol
 
 from ..child import plugin as child_plugin
 from ..leaks.shm_log import created_entries, remove_created
-from ..proc._linux import die_with_parent, huge_page_steps, outlive_parent, set_child_subreaper
+from ..proc._linux import (
+    die_with_parent,
+    huge_page_steps,
+    outlive_parent,
+    set_child_subreaper,
+    wait_readable,
+)
 from ..wire.environment import LOG_ENV
 from . import audit, pools
 from .fork import (
@@ -54,6 +60,11 @@ class TemplateHost(Protocol):
     config: Any  # the parsed configuration
     stdio: tuple[int, int]  # pytest's stdout and stderr
     template_note: str | None
+
+
+# Seconds a fork request waits for the template's answer: a fork takes it milliseconds,
+# so past this it is stuck (a stopped one is given up on at once: ``wait_readable``).
+FORK_WAIT = 30.0
 
 
 class TemplateHandle:
@@ -127,7 +138,12 @@ class TemplateHandle:
     def fork(self, fds: list[int], cboot: Any, job: Any) -> tuple[str, Any]:
         try:
             send_request(self.sock, self.conn, ("fork", cboot, job), fds)
-            answer = self.conn.recv()
+            # A fork takes it milliseconds; a stopped template would never answer
+            why = wait_readable(self.conn, FORK_WAIT, self.pid)
+            if why is None:
+                answer = self.conn.recv()
+            else:
+                answer = ("failed", f"the template did not fork: {why}")
         except (EOFError, OSError) as exc:
             answer = ("failed", f"the template process is gone ({exc})")
         if answer[0] != "forked":

@@ -8,7 +8,9 @@ import errno
 import os
 import signal
 import sys
+import time
 from collections.abc import Iterator
+from typing import Any
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -89,3 +91,31 @@ def huge_page_steps(chunk: int = 8 << 20) -> Iterator[int]:
             if libc.madvise(at, size, MADV_COLLAPSE) != 0 and ctypes.get_errno() == errno.EINVAL:
                 break  # not this mapping (a thread's stack), or no MADV_COLLAPSE at all
             yield size
+
+
+def stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP, SIGTSTP: paused by another process, a
+    job control, a checkpointer) or traced at a stop: it answers nothing until continued.
+    False for a process that is gone or cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            text = stat.read()
+    except OSError:
+        return False
+    state = text[text.rfind(b")") + 2 : text.rfind(b")") + 3]  # after "pid (comm) "
+    return state in (b"T", b"t")
+
+
+def wait_readable(conn: Any, timeout: float, pid: int, step: float = 0.5) -> str | None:
+    """Wait up to ``timeout`` seconds for ``conn`` (a multiprocessing connection) to have
+    something to read, from process ``pid``. None when it has; else why not: the process
+    is stopped (said at once: it would never answer), or the time ran out."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if conn.poll(max(0.0, min(step, left))):
+            return None
+        if stopped(pid):
+            return "it is stopped (SIGSTOP: another process paused it)"
+        if left <= step:
+            return f"it did not answer within {timeout:g} s"

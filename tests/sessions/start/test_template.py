@@ -24,10 +24,12 @@ the template's temporary directory) must be empty after every run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
 import uuid
@@ -689,3 +691,39 @@ def test_repeated_sessions_in_one_process_leave_no_zombies(env: Env) -> None:
     assert len(env.lines("random")) == 6
     left = sorted(p.name for p in env.private.iterdir()) if env.private.exists() else []
     assert left == [], left
+
+
+@pytest.mark.parametrize("which", ["server", "template"])
+def test_a_stopped_fork_server_or_template_is_given_up_at_once(
+    pytester, tmp_path, monkeypatch, which
+) -> None:
+    """SIGSTOP (a tool pausing its user's processes): the fork server, or its template, is
+    given up on at once (never waited for without bound), the tests after start (spawned,
+    or forked by the server) and pass, the session ends and says why."""
+    iso = make_gpuiso(pytester, monkeypatch, "forkserver")
+    paused = tmp_path / "paused"
+    monkeypatch.setenv("PAUSE", which)
+    monkeypatch.setenv("PAUSED_FILE", str(paused))
+    iso.copy("test_start_paused_helper.py")
+    try:
+        result = iso.run(
+            "--gpu-isolate-startup-timeout=20",
+            REPORT,
+            "-p",
+            "no:randomly",
+            "test_start_paused_helper.py",
+            timeout=90,
+        )
+    finally:
+        if paused.exists():  # pytest killed it at its end; never leave one stopped
+            pid = int(paused.read_text())
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                with contextlib.suppress(OSError):
+                    os.kill(pid, sig)
+    result.assert_outcomes(passed=4)
+    said = "it is stopped (SIGSTOP: another process paused it)"
+    if which == "server":
+        assert f"the fork server did not answer (fork): {said}" in result.stdout.str()
+    else:
+        notes = {r["start"]["uncollected"] for r in iso.records().values()}
+        assert f"the template did not fork: {said}" in notes, notes
