@@ -46,6 +46,7 @@ from ..wire import frames
 from ..wire.frames import send_frame
 from ..wire.jobs import Bootstrap, CallJob, ItemJob
 from . import cuda_state
+from .env_reads import EnvReads
 from .exiting import flush_and_exit, mark_exit_handlers
 from .plugin import ChildPlugin, name_capture_files, override_options, restart_capture
 
@@ -169,7 +170,7 @@ class Channel:
         self.configured = configured  # user code ran before, GPUs visible (the template)
         self.ahead: str | None = None  # the module it is collecting before its go
         if go is not None:
-            _EnvReads.start()
+            EnvReads.start()
 
     def send(self, kind: str, payload: Any) -> None:
         send_frame(self.conn, kind, payload, self.spill_prefix)
@@ -177,7 +178,7 @@ class Channel:
     def collecting_ahead(self, module: str) -> None:
         """The test's module is about to be imported before the go (``collect_ahead``)."""
         self.ahead = module
-        _EnvReads.where = module
+        EnvReads.where = module
 
     def wait_go(self) -> None:
         """Block until the parent says this test's turn has come; apply its environment."""
@@ -191,7 +192,7 @@ class Channel:
             os._exit(0)  # discarded before its turn (session over, other test order)
         self.go.close()
         self.go = None
-        reads = _EnvReads.stop()
+        reads = EnvReads.stop()
         set_child_subreaper(False)
         stale = self._stale(env, reads)
         if stale is not None:  # too late to change the GPUs this process sees
@@ -264,52 +265,6 @@ def stale_notice(why: dict[str, Any]) -> str:
         "prewarmed processes no longer collect their test's module ahead of its turn: "
         f"importing {why['module']}, one {what} before it was given its GPUs; {advice}"
     )
-
-
-class _EnvReads:
-    """Which environment variables the process read before its go, and where.
-
-    A module that reads ``CUDA_VISIBLE_DEVICES`` at import before the go saw the
-    hidden value (``""``), not its GPUs: it must run in a fresh process. Until the
-    go, ``os.environ`` (which ``os.getenv`` reads too) notes each name read. A copy
-    of the whole environment (``dict(os.environ)``, ``os.environ.copy()``, ``items()``:
-    what starting a subprocess does, as ``platform.architecture()`` at pytest-benchmark's
-    configure) reads every name in iteration order: those reads are not noted.
-    """
-
-    names: dict[str, str | None] = {}  # name -> module being collected ahead, or None
-    where: str | None = None
-    _class: type | None = None
-    walk: list[str] = []  # the names an iteration of os.environ just gave, still to be read
-
-    @classmethod
-    def start(cls) -> None:
-        if cls._class is None:
-            cls._class = type(os.environ)
-            os.environ.__class__ = _NotingEnviron
-
-    @classmethod
-    def stop(cls) -> dict[str, str | None]:
-        if cls._class is not None:
-            os.environ.__class__ = cls._class
-            cls._class = None
-        return cls.names
-
-
-class _NotingEnviron(os._Environ):  # type: ignore[type-arg] - os.environ's own class
-    def __iter__(self) -> Any:
-        names = list(super().__iter__())
-        _EnvReads.walk = names[::-1]  # popped from the end, in iteration order
-        return iter(names)
-
-    def __getitem__(self, key: Any) -> Any:
-        walk = _EnvReads.walk
-        if walk and walk[-1] == key:  # the next name of a whole copy: not a read of it
-            walk.pop()
-        else:
-            _EnvReads.walk = []
-            _EnvReads.names.setdefault(key, _EnvReads.where)
-        return super().__getitem__(key)
 
 
 # --------------------------------------------------------------------------- calls

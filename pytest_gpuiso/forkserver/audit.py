@@ -14,9 +14,11 @@ import sys
 
 from ..child import imports
 from ..child import plugin as child_plugin
+from ..child.env_reads import env_reads
 from ..leaks.shm_log import created_entries
 from ..proc._linux import set_child_subreaper
 from ..proc.proctree import live_descendants
+from ..wire.environment import per_test
 from . import pools
 from .fork import unsafe_to_fork
 
@@ -26,8 +28,9 @@ def import_audited(names: list[tuple[str, str]]) -> tuple[str, str] | None:
     ran, so that the tests forked after it have them, as in-process pytest keeps them.
 
     Each import is audited like the collection: a module that starts a thread or a
-    process, opens a file or a shared mapping or touches CUDA leaves this process unfit
-    to fork; (that module, why) is returned, and the template that forked it serves on.
+    process, opens a file or a shared mapping, touches CUDA or reads a variable each
+    test's process is given anew (its GPUs, its port) leaves this process unfit to fork;
+    (that module, why) is returned, and the template that forked it serves on.
     A module that fails to import, or that this process would find elsewhere than the
     test's process did (a test that put a folder first on ``sys.path``), is left to the
     tests that import it.
@@ -46,15 +49,25 @@ def import_audited(names: list[tuple[str, str]]) -> tuple[str, str] | None:
             continue
         before = snapshot()
         set_child_subreaper(True)  # a daemon it starts is seen (left_outside)
-        with contextlib.suppress(BaseException):  # even SystemExit: the tests meet it
-            import_module(name)
+        with env_reads() as reads, contextlib.suppress(BaseException):  # even SystemExit:
+            import_module(name)  # the tests meet it
         pools.step(f"importing {name}, which a test imported")
-        problem = unfit(before, None)
+        problem = unfit(before, None) or _reads_per_test(reads)
         set_child_subreaper(False)
         if problem is not None:
             return name, f"after importing {name}, as a test did: {problem}"
     child_plugin.freeze()
     return None
+
+
+def _reads_per_test(reads: dict[str, str | None]) -> str | None:
+    """Why a module that read, at import, a variable each test's process is given anew
+    (its GPUs, its port) may not be imported where tests are forked from: every test
+    forked after would see this process's value in it."""
+    names = sorted(name for name in reads if per_test(name))
+    if not names:
+        return None
+    return f"it read {', '.join(names)} at import, which each test's process is given anew"
 
 
 def unfit(before: tuple[dict[int, str], set[str]], shm_log: str | None) -> str | None:

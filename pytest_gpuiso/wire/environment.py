@@ -48,3 +48,26 @@ FORK_TWICE_ENV = "PYTEST_GPUISO_FORK_TWICE"
 # Set by a test suite: how long pytest waits for the fork server's template (seconds).
 # Read by ``settings.read_settings`` (``values.parse_template_wait``).
 TEMPLATE_WAIT_ENV = "PYTEST_GPUISO_TEMPLATE_WAIT"
+
+# What each test's process is given anew with its go (its GPUs, its port, its lease, its
+# rank): a module that reads one at import, imported where tests' processes are forked
+# from, would hold that process's value in every test (``per_test``).
+PER_TEST = frozenset(
+    {
+        "CUDA_VISIBLE_DEVICES",
+        "HIP_VISIBLE_DEVICES",
+        "ROCR_VISIBLE_DEVICES",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+    }
+)
+
+
+def per_test(name: str) -> bool:
+    """Whether ``name`` is a variable each test's process is given anew (``PER_TEST``, or
+    one of ours)."""
+    return name in PER_TEST or name.startswith("PYTEST_GPUISO_")

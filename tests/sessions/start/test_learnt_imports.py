@@ -25,7 +25,8 @@ DIR = "learnt_imports"
 def forkserver(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> GpuIso:
     gpuiso = make_gpuiso(pytester, monkeypatch, "forkserver")
     gpuiso.copy(DIR)
-    for package in ("lazy_pkg", "heavy_pkg", "thready_pkg", "slow_pkg", "shadow_mod.py"):
+    packages = ("lazy_pkg", "heavy_pkg", "thready_pkg", "envy_pkg", "slow_pkg", "shadow_mod.py")
+    for package in packages:
         (gpuiso.path / DIR / package).rename(gpuiso.path / package)
     return gpuiso
 
@@ -95,6 +96,20 @@ def test_without_learning_each_test_imports_it_itself(
     result.assert_outcomes(passed=6)
     assert not any(had for _, had in _had(forkserver).values())
     assert sorted(_importers(forkserver)) == sorted(pid for pid, _ in _had(forkserver).values())
+
+
+def test_a_module_that_reads_what_each_test_is_given_is_not_learnt(
+    forkserver: GpuIso, lease_region
+):
+    """It reads MASTER_PORT and CUDA_VISIBLE_DEVICES at import: its successor exits, the
+    template serves on, and every test sees its own port in it, as under spawn."""
+    args = ("--gpu-isolate", "-p", "no:randomly", "--gpu-isolate-report=report.json")
+    result = forkserver.run_with_cache(*args, f"{DIR}/test_envy.py")
+    result.assert_outcomes(passed=4)
+    assert _remembered(forkserver) is None  # nothing fit to keep for the next session
+    assert not any(had for _, had in _had(forkserver).values())
+    tests = {pid for pid, _ in _had(forkserver).values()}
+    assert [pid for pid in _importers(forkserver) if pid not in tests]  # it tried
 
 
 def test_a_module_that_starts_a_thread_is_not_learnt(forkserver: GpuIso, lease_region):
