@@ -98,6 +98,17 @@ def load_conftests(config: Any, directory: Path) -> None:
     )
 
 
+def rewrite_for(session: Any) -> None:
+    """What pytest's assertion plugin does at ``pytest_collection``, for a plugin of ours
+    that collects in its place: the rewrite hook learns the session, so that a file named
+    on the command line that ``python_files`` does not match is rewritten, as in-process."""
+    from _pytest.assertion import assertstate_key
+
+    state = session.config.stash.get(assertstate_key, None)
+    if state is not None and state.hook is not None:
+        state.hook.set_session(session)
+
+
 def setup_state(session: Any) -> Any:
     """The session's SetupState (the stack of set-up nodes), or None."""
     return getattr(session, "_setupstate", None)

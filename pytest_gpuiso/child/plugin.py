@@ -172,6 +172,7 @@ class ChildPlugin:
         # process started cold imports torch with the test module). The test's objects are
         # collected as ever.
         freeze()
+        _compat.rewrite_for(session)  # pytest's own pytest_collection does, ours replaces it
         module = os.path.relpath(self.job.collect_arg.split("::", 1)[0])
         # A prewarmed process collects while it waits for its go (seeing no GPU), unless
         # CUDA is touched already: it would be replaced at its go anyway.

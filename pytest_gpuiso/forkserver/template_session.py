@@ -43,6 +43,7 @@ class TemplatePlugin(child_plugin.ChildPlugin):
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_collection(self, session: Any) -> bool:
+        _compat.rewrite_for(session)  # pytest's own pytest_collection does, ours replaces it
         before = _random_states()
         session.perform_collect(self.modules)  # None: the session's arguments, as pytest
         # A module that seeded a global generator at import: each test's process starts

@@ -74,7 +74,16 @@ def report_problem(data: dict[str, Any], nodeid: str) -> str | None:
     a test report of that test that pytest's reporting (terminal, junitxml, --durations,
     xdist) can take: it is checked before pytest rebuilds it, since what breaks later
     breaks outside the test, as INTERNALERROR. A report of another test is a forgery."""
-    if data.get("$report_type") != "TestReport":
+    if data.get("_report_type") == "SubTestReport":  # pytest 9's subtests: a TestReport more
+        context = data.get("_subtest.context")
+        if not (
+            isinstance(context, dict)
+            and (context.get("msg") is None or isinstance(context.get("msg"), str))
+            and isinstance(context.get("kwargs"), dict)
+            and all(isinstance(v, str) for v in context["kwargs"].values())
+        ):
+            return f"its subtest context is {frames.sketch(context, 60)}"
+    elif data.get("$report_type") != "TestReport":
         return f"$report_type {frames.sketch(data.get('$report_type'), 60)}, not TestReport"
     if data.get("nodeid") != nodeid:
         return f"nodeid {frames.sketch(data.get('nodeid'), 60)}, not this test's"

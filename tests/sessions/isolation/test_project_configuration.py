@@ -75,6 +75,30 @@ def test_a_builtin_plugin_turned_off_changes_nothing_isolated(gpuiso, plugin) ->
     assert "could not start" not in result.stdout.str()
 
 
+def test_a_named_file_python_files_does_not_match_is_rewritten(gpuiso) -> None:
+    """pytest rewrites the asserts of a file named on the command line; so does the test's
+    process (its collection stands in for pytest's, which tells the rewrite hook)."""
+    gpuiso.copy("sem_rewrite_named.py")
+    result = gpuiso.run("--gpu-isolate", "-p", "no:randomly", "sem_rewrite_named.py")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["E       assert 1 == 2"])
+
+
+def test_subtests_end_isolated_as_in_process(gpuiso) -> None:
+    """Each subtest's report (pytest 9 sends one more report per subtest) is taken and
+    shown as in-process; the test with a failed subtest fails."""
+    gpuiso.copy("sem_subtests.py")
+    args = ("-rA", "-p", "no:randomly", "sem_subtests.py")
+    in_process = gpuiso.run("--no-gpu-isolate", *args)
+    result = gpuiso.run("--gpu-isolate", *args)
+    assert result.parseoutcomes() == in_process.parseoutcomes()
+    summary = {line for line in result.outlines if re.match(r"[A-Z]+(\[.*\])? \S+::", line)}
+    assert summary == {
+        line for line in in_process.outlines if re.match(r"[A-Z]+(\[.*\])? \S+::", line)
+    }
+    assert "cannot take" not in result.stdout.str()
+
+
 def test_a_process_that_cannot_start_says_why_and_the_session_stops(gpuiso, monkeypatch) -> None:
     """No test's process can start: its own error is the test's (the traceback with -v),
     not retried; the second test's same error stops the session at once, in one line;
