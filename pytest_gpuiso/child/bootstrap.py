@@ -48,7 +48,13 @@ from ..wire.jobs import Bootstrap, CallJob, ItemJob
 from . import cuda_state
 from .env_reads import EnvReads
 from .exiting import flush_and_exit, mark_exit_handlers
-from .plugin import ChildPlugin, name_capture_files, override_options, restart_capture
+from .plugin import (
+    ChildPlugin,
+    after_the_test,
+    name_capture_files,
+    override_options,
+    restart_capture,
+)
 
 _keep: list[Any] = []  # objects that must live as long as the process (faulthandler's file)
 
@@ -340,5 +346,5 @@ def run_item(job: ItemJob, channel: Channel, boot: Bootstrap, config: Any = None
         config.pluginmanager.register(plugin)
         restart_capture(config)
     override_options(config.option, job.basetemp, job.options)
-    status = config.hook.pytest_cmdline_main(config=config)
-    channel.send(frames.DONE, int(status))
+    status = after_the_test(plugin, lambda: config.hook.pytest_cmdline_main(config=config))
+    channel.send(frames.DONE, status)

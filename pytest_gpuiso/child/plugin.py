@@ -103,6 +103,19 @@ _CHILD_OVERRIDES: dict[str, Any] = {
 }
 
 
+def after_the_test(plugin: ChildPlugin, run: Any) -> int:
+    """``run()`` (pytest's session in this process), its status; an exception raised once
+    the test's protocol ended (a plugin's ``pytest_sessionfinish`` or ``pytest_unconfigure``
+    failing: a warning a ``filterwarnings = error`` makes an error there) is not the
+    test's: pytest's own process ends its session alike, and says so once."""
+    try:
+        return int(run())
+    except Exception:
+        if not plugin.ended:
+            raise
+        return int(pytest.ExitCode.OK)
+
+
 def override_options(option: Any, basetemp: str, extra: tuple = ()) -> None:
     """Set the child's options: ours, then what plugins asked for through
     ``pytest_gpuiso_child_options`` (``extra``: (dest, value) pairs), then basetemp."""
@@ -130,6 +143,7 @@ class ChildPlugin:
         self.collect_errors: list[str] = []
         self.config: Any = None
         self.ran: Any = None  # the item, once its protocol ran here
+        self.ended = False  # its protocol ended: what fails after is the session's end
 
     @pytest.hookimpl(trylast=True)
     def pytest_configure(self, config: Any) -> None:
@@ -235,6 +249,7 @@ class ChildPlugin:
             )
             raise
         self.channel.send(frames.END, None)
+        self.ended = True
         learnt = imports.learnable(modules)
         if learnt["names"]:  # the fork server's template imports them for the tests after it
             self.channel.send(frames.IMPORTED, learnt)

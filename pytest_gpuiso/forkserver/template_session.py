@@ -98,7 +98,9 @@ def run_session(
     child_plugin.restart_capture(config)
     child_plugin.override_options(config.option, config.option.basetemp, options)
     try:
-        status = int(config.hook.pytest_cmdline_main(config=config))
+        status = child_plugin.after_the_test(
+            plugin, lambda: config.hook.pytest_cmdline_main(config=config)
+        )
     except BaseException:
         if plugin.channel is None:  # the template itself failed: the server forks instead
             raise

@@ -84,6 +84,19 @@ def test_a_named_file_python_files_does_not_match_is_rewritten(gpuiso) -> None:
     result.stdout.fnmatch_lines(["E       assert 1 == 2"])
 
 
+def test_a_plugins_error_at_the_sessions_end_is_not_a_tests(gpuiso) -> None:
+    """A warning a plugin gives in pytest_unconfigure, an error by filterwarnings: after
+    the tests in-process, and after each test in its process, where it is not the test's
+    (pytest's own process meets it at its end, as in-process)."""
+    gpuiso.copy("session_end_warns")
+    args = ("-p", "no:randomly", "session_end_warns")
+    in_process = gpuiso.run("--no-gpu-isolate", *args)
+    result = gpuiso.run("--gpu-isolate", *args)
+    in_process.assert_outcomes(passed=2)
+    result.assert_outcomes(passed=2)
+    assert "UserWarning: said at the session's end" in result.stdout.str() + result.stderr.str()
+
+
 def test_subtests_end_isolated_as_in_process(gpuiso) -> None:
     """Each subtest's report (pytest 9 sends one more report per subtest) is taken and
     shown as in-process; the test with a failed subtest fails."""
