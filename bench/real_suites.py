@@ -180,23 +180,31 @@ def prepare_venv(cache: Path, plugin: str | None, with_torch: bool) -> Path:
         step("creating the venv", [sys.executable, "-m", "venv", str(venv)])
         step("installing " + ", ".join(wanted), [str(python), "-m", "pip", "install", *wanted])
         ready.write_text("\n".join(wanted) + "\n")
-    if plugin is None or Path(plugin).is_dir():
-        source = Path(plugin or ROOT).resolve()
-        wheels = cache / "plugin-wheel"
-        shutil.rmtree(wheels, ignore_errors=True)
-        step(
-            f"building the plugin's wheel from {source}",
-            [str(python), "-m", "pip", "wheel", "--no-deps", "-w", str(wheels), str(source)],
-        )
-        found = sorted(wheels.glob("*.whl"))
-        if len(found) != 1:
-            raise StepFailed(f"building the plugin's wheel left {len(found)} wheels in {wheels}")
-        plugin = str(found[0])
+    plugin = plugin_wheel(cache, python, plugin)
     pip = [str(python), "-m", "pip", "install"]
     step(f"installing the plugin ({plugin})", [*pip, plugin])  # and its dependencies
     # The same version string may name another build: this run's replaces the installed one.
     step(f"reinstalling the plugin ({plugin})", [*pip, "--force-reinstall", "--no-deps", plugin])
     return python
+
+
+def plugin_wheel(cache: Path, python: Path, plugin: str | None) -> str:
+    """What to install as the plugin: ``plugin`` itself (a wheel or a pip requirement), or
+    the wheel built (by ``python``'s pip) from the checkout ``plugin`` names (default: this
+    one), under ``cache``."""
+    if plugin is not None and not Path(plugin).is_dir():
+        return plugin
+    source = Path(plugin or ROOT).resolve()
+    wheels = cache / "plugin-wheel"
+    shutil.rmtree(wheels, ignore_errors=True)
+    step(
+        f"building the plugin's wheel from {source}",
+        [str(python), "-m", "pip", "wheel", "--no-deps", "-w", str(wheels), str(source)],
+    )
+    found = sorted(wheels.glob("*.whl"))
+    if len(found) != 1:
+        raise StepFailed(f"building the plugin's wheel left {len(found)} wheels in {wheels}")
+    return str(found[0])
 
 
 def torch_available(cache: Path) -> bool:
@@ -209,32 +217,42 @@ def torch_available(cache: Path) -> bool:
     return rc == 0
 
 
+def sdist_of(cache: Path, python: Path, suite: Suite) -> Path:
+    """The sdist of ``suite`` (``name`` and ``version``), downloaded once under ``cache``."""
+    sdists = cache / "sdists"
+    wanted = f"{suite.name}-{suite.version}.tar.gz".lower().replace("-", "_")
+
+    def found() -> list[Path]:
+        return [p for p in sdists.glob("*.tar.gz") if p.name.lower().replace("-", "_") == wanted]
+
+    if not found():
+        spec = f"{suite.name}=={suite.version}"
+        step(
+            f"downloading the sdist of {spec}",
+            [str(python), "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
+            + ["-d", str(sdists), spec],
+        )
+    if not found():
+        raise StepFailed(f"pip downloaded no {suite.name}-{suite.version}.tar.gz into {sdists}")
+    return found()[0]
+
+
 def fetch_suite(cache: Path, python: Path, suite: Suite) -> Path:
     """The extracted sdist of ``suite`` (downloaded and extracted once)."""
     tree = cache / "src" / f"{suite.name}-{suite.version}"
     if tree.is_dir():
         return tree
-    sdists = cache / "sdists"
-    spec = f"{suite.name}=={suite.version}"
-    step(
-        f"downloading the sdist of {spec}",
-        [str(python), "-m", "pip", "download", "--no-deps", "--no-binary", ":all:"]
-        + ["-d", str(sdists), spec],
-    )
-    wanted = f"{suite.name}-{suite.version}.tar.gz".lower().replace("-", "_")
-    found = [p for p in sdists.glob("*.tar.gz") if p.name.lower().replace("-", "_") == wanted]
-    if not found:
-        raise StepFailed(f"pip downloaded no {suite.name}-{suite.version}.tar.gz into {sdists}")
+    sdist = sdist_of(cache, python, suite)
     staging = Path(tempfile.mkdtemp(prefix="extract-", dir=cache))
     try:
-        with tarfile.open(found[0]) as archive:
+        with tarfile.open(sdist) as archive:
             if hasattr(tarfile, "data_filter"):  # no links or paths out of the tree
                 archive.extractall(staging, filter="data")
             else:
                 archive.extractall(staging)
         tops = list(staging.iterdir())
         if len(tops) != 1 or not tops[0].is_dir():
-            raise StepFailed(f"{found[0].name} does not hold one top folder")
+            raise StepFailed(f"{sdist.name} does not hold one top folder")
         tree.parent.mkdir(parents=True, exist_ok=True)
         tops[0].rename(tree)
     finally:
@@ -259,13 +277,22 @@ def versions(python: Path) -> str:
 # -- the runs ----------------------------------------------------------------------------
 
 
-def outcomes_of(junit: Path) -> tuple[dict[str, str], list[float]]:
-    """Each test's outcome (passed, failed, error, skipped, xfailed) and junit's times."""
+@dataclass(frozen=True)
+class Case:
+    """One test case of a junit XML: its outcome and, if it has one, junit's message."""
+
+    outcome: str  # passed, failed, error, skipped or xfailed; several joined by "+"
+    message: str  # the first failure's, error's or skip's message ("" for a pass)
+
+
+def junit_cases(junit: Path) -> tuple[dict[str, Case], list[float]]:
+    """Each test's case (by ``classname::name``) and junit's times, in the file's order."""
     try:
         tree = ET.parse(junit)
     except (OSError, ET.ParseError) as exc:
         raise StepFailed(f"could not read the junit XML {junit}: {exc}") from None
     seen: dict[str, set[str]] = {}
+    messages: dict[str, str] = {}
     times = []
     for case in tree.iter("testcase"):
         nodeid = f"{case.get('classname', '')}::{case.get('name', '')}"
@@ -277,9 +304,20 @@ def outcomes_of(junit: Path) -> tuple[dict[str, str], list[float]]:
                 kinds.add("error")
             elif child.tag == "skipped":
                 kinds.add("xfailed" if child.get("type") == "pytest.xfail" else "skipped")
+            else:
+                continue
+            if not messages.get(nodeid):
+                messages[nodeid] = child.get("message") or (child.text or "").strip()
         seen.setdefault(nodeid, set()).update(kinds or {"passed"})
         times.append(float(case.get("time", "0")))
-    return {k: "+".join(sorted(v)) for k, v in seen.items()}, times
+    cases = {k: Case("+".join(sorted(v)), messages.get(k, "")) for k, v in seen.items()}
+    return cases, times
+
+
+def outcomes_of(junit: Path) -> tuple[dict[str, str], list[float]]:
+    """Each test's outcome (passed, failed, error, skipped, xfailed) and junit's times."""
+    cases, times = junit_cases(junit)
+    return {k: case.outcome for k, case in cases.items()}, times
 
 
 def suite_env(python: Path, tree: Path, suite: Suite) -> dict[str, str]:

@@ -280,3 +280,26 @@ def test_page_faults_bench_prints_each_cost_and_its_ratios() -> None:
     assert bad.stderr.strip().splitlines() == [
         "page_faults.py: cannot import no_such_mod_xyz: No module named 'no_such_mod_xyz'"
     ]
+
+
+@pytest.mark.parametrize(
+    "args, said",
+    [
+        (("--suite", "nope"), "error: --suite: unknown nope; known: iniconfig, "),
+        (("--fastest", "0"), "error: --fastest must be at least 1"),
+        (("--modes", "forkserver,fast"), "error: --modes: unknown fast; known: "),
+        (("--suite", "pluggy", "--fastest", "2"), "error: --suite and --fastest exclude"),
+    ],
+)
+def test_fidelity_bad_arguments_are_one_line(args, said):
+    """bench/fidelity.py (CI's last stage runs its three fastest suites, downloading them):
+    a bad argument is one line, before anything is downloaded."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "fidelity.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert done.returncode == 2
+    assert said in done.stderr.strip().splitlines()[-1], done.stderr
