@@ -221,7 +221,7 @@ class ChildPlugin:
             detail = "\n".join(self.collect_errors) or "the test was not collected"
             self.channel.send(
                 frames.ERROR,
-                f"the isolated process could not collect {self.job.nodeid!r}:\n{detail}",
+                f"{frames.UNCOLLECTED}{self.job.nodeid!r}:\n{detail}",
             )
             return True
         item = session.items[0]

@@ -15,6 +15,7 @@ from typing import Protocol
 
 import pytest
 
+from ..wire import frames
 from .outcome import Outcome
 from .results import setup_error_reports
 
@@ -45,6 +46,8 @@ def of(outcome: Outcome) -> StartFailure | None:
         return None
     if outcome.reports or not outcome.errors:
         return None
+    if any(error.startswith(frames.UNCOLLECTED) for error in outcome.errors):
+        return None  # it started, and could not collect its test: the test's own error
     text = "\n\n".join(outcome.errors)
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     if not lines:

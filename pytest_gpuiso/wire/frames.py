@@ -112,6 +112,7 @@ KINDS = frozenset(SHAPES)  # the whole vocabulary
 
 
 UNREADABLE = "unreadable message from the test process: "  # an ERROR frame of the Reader's
+UNCOLLECTED = "the isolated process could not collect "  # its test: the test's own error
 
 
 class FrameError(ValueError):

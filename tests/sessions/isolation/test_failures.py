@@ -86,7 +86,9 @@ def test_timeout_reports_source_phase_and_stack(gpuiso) -> None:
     section(result, "test_sleeps_forever").fnmatch_lines(
         [
             f"{head} during call; it was ended by SIGTERM "
-            "(escalation: stack dump, SIGTERM, 1 s grace, SIGKILL)",
+            "(escalation: stack dump, SIGTERM, 1 s grace, SIGKILL); to fix: its stack below "
+            "shows where it waited; to allow more: timeout= in the test's gpu_isolated "
+            "marker, or --gpu-isolate-timeout",
             "Stack of the test process (pid *) at the timeout:",
             "Current thread * (most recent call first):",
             f'  File "*test_hangs.py", line {sleep_line} in test_sleeps_forever',
@@ -151,7 +153,7 @@ def test_sigterm_ignoring_test_is_killed_after_grace(gpuiso, tmp_path: Path, mon
             [
                 "Timeout: the isolated test timed out after 2 s "
                 "(timeout from --gpu-isolate-timeout) during call; it was ended by SIGKILL "
-                "(escalation: stack dump, SIGTERM, 1 s grace, SIGKILL)",
+                "(escalation: stack dump, SIGTERM, 1 s grace, SIGKILL); to fix: *",
                 "Stack of the test process (pid *) at the timeout:",
                 "*in test_ignores_sigterm",
             ]

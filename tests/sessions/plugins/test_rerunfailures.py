@@ -161,6 +161,7 @@ def _record(attempt: int, outcome: str, leaks: int) -> dict:
         "nodeid": "t.py::test_x",
         "outcome": outcome,
         "attempt": attempt,
+        "pid": 4000 + attempt,  # each attempt in a process of its own
         "exit": {"code": 0, "signal": None, "timed_out": False, "expired": None},
         "leaks": [{"kind": "shm", "detail": f"/dev/shm/x{n}"} for n in range(leaks)],
         "escaped": [],
