@@ -7,6 +7,7 @@ an input or output it cannot use: one "error: ..." line on stderr), as EXIT_STAT
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -16,6 +17,7 @@ from pathlib import Path
 from . import __version__
 from .gpu import table
 from .gpu.leases import REGION_ENV
+from .reports.termtext import inert
 
 MERGE_HELP = """\
 merge the JSON reports (--gpu-isolate-report) of CI shards into one JSON report, one
@@ -36,8 +38,9 @@ are in more than one shard ...", naming the first few and their shards."""
 
 
 def _error(message: str, status: int = 2) -> int:
-    """One ``error: MESSAGE`` line on stderr; the exit status (EXIT_STATUS)."""
-    print(f"error: {message}", file=sys.stderr)
+    """One ``error: MESSAGE`` line on stderr (inert: it may quote a report's text); the
+    exit status (EXIT_STATUS)."""
+    print(f"error: {inert(message)}", file=sys.stderr)
     return status
 
 
@@ -51,7 +54,7 @@ def _merge(opts: argparse.Namespace) -> int:
         return _error(str(exc))
     overlap = shards.overlap_line(merged.overlapping)
     if overlap:
-        print(f"warning: {overlap}", file=sys.stderr)
+        print(f"warning: {inert(overlap)}", file=sys.stderr)
     records, runs = merged.records, merged.runs
     tests = len({r["nodeid"] for r in records})  # a rerun test has a record per attempt
     shards_text = f"{tests} tests from {len(opts.reports)} reports"
@@ -69,7 +72,7 @@ def _merge(opts: argparse.Namespace) -> int:
             write(path)
         except OSError as exc:
             return _error(f"{path}: cannot write: {exc.strerror or exc}")
-        print(f"wrote the merged {what} ({shards_text}) to {path}")
+        print(f"wrote the merged {what} ({shards_text}) to {inert(path)}")
     _step_summary(text, f"the merged Markdown summary ({shards_text})")
     return 0
 
@@ -83,7 +86,7 @@ def _step_summary(text: str, what: str) -> None:
         problem = files.append_step_summary(text)
         step = f"${files.STEP_SUMMARY_ENV}"
         if problem:
-            print(f"warning: not appended to {step} ({problem})", file=sys.stderr)
+            print(f"warning: not appended to {step} ({inert(problem)})", file=sys.stderr)
         else:
             print(f"appended {what} to {step}")
 
@@ -128,9 +131,9 @@ def _compare(opts: argparse.Namespace) -> int:
         result = compare.compare(sides[0], head, opts.startup_growth, growth)
         runs = [run_info.session_of(doc) for doc in documents]
         if any(runs):
-            print(f"base: {run_info.line(runs[0])}\nhead: {run_info.line(runs[1])}")
+            print(f"base: {inert(run_info.line(runs[0]))}\nhead: {inert(run_info.line(runs[1]))}")
         for difference in run_info.differences(*runs):  # a finding may be the runner's
-            print(f"warning: the runs differ: {difference}", file=sys.stderr)
+            print(f"warning: the runs differ: {inert(difference)}", file=sys.stderr)
         print(compare.text(result), end="")
         found = findings.of_changes(result.new, head)
         if findings.wanted(opts.annotations):
@@ -146,7 +149,8 @@ def _compare(opts: argparse.Namespace) -> int:
         except OSError as exc:
             return _error(f"{path}: cannot write: {exc.strerror or exc}")
         if what == "leak baseline":
-            print(f"wrote the leak baseline ({len(known)} leaks of {opts.head}) to {path}")
+            head, out = inert(opts.head), inert(path)
+            print(f"wrote the leak baseline ({len(known)} leaks of {head}) to {out}")
     if result is not None:
         _step_summary(compare.markdown(result), "the comparison's Markdown")
     return 1 if result is not None and result.new else 0
@@ -267,6 +271,9 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
 
 
 def main(argv: list[str] | None = None) -> int:
+    for stream in (sys.stdout, sys.stderr):  # a name no encoding holds: its escape, no crash
+        with contextlib.suppress(AttributeError, ValueError):
+            stream.reconfigure(errors="backslashreplace")
     parser, commands = _parser()
     opts, extra = parser.parse_known_args(argv)
     if extra:  # named by the command's own usage error

@@ -285,11 +285,19 @@ def gpu_isolated_run(request: pytest.FixtureRequest):
         prepare(request.config, state)
     grace = state.settings.grace if state is not None else DEFAULT_GRACE
     leases = state.leases if state is not None else None
+    health = state.settings.health if state is not None else "after-failure"
 
     def run(func, *args, timeout=None, gpus=0, **kwargs):
         __tracebackhide__ = True
         return call_isolated(
-            func, args, kwargs, timeout=timeout, gpus=gpus, grace=grace, leases=leases
+            func,
+            args,
+            kwargs,
+            timeout=timeout,
+            gpus=gpus,
+            grace=grace,
+            leases=leases,
+            health=health,
         )
 
     return run

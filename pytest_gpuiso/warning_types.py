@@ -14,6 +14,7 @@ import warnings
 import pytest
 
 from . import _compat
+from .reports.termtext import inert
 
 
 class GpuIsoLeakWarning(pytest.PytestWarning):
@@ -23,6 +24,12 @@ class GpuIsoLeakWarning(pytest.PytestWarning):
 class GpuIsoStartWarning(pytest.PytestWarning):
     """The fork server or prewarming could not be used, isolation is off for a debugger, or
     what a dead session's tests left running was ended."""
+
+
+def _inert(warning: Warning) -> Warning:
+    """The warning with its text inert (``termtext.inert``): it may quote what a test's
+    process or a dead session chose (a command line, a /dev/shm name, a library's name)."""
+    return type(warning)(inert(str(warning)))
 
 
 def warn_for_test(warning: Warning, filename: str, lineno: int) -> bool:
@@ -40,6 +47,7 @@ def issue_for_test(warning: Warning, filename: str, lineno: int) -> str:
     passes them is handed on to pytest's catcher with ``warnings.showwarning``, which
     applies no filter again.
     """
+    warning = _inert(warning)
     with warnings.catch_warnings(record=True) as passed:
         try:
             warnings.warn_explicit(warning, type(warning), filename, lineno)
@@ -57,6 +65,7 @@ def warn_session(
     issues it (``stacklevel`` frames up from its caller); False when a filter made it an
     error. ``notice``: information (tests run in-process for a debugger), which a filter's
     ``error`` shows all the same: it ends nothing."""
+    warning = _inert(warning)
     caller = sys._getframe(stacklevel)
     where = (caller.f_code.co_filename, caller.f_lineno)
     with warnings.catch_warnings(record=True) as log:

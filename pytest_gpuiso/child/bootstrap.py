@@ -48,11 +48,11 @@ from ..wire.jobs import Bootstrap, CallJob, ItemJob
 from . import cuda_state
 from .env_reads import EnvReads
 from .exiting import flush_and_exit, mark_exit_handlers
+from .options import override_options
 from .plugin import (
     ChildPlugin,
     after_the_test,
     name_capture_files,
-    override_options,
     restart_capture,
 )
 

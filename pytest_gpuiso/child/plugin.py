@@ -27,6 +27,7 @@ from ..wire import frames, wire
 from ..wire.environment import LEASED_ENV
 from ..wire.plugin_names import CHILD_PLUGIN
 from . import cuda_state, imports, memory_cap
+from .options import override_again
 
 
 def freeze() -> None:
@@ -81,28 +82,6 @@ def name_capture_files(prefix: str) -> None:
     _compat.set_capture_tempfile(named_temporary_file)
 
 
-# Options that must not take effect in the child: the parent debugs, distributes,
-# writes result files and keeps the last-failed cache; the child only runs one test.
-_CHILD_OVERRIDES: dict[str, Any] = {
-    "usepdb": False,
-    "trace": False,
-    "xmlpath": None,
-    "numprocesses": None,
-    "maxprocesses": None,
-    "dist": "no",
-    "tx": [],
-    "looponfail": False,
-    "report_log": None,
-    "htmlpath": None,
-    "lf": False,
-    "failedfirst": False,
-    "newfirst": False,
-    "stepwise": False,
-    "stepwise_skip": False,
-    "gpu_isolate_report": None,
-}
-
-
 def after_the_test(plugin: ChildPlugin, run: Any) -> int:
     """``run()`` (pytest's session in this process), its status; an exception raised once
     the test's protocol ended (a plugin's ``pytest_sessionfinish`` or ``pytest_unconfigure``
@@ -114,21 +93,6 @@ def after_the_test(plugin: ChildPlugin, run: Any) -> int:
         if not plugin.ended:
             raise
         return int(pytest.ExitCode.OK)
-
-
-def override_options(option: Any, basetemp: str, extra: tuple = ()) -> None:
-    """Set the child's options: ours, then what plugins asked for through
-    ``pytest_gpuiso_child_options`` (``extra``: (dest, value) pairs), then basetemp."""
-    _override(option)
-    for name, value in extra:
-        setattr(option, name, value)
-    option.basetemp = basetemp
-
-
-def _override(option: Any) -> None:
-    for name, value in _CHILD_OVERRIDES.items():
-        if hasattr(option, name):
-            setattr(option, name, value)
 
 
 class ChildPlugin:
@@ -152,7 +116,7 @@ class ChildPlugin:
             self._record_junit(config)
         # A conftest's pytest_cmdline_main may have set them again (xdist's -n for a run
         # of its suite, when not an xdist worker): this process runs one test, no workers.
-        _override(config.option)
+        override_again(config.option)
         dsession = config.pluginmanager.get_plugin("dsession")  # xdist's, made for it
         if dsession is not None:
             config.pluginmanager.unregister(dsession)

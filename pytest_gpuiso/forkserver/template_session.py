@@ -23,6 +23,7 @@ import pytest
 from .. import _compat
 from ..child import bootstrap as child
 from ..child import cuda_state, exiting
+from ..child import options as child_options
 from ..child import plugin as child_plugin
 from ..wire import frames, jobs
 
@@ -69,7 +70,7 @@ class TemplatePlugin(child_plugin.ChildPlugin):
         self._record_junit(config)
         child_plugin.name_capture_files(boot.capture_prefix)
         child_plugin.restart_capture(config)
-        child_plugin.override_options(config.option, job.basetemp, job.options)
+        child_options.override_options(config.option, job.basetemp, job.options)
         # The session's factory was made in the template: this test's basetemp instead.
         _compat.retarget_basetemp(config, job.basetemp)
         _restore_random_states(self.seeded)
@@ -96,7 +97,7 @@ def run_session(
     plugin = TemplatePlugin(modules, await_fork)
     config.pluginmanager.register(plugin, child_plugin.CHILD_PLUGIN)
     child_plugin.restart_capture(config)
-    child_plugin.override_options(config.option, config.option.basetemp, options)
+    child_options.override_options(config.option, config.option.basetemp, options)
     try:
         status = child_plugin.after_the_test(
             plugin, lambda: config.hook.pytest_cmdline_main(config=config)

@@ -2,8 +2,9 @@
 
 From ``--gpu-isolate-devices`` when given, else the user's ``CUDA_VISIBLE_DEVICES`` (or
 ROCm's variables), else NVML (nvidia-ml-py), else AMD's amdsmi, else none. Their memory
-comes from NVML or amdsmi, or is declared (``--gpu-isolate-devices=0:80GiB``); a list
-the lease table cannot hold is a ``SpecError`` naming its source.
+comes from NVML (without it, from the CUDA driver: ``identity``) or amdsmi, or is declared
+(``--gpu-isolate-devices=0:80GiB``); a list the lease table cannot hold, or whose GPUs
+cannot be told apart, is a ``SpecError`` naming its source.
 """
 
 from __future__ import annotations
@@ -149,20 +150,26 @@ def _sized_amd(devices: Devices, declared: dict[str, int], found: bool = False) 
 
 
 def _sized(devices: Devices, declared: dict[str, int], nvml: NvmlReader) -> Devices:
-    """``devices`` with each one's memory: declared, else NVML's total (0: unknown)."""
+    """``devices`` with each one's memory: declared, else NVML's total, else CUDA's where
+    it was asked (``_keyed``, without NVML); 0: unknown."""
     if not devices.names:
         return devices
-    sizes = tuple(declared.get(name) or nvml.total(name) for name in devices.names)
+    sizes = tuple(
+        declared.get(name) or nvml.total(name) or devices.capacity(name) for name in devices.names
+    )
     return replace(devices, capacities=sizes)
 
 
 def _keyed(devices: Devices, nvml: NvmlReader) -> Devices:
-    """``devices`` with each one's identity (``Devices.keys``) where NVML knows it, and
-    ``nvml`` told to read an index CUDA numbers otherwise as the GPU CUDA will show (its
-    memory, its processes); ``SpecError`` when two names are one GPU."""
-    if not devices.names or not nvml.available():
+    """``devices`` with each one's identity (``Devices.keys``: ``identity.identities``,
+    from NVML or the CUDA driver), and ``nvml`` told to read an index CUDA numbers
+    otherwise as the GPU CUDA will show (its memory, its processes); without NVML, the
+    memory CUDA says each has. ``SpecError`` when two names are one GPU, or CUDA must
+    say which GPU a name is and cannot."""
+    if not devices.names:
         return devices
-    keys = identities(devices, nvml)
+    found = identities(devices, nvml)
+    keys = [identity.key for identity in found]
     for i, key in enumerate(keys):
         if keys.index(key) != i:
             first = devices.names[keys.index(key)]
@@ -171,9 +178,11 @@ def _keyed(devices: Devices, nvml: NvmlReader) -> Devices:
                 f"the same GPU ({key})"
             )
     for name, key in zip(devices.names, keys, strict=True):
-        if key != name:  # NVML reads a UUID's prefix, or CUDA's index, as that GPU
-            nvml.alias(name, key)
-    return replace(devices, keys=tuple(keys))
+        if key != name and nvml.available():  # NVML reads a UUID's prefix, or CUDA's
+            nvml.alias(name, key)  # index, as that GPU
+    totals = tuple(identity.total for identity in found)
+    sizes = totals if any(totals) else devices.capacities
+    return replace(devices, keys=tuple(keys), capacities=sizes)
 
 
 def _checked(devices: Devices, value: str | None = None) -> Devices:

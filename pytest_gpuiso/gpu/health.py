@@ -22,8 +22,20 @@ A GPU a part could not run on (no NVML, no CUDA driver) is "not assessed": neith
 healthy nor quarantined, and said so. A GPU that fails is quarantined in the lease
 table (``leases.Leases.quarantine``): no session of the user leases it until ``python -m
 pytest_gpuiso reset --device N`` re-probes it and lifts it, or the session itself does
-every ``--gpu-isolate-reprobe`` seconds. With ``--gpu-isolate-health=always`` the NVML
-part also runs on every lease (``Health.lease``).
+every ``--gpu-isolate-reprobe`` seconds. A quarantine the driver part decided (its
+reason's problem is the driver probe's, ``judged_by_driver``) is lifted by a passing
+driver part alone where NVML cannot be loaded; any other needs NVML's part to pass too.
+
+Xids that came while none of the session's tests held a GPU (an in-process test, another
+user's job, a late report of the driver) are read at its next lease: one that needs a
+reset, a reboot or service quarantines the GPU "between tests" (``between_reason``) and
+the lease is taken among the others (``Health.lease``). With ``--gpu-isolate-health=always``
+the NVML part also runs on every lease.
+
+An application Xid fails the test only when it can be the test's alone: no other test
+could use the GPU beside it (``shared``), and NVML showed no process on the GPU during the
+test that was not the test's (``others``: NVML's Xid events carry no pid, the GPU's
+process list is what says who else could have raised it).
 """
 
 from __future__ import annotations
@@ -35,6 +47,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Collection, Mapping
 from typing import Any, Protocol
 
 from ..leaks import Leak
@@ -47,6 +60,7 @@ from .nvml import NvmlReader
 PROBE_TIMEOUT = 20.0  # seconds for the driver part: a context on a healthy GPU takes < 1 s
 KILL_WAIT = 5.0  # seconds a killed probe gets to end before it is left behind
 NODEID_KEPT = 100  # bytes of a test's name a quarantine's reason keeps (its end)
+DRIVER_PART = "the CUDA driver probe "  # how every problem the driver part finds begins
 # What a test's failure says when CUDA's error is sticky: the context (often the device)
 # is unusable until the process ends, and the device may stay so after it.
 STICKY = re.compile(
@@ -129,13 +143,13 @@ def driver_check(
         proc.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             proc.communicate(timeout=KILL_WAIT)
-        return f"the CUDA driver probe did not finish within {timeout:g} s", None
+        return f"{DRIVER_PART}did not finish within {timeout:g} s", None
     last = (said.strip().splitlines() or [""])[-1]
     if proc.returncode == NO_DRIVER:
         return None, last or "no CUDA driver"
     if proc.returncode in (0, FULL):
         return None, None
-    return f"the CUDA driver probe failed: {last or f'exit status {proc.returncode}'}", None
+    return f"{DRIVER_PART}failed: {last or f'exit status {proc.returncode}'}", None
 
 
 def _leaked_on(device: str, leaks: list[Leak]) -> list[str]:
@@ -156,14 +170,20 @@ def _leaked_on(device: str, leaks: list[Leak]) -> list[str]:
 
 
 def examine(
-    device: str, nvml: NvmlReader, env: dict[str, str], found: list[str] = ()
+    device: str,
+    nvml: NvmlReader,
+    env: dict[str, str],
+    found: list[str] = (),
+    driver_cause: bool = False,
 ) -> tuple[str, str]:
     """What is wrong with ``device``: NVML's part (with the Xids NVIDIA's catalog says
     put it in doubt) and ``found``, what else is known of it; then, only when that finds
     nothing, the driver part with ``env``. Returns (what is wrong, why it could not be
     assessed): ("", "") when it is healthy; ("", why) when a part could not run (no
-    NVML, no CUDA driver): not known to be healthy, nor unhealthy."""
-    untold = [] if nvml.available() else [f"NVML: {nvml.error or 'unavailable'}"]
+    NVML, no CUDA driver): not known to be healthy, nor unhealthy. ``driver_cause``: the
+    doubt is one the driver part judges (``judged_by_driver``), so NVML's absence leaves
+    nothing of it untold."""
+    untold = [] if nvml.available() or driver_cause else [f"NVML: {nvml.error or 'unavailable'}"]
     doubts = [x.text() for x in map(xids.classify, nvml.xids(device)) if x.quarantines]
     problems = nvml.problems(device) + doubts + list(found)
     if problems:
@@ -196,12 +216,37 @@ def checkup(
 def quarantine_reason(problem: str, nodeid: str, why: str) -> str:
     """The reason the lease table keeps (``LABEL_LEN`` bytes): after which test and why it
     was probed, then what failed, cut to fit (a very long test name keeps its end)."""
+    return _fit(f"after {_named(nodeid)} ({why}): {problem}")
+
+
+def between_reason(problem: str, nodeid: str) -> str:
+    """The reason of a quarantine for what came while none of the session's tests held
+    the GPU (``nodeid``: the test whose lease found it, which it is not put on)."""
+    return _fit(f"between tests (found at the lease of {_named(nodeid)}): {problem}")
+
+
+def judged_by_driver(reason: str) -> bool:
+    """Whether a quarantine's ``reason`` (``quarantine_reason``, ``between_reason``) is a
+    problem the driver part found: its problem follows the first "): ", which a test's
+    name in it never holds (``_named``)."""
+    _, sep, problem = reason.partition("): ")
+    return bool(sep) and problem.startswith(DRIVER_PART)
+
+
+def _named(nodeid: str) -> str:
+    """A test's name as a reason holds it: its end when very long, and never "): " (which
+    ends the reason's "why" part)."""
     if len(nodeid.encode()) > NODEID_KEPT:
         nodeid = "..." + nodeid.encode()[-NODEID_KEPT:].decode("utf-8", "ignore")
-    text = f"after {nodeid} ({why}): {problem}".encode()
-    if len(text) > LABEL_LEN:
-        text = text[: LABEL_LEN - 3] + b"..."
-    return text.decode("utf-8", "ignore")
+    return nodeid.replace("): ", ") : ")
+
+
+def _fit(text: str) -> str:
+    """``text`` cut to what the lease table keeps of a reason."""
+    data = text.encode()
+    if len(data) > LABEL_LEN:
+        data = data[: LABEL_LEN - 3] + b"..."
+    return data.decode("utf-8", "ignore")
 
 
 class Health:
@@ -217,6 +262,7 @@ class Health:
         self.mode = mode if leases.devices.via == rocm.CUDA else "off"  # settings.HEALTH_MODES
         self.reprobe = reprobe
         self._tried: dict[str, float] = {}  # device -> time.monotonic() of its last re-probe
+        self._between: dict[int, dict[str, str]] = {}  # lease id -> what its lease found
 
     def lease(
         self,
@@ -228,50 +274,77 @@ class Health:
     ) -> Lease:
         """The one way a test (or a call) gets GPUs: ``leases.acquire``, or ``pinned``, the
         part of its pinned worker's lease it runs under; then the GPUs are watched (Xid
-        events, ECC counts: ``after`` says what came since). With mode "always", a GPU
-        whose NVML part fails is quarantined first and the lease taken again, among the
-        others (a pinned worker's test fails instead: its GPUs are its worker's). Without a
-        lease timeout, a test that needs more GPUs than quarantines leave fails at once
+        events, ECC counts: ``after`` says what came since). A GPU found in doubt at the
+        lease (``_admit``: an Xid between tests; with mode "always", NVML's part) is
+        quarantined "between tests" first and the lease taken again, among the others (a
+        pinned worker's test fails instead: its GPUs are its worker's). Without a lease
+        timeout, a test that needs more GPUs than quarantines leave fails at once
         (``Leases.never_enough``: it would wait forever)."""
         if self.mode != "off" and pinned is None:
-            self._reprobe()
+            quarantined = self.leases.quarantined()
+            self._reprobe(quarantined)
+            for device in quarantined:  # what came before (or during) a GPU's quarantine is
+                self.nvml.xids(device)  # the quarantine's: never judged at a later lease
+        between: dict[str, str] = {}
         while True:
             lease = pinned or self.leases.acquire(n, label, timeout, memory)
             failed = self._admit(lease)
             if not failed:
+                if between:  # said in the record of the test whose lease found it
+                    self._between[lease.lease_id] = between
                 return lease
             for device, problem in failed.items():
-                reason = quarantine_reason(problem, label, "before its lease")
-                self.leases.quarantine(device, reason)
+                refused = self.leases.quarantine(device, between_reason(problem, label))
+                if refused:  # taken again, it would be found again: never leased in doubt
+                    if pinned is None:
+                        self.leases.release(lease)
+                    raise LeaseError(f"GPU {device} is in doubt ({problem}): {refused}")
+                between[device] = problem
             if pinned is not None:
                 found = "; ".join(f"GPU {d}: {p}" for d, p in failed.items())
-                raise LeaseError(f"its pinned worker's GPUs failed NVML's check ({found})")
+                raise LeaseError(f"its pinned worker's GPUs are in doubt ({found})")
             self.leases.release(lease)
 
     def _admit(self, lease: Lease) -> dict[str, str]:
-        """Watch the lease's GPUs from now on; with mode "always", what NVML finds wrong
-        with each of them now (device -> problem)."""
+        """Watch the lease's GPUs from now on; what puts each in doubt now (device ->
+        problem): the Xids it raised since the session last read it (none before its
+        first lease: NVML keeps no past) that NVIDIA's catalog says need a reset, a
+        reboot or service (an application's says nothing of the GPU, and is no test's
+        of this session); with mode "always", what NVML's part finds wrong."""
         if self.mode == "off":
             return {}
+        found = {}
         for device in lease.devices:
-            self.nvml.track_errors(device)
-        checked = lease.devices if self.mode == "always" else ()
-        return {d: "; ".join(p) for d in checked if (p := self.nvml.problems(d))}
+            came = map(xids.classify, self.nvml.track_errors(device))
+            doubts = [xid.text() for xid in came if xid.quarantines]
+            if self.mode == "always":
+                doubts += self.nvml.problems(device)
+            if doubts:
+                found[device] = "; ".join(doubts)
+        return found
 
     def after(
-        self, nodeid: str, lease: Lease, outcome: RunEnd, shared: bool = False
+        self,
+        nodeid: str,
+        lease: Lease,
+        outcome: RunEnd,
+        shared: bool = False,
+        others: Mapping[str, Collection[int]] | None = None,
     ) -> dict[str, Any] | None:
         """Judge the Xids of the test's GPUs since its lease by NVIDIA's catalog, probe
         its GPUs when its run put them in doubt, and quarantine those that fail or had an
         Xid that needs a reset, a reboot or service (before its lease is released). What
-        was found (None: no Xid, no probe): ``xids`` (each with ``fails_test``: an
-        application Xid on a GPU no other test shared (``shared``) is the test's own
-        failure), ``probed`` (why), ``quarantined`` and ``unassessed`` (device -> why)."""
+        was found (None: nothing): ``xids`` (each with ``fails_test``: an application Xid
+        is the test's own failure on a GPU no other test shared (``shared``) where NVML
+        showed no process that was not the test's (``others``: device -> NVML pids, then
+        in ``other_pids``)), ``probed`` (why), ``quarantined`` and ``unassessed`` (device
+        -> why), ``between_tests`` (device -> what its lease found and quarantined)."""
         if self.mode == "off":
             return None
+        between = self._between.pop(lease.lease_id, {})
         seen = [(d, xids.classify(n)) for d in lease.devices for n in self.nvml.xids(d)]
         why = why_probe(outcome)
-        if why is None and not seen:
+        if why is None and not seen and not between:
             return None
         failed: dict[str, str] = {}
         for device, xid in seen:
@@ -294,23 +367,24 @@ class Health:
             checked["probed"] = why
         if unassessed:
             checked["unassessed"] = unassessed
+        if between:
+            checked["between_tests"] = between
         if seen:
-            checked["xids"] = [
-                {**x.entry(d), "fails_test": x.kind == xids.APPLICATION and not shared}
-                for d, x in seen
-            ]
+            checked["xids"] = [x.judged(d, shared, (others or {}).get(d, ())) for d, x in seen]
         return checked
 
-    def _reprobe(self) -> None:
-        """Probe again the quarantined GPUs whose last probe is ``reprobe`` seconds old, and
-        lift those that pass."""
+    def _reprobe(self, quarantined: dict[str, dict[str, Any]]) -> None:
+        """Probe again the ``quarantined`` GPUs whose last probe is ``reprobe`` seconds old,
+        and lift those that pass."""
         if self.reprobe is None:
             return
         now = time.monotonic()
-        for device, entry in self.leases.quarantined().items():
+        for device, entry in quarantined.items():
             age = time.time() - entry["since_ns"] / 1e9
             if min(age, now - self._tried.get(device, -math.inf)) < self.reprobe:
                 continue
             self._tried[device] = now
-            if examine(device, self.nvml, self.leases.visible((device,))) == ("", ""):
+            env = self.leases.visible((device,))
+            driver_cause = judged_by_driver(entry["why"])
+            if examine(device, self.nvml, env, driver_cause=driver_cause) == ("", ""):
                 self.leases.lift(device)  # healthy, not only: could not be assessed

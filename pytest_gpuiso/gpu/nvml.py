@@ -209,11 +209,13 @@ class NvmlReader:
 
     # ---------------------------------------------------------------- health (GPU health)
 
-    def track_errors(self, device: str) -> None:
+    def track_errors(self, device: str) -> list[int]:
         """From now on, collect ``device``'s Xid critical errors and count its uncorrectable
-        ECC errors from here (``problems`` says what came since). Quiet where NVML cannot."""
+        ECC errors from here (``problems`` says what came since); the Xids that came since
+        the last reading (none before the first: NVML's events start at registration),
+        which are no run's of this reader. Quiet where NVML cannot ([])."""
         if not self.available():
-            return
+            return []
         nvml = self._nvml
         with contextlib.suppress(Exception):  # NvmlUnavailable, NOT_SUPPORTED (vGPU, MIG)
             handle = self._handle(device)
@@ -225,8 +227,9 @@ class NvmlReader:
                     nvml.nvmlEventSetFree(events)
                     raise
                 self._events[device] = events
-        self.xids(device)  # what came before is not this run's
+        before = self.xids(device)  # not this run's: judged apart (health.Health.lease)
         self._ecc[device] = self._uncorrectable(device)
+        return before
 
     def xids(self, device: str) -> list[int]:
         """The Xid critical errors of ``device`` since the last call (``track_errors``)."""

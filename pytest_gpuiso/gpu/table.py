@@ -8,8 +8,12 @@ import argparse
 import os
 import stat
 import sys
+from typing import TYPE_CHECKING
 
 from .leases import CHOOSE_PATH, foreign_owner, open_region, region_path, status_table
+
+if TYPE_CHECKING:
+    from .nvml import NvmlReader
 
 
 def nvml_indices() -> dict[str, str]:
@@ -92,8 +96,10 @@ FORCE_LOCK_WAIT = 3.0  # seconds reset --force waits for the table's lock before
 
 def _lift(region: object, path: str, device: str, force: bool) -> int:
     """Probe a quarantined GPU again (NVML, then the CUDA driver in a fresh process) and lift
-    its quarantine when it passes, or at once with ``force``."""
+    its quarantine when it passes, or at once with ``force``. A quarantine the driver part
+    decided is lifted by it alone where NVML cannot be loaded (``health.judged_by_driver``)."""
     from .._lease import RegionError
+    from ..values import SpecError
     from . import health
     from .leases import visible_env
     from .nvml import NvmlReader
@@ -103,8 +109,11 @@ def _lift(region: object, path: str, device: str, force: bool) -> int:
     except RegionError as exc:
         return _error(str(exc))
     nvml = NvmlReader()
-    try:  # the table keys a GPU by its UUID where NVML knows it: "0" is NVML's GPU 0
-        row = device if device in quarantined else (nvml.identity(device) or device)
+    try:  # the table keys a GPU by its UUID where it is known: "0" is NVML's GPU 0
+        try:
+            row = device if device in quarantined else _row(device, nvml)
+        except SpecError as exc:
+            return _error(str(exc))
         if row not in quarantined:
             which = ", ".join(sorted(quarantined)) or "none"
             print(f"GPU {device} is not quarantined in {path} (quarantined: {which})")
@@ -113,7 +122,8 @@ def _lift(region: object, path: str, device: str, force: bool) -> int:
             env = visible_env((row,))
             if row.isdigit() and "CUDA_DEVICE_ORDER" not in os.environ:
                 env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # an index as NVML numbers them
-            problem, untold = health.examine(row, nvml, env)
+            driver_cause = health.judged_by_driver(quarantined[row]["why"])
+            problem, untold = health.examine(row, nvml, env, driver_cause=driver_cause)
             if problem or untold:  # a refusal: 1, like a finding
                 why = f"still fails its probe: {problem}" if problem else ""
                 why = why or f"could not be assessed ({untold})"
@@ -128,6 +138,18 @@ def _lift(region: object, path: str, device: str, force: bool) -> int:
     named = device if row == device else f"{device} ({row})"
     print(f"GPU {named}: quarantine lifted ({how}; it was: {quarantined[row]['why']})")
     return 0
+
+
+def _row(device: str, nvml: NvmlReader) -> str:
+    """The table's row of ``device`` as ``reset --device`` names it (an index in NVML's
+    numbering, the PCI bus order; a UUID or a prefix of one): its UUID from NVML, else from
+    the CUDA driver (``identity.ask_cuda``), else the name itself."""
+    from .identity import ask_cuda
+
+    if nvml.available():
+        return nvml.identity(device) or device
+    found = ask_cuda([device], "reset --device", pci_order=True)
+    return found[device][0] if device in found else device
 
 
 def _is_lease_table(path: str) -> bool:

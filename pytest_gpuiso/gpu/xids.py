@@ -19,7 +19,9 @@ DCGM fails 48, 74, 79, 95, 119, 120, 140 always): the catalog is the one followe
 
 from __future__ import annotations
 
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 IGNORE, APPLICATION, RESET, REBOOT, SERVICE, UNKNOWN = (
     "ignore",
@@ -113,6 +115,29 @@ class Xid:
             "class": self.kind,
             "action": self.action,
         }
+
+    def judged(self, device: str, shared: bool, others: Collection[int]) -> dict[str, object]:
+        """Its entry, judged: an application's fails the test (``fails_test``) only when
+        the GPU was the test's alone: not ``shared`` with other tests, and no process of
+        ``others`` (NVML pids not the test's, then in ``other_pids``) on it."""
+        application = self.kind == APPLICATION
+        entry = {**self.entry(device), "fails_test": application and not shared and not others}
+        if application and others:
+            entry["other_pids"] = sorted(others)
+        return entry
+
+
+def faults_text(entries: Iterable[dict[str, Any]], during: str = "the test") -> str | None:
+    """The application Xids of judged entries (``Xid.judged``) that fail their test or
+    call, one line each ("Xid 31 (GPU memory page fault) on GPU 0 during the test:
+    NVIDIA's Xid catalog says ..."); None when none does."""
+    lines = [
+        f"Xid {x['xid']} ({x['name']}) on GPU {x['device']} during {during}: "
+        f"NVIDIA's Xid catalog says {x['action']}"
+        for x in entries
+        if x.get("fails_test")
+    ]
+    return "\n".join(lines) or None
 
 
 def classify(number: int) -> Xid:

@@ -18,6 +18,11 @@ No CUDA context is ever created here: NVML reads the driver's accounting.
 * With ``--gpu-isolate-slots`` > 1 or memory leases other tests ran on the GPU at
   the same time; the record says ``shared`` so a reader knows the numbers are not the
   test's alone.
+* Others: every process NVML showed on a leased GPU from the baseline to the last check
+  that is not the test's (``others``, device -> NVML pids): NVML's Xid events carry no
+  pid, so an application Xid is put on the test only where no other process was seen
+  (``gpu.health.Health.after``). Where NVML's pids are not ours (a container), the test's
+  own processes are among them: its Xids are then noted, never blamed.
 * Peak: while the test runs, a thread samples its GPUs every ``PEAK_EVERY`` seconds and
   keeps the most memory the test's processes (its process and descendants, by NVML's
   per-process accounting) held on any of them: ``peak``, for right-sizing leases. Where
@@ -108,15 +113,20 @@ class GpuMemoryProbe(Probe):
         self.peak: int | None = None  # most bytes the test's processes held on one GPU
         self.tree: set[tuple[int, float]] = set()  # the test's processes seen: (pid, start)
         self.notes: list[str] = []  # GPU holders that are not the test's (not blamed)
+        self.others: dict[str, set[int]] = {}  # device -> NVML pids not the test's (``check``)
+        self._seen: dict[str, set[int]] = {d: set() for d in self.devices}  # NVML pids
         self._base: dict[str, Sample] | None = None
         self._stop = threading.Event()
         self._sampler: threading.Thread | None = None
 
     def _sample_all(self) -> dict[str, Sample] | None:
         try:
-            return {d: self.reader.sample(d) for d in self.devices}
+            samples = {d: self.reader.sample(d) for d in self.devices}
         except NvmlUnavailable:
             return None
+        for device, sample in samples.items():
+            self._seen[device].update(sample.processes)
+        return samples
 
     def snapshot(self) -> dict[str, Sample] | None:
         self._base = self._sample_all()
@@ -163,6 +173,17 @@ class GpuMemoryProbe(Probe):
         self._stop.set()
         if self._sampler is not None:
             self._sampler.join(5)
+        try:
+            return self._check(before, run)
+        finally:  # who else NVML showed on the GPUs, the test's processes now all known
+            for device, pids in self._seen.items():
+                found = {
+                    p for p in set(pids) if not of_test(p, self.tree, run.tree_pids, run.ended)
+                }
+                if found:
+                    self.others[device] = found
+
+    def _check(self, before: dict[str, Sample] | None, run: RunInfo) -> list[Leak]:
         if not before:
             return []
         findings: list[Finding] = []

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import native
+from ..gpu import xids
 from ..gpu.devices import discover
 from ..gpu.health import Health
 from ..gpu.leases import LeaseError, Leases, held_lease, visible_env
@@ -95,8 +96,10 @@ def call_isolated(
     gpus: int,
     grace: float,
     leases: Leases | None = None,
+    health: str = "after-failure",
 ) -> Any:
-    """``run_isolated`` with the session's lease table (the fixture passes it)."""
+    """``run_isolated`` with the session's lease table (the fixture passes it); a call that
+    leases GPUs has them judged as a test's are (``health``: settings.HEALTH_MODES)."""
     __tracebackhide__ = True
     if timeout is not None:
         timeout = parse_seconds(timeout, "run_isolated argument timeout", allow_zero=False)
@@ -107,6 +110,9 @@ def call_isolated(
     if unavailable:  # not Linux, or installed without the C extensions
         raise IsolationError(f"run_isolated({name}): {unavailable.split(';')[0]}")
     lease, env = None, {}
+    checks: Health | None = None
+    checked: dict[str, Any] | None = None
+    outcome: Outcome | None = None
     have = held_lease(os.environ)
     if have is not None:  # inside an isolated test: use the GPUs it holds
         if gpus > len(have):
@@ -122,9 +128,11 @@ def call_isolated(
         if leases is None:
             leases = Leases(devices, 1)
         label = f"run_isolated({name}) in pid {os.getpid()}"
+        checks = Health(leases, NvmlReader(), health)
         try:
-            lease = Health(leases, NvmlReader(), "off").lease(gpus, label, None, None)
+            lease = checks.lease(gpus, label, None, None)
         except LeaseError as exc:  # quarantines left too few GPUs: it would wait forever
+            checks.nvml.close()
             raise IsolationError(f"run_isolated({name}): {exc}") from None
         env = leases.child_env(lease)
     try:
@@ -138,9 +146,21 @@ def call_isolated(
     except Exception as exc:
         raise IsolationError(f"run_isolated({name}): {exc}") from None
     finally:
-        if lease is not None and leases is not None:
+        if lease is not None and checks is not None and leases is not None:
+            if outcome is not None:  # its GPUs judged before anyone else may lease them
+                checked = checks.after(label, lease, outcome, leases.slots > 1)
             leases.release(lease)
-    return _unwrap(func, outcome, timeout)
+            checks.nvml.close()
+    faults = xids.faults_text((checked or {}).get("xids", ()), during="the call")
+    if faults is None:
+        return _unwrap(func, outcome, timeout)
+    try:  # an application Xid on a GPU it held alone: the call's own failure
+        _unwrap(func, outcome, timeout)
+    except Exception as exc:
+        if hasattr(exc, "add_note"):  # Python 3.11 on
+            exc.add_note(f"gpu-isolate: {faults}")
+        raise
+    raise IsolationError(f"run_isolated({name}): {faults}", outcome)
 
 
 def _label(func: Callable[..., Any]) -> str:

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from .._compat import evaluate_xfail_marks
+from ..gpu.xids import faults_text
 from ..leaks import Verdict, advice
 from ..reports.termtext import inert
 from ..settings import IsolationSpec
@@ -178,14 +179,9 @@ def attach_xids(item: pytest.Item, reports: list[pytest.TestReport], xids: list[
     """The application Xids its GPUs raised during the test (``gpu.health``: the entries
     with ``fails_test``): NVIDIA's catalog puts them on the application, so a passed
     call fails naming them; a failure already there stays, with them in a section."""
-    faults = [x for x in xids if x.get("fails_test")]
-    if not faults or not reports:
+    text = faults_text(xids)
+    if text is None or not reports:
         return
-    text = "\n".join(
-        f"Xid {x['xid']} ({x['name']}) on GPU {x['device']} during the test: "
-        f"NVIDIA's Xid catalog says {x['action']}"
-        for x in faults
-    )
     at = next((i for i, r in enumerate(reports) if r.when == "call"), len(reports) - 1)
     if reports[at].when == "call" and reports[at].passed:
         reports[at] = _failed_instead(item, reports[at], f"gpu-isolate: {text}")

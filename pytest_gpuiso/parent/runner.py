@@ -256,8 +256,10 @@ def _finish(item: pytest.Item, plan: Plan, state: State, turn: Turn, running: Ru
     lease = turn.lease
     checked = None  # its GPUs probed, before anyone else may lease them
     checks = health(state)
+    gpu = next((p for p in turn.probes if isinstance(p, GpuMemoryProbe)), None)
     if lease is not None and checks is not None:
-        checked = checks.after(item.nodeid, lease, outcome, _shared(spec, state))
+        others = gpu.others if gpu is not None else None  # NVML pids on its GPUs not its
+        checked = checks.after(item.nodeid, lease, outcome, _shared(spec, state), others)
     number = turn.port.port if turn.port is not None else None
     turn.release(state)
     failure = start_failures.of(outcome)
@@ -280,7 +282,6 @@ def _finish(item: pytest.Item, plan: Plan, state: State, turn: Turn, running: Ru
     for sent in outcome.payloads:  # one, unless a plugin misbehaved
         payload.update(sent)
         item.config.hook.pytest_gpuiso_parent_payload(item=item, payload=sent, reports=reports)
-    gpu = next((p for p in turn.probes if isinstance(p, GpuMemoryProbe)), None)
     notes = tuple(gpu.notes) if gpu is not None else ()  # said in the session's summary
     stopped = stop[0] if stop else None
     kinds = {p.kind for p in turn.probes} | {"process"}  # the sweep always runs

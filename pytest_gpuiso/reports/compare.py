@@ -22,6 +22,7 @@ from typing import Any
 
 from .mdtext import bounded, cell, code_cell
 from .record import ending, is_number, last_attempts, leak_kinds
+from .termtext import inert
 
 STARTUP_GROWTH = 2.0  # seconds more of start-up that count as a regression
 PEAK_GROWTH = 512 << 20  # bytes more of GPU memory peak that count as a regression
@@ -86,17 +87,18 @@ def compare(
             detail = f"{old['startup']:.2f} s -> {now['startup']:.2f} s"
             result.new.append(Change(nodeid, "start-up", detail))
         if _grew(old.get("gpu_memory_peak"), now.get("gpu_memory_peak"), peak_growth):
-            detail = f"{old['gpu_memory_peak'] >> 20} MiB -> {now['gpu_memory_peak'] >> 20} MiB"
+            mib = [int(r["gpu_memory_peak"]) >> 20 for r in (old, now)]  # JSON: maybe a float
+            detail = f"{mib[0]} MiB -> {mib[1]} MiB"
             result.new.append(Change(nodeid, "GPU memory peak", detail))
     return result
 
 
 def text(result: Comparison) -> str:
-    """For a terminal: a line per change, then the totals."""
-    lines = [f"NEW    {c.nodeid}: {c.what}: {c.detail}" for c in result.new]
-    lines += [f"FIXED  {c.nodeid}: {c.what}" for c in result.fixed]
-    lines += [f"ONLY IN BASE {nodeid}" for nodeid in result.only_base]
-    lines += [f"ONLY IN HEAD {nodeid}" for nodeid in result.only_head]
+    """For a terminal: a line per change, then the totals (the reports' text inert)."""
+    lines = [f"NEW    {inert(c.nodeid)}: {c.what}: {inert(c.detail)}" for c in result.new]
+    lines += [f"FIXED  {inert(c.nodeid)}: {c.what}" for c in result.fixed]
+    lines += [f"ONLY IN BASE {inert(nodeid)}" for nodeid in result.only_base]
+    lines += [f"ONLY IN HEAD {inert(nodeid)}" for nodeid in result.only_head]
     lines.append(_totals(result))
     return "\n".join(lines) + "\n"
 

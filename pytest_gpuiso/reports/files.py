@@ -12,6 +12,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import stat
 import tempfile
 from pathlib import Path
@@ -49,24 +50,30 @@ def write_json(
 
 def check_output(value: str, what: str, base: str) -> None:
     """Fail now, not at the session's end, when a report cannot be written at ``value``
-    (relative to ``base``): its folder (or the nearest one that exists: the writer makes
-    the rest) must be a directory in which a file can be created."""
+    (relative to ``base``): another user's link on the way, or a device, FIFO or socket
+    there that is not yours (or root's), or that cannot be written; else its folder (or
+    the nearest one that exists: the writer makes the rest) must be a directory in which
+    a file can be created."""
     path = os.path.normpath(os.path.join(base, value))
 
     def bad(problem: str) -> SpecError:
         return bad_value(value, what, OUTPUT_FORMS, problem)
 
-    if os.path.isdir(path):
-        raise bad(f"{path} is a directory")
-    if written_in_place(path):  # /dev/null, /dev/stdout, a FIFO: appended to
-        if not os.access(path, os.W_OK):
-            raise bad(f"{path} cannot be written")
-        return  # its folder needs no room
     try:  # a link to a file: the file is replaced, in its folder
-        path = resolved(path)
+        target = resolved(path)
     except OSError as exc:
         raise bad(str(exc.strerror)) from None
-    folder = os.path.dirname(path)
+    if os.path.isdir(target):
+        raise bad(f"{path} is a directory")
+    node = _written_into(target)
+    if node is not None:  # /dev/null, /dev/stdout, a FIFO: appended to
+        problem = None if _DESCRIPTOR.fullmatch(target) else _not_yours(node, target)
+        if problem is not None:
+            raise bad(problem)
+        if not os.access(target, os.W_OK):
+            raise bad(f"{path} cannot be written")
+        return  # its folder needs no room
+    folder = os.path.dirname(target)
     while not os.path.lexists(folder):
         folder = os.path.dirname(folder)
     if not os.path.isdir(folder):
@@ -80,44 +87,82 @@ def check_output(value: str, what: str, base: str) -> None:
 
 
 OUTPUT_FORMS = "a file in a folder that can be written, or a device or FIFO to write into"
+# A process's open file (``/dev/stdout`` leads to ``/proc/self/fd/1``): a link that names
+# no path when its file is a pipe or a socket, opened by the kernel, never resolved.
+_DESCRIPTOR = re.compile(r"/proc/[^/]+(?:/task/[^/]+)?/fd/[^/]+")
+_KIND_NAMES = {
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFREG: "a file",
+}
 
 
-def written_in_place(path: str | os.PathLike) -> bool:
-    """Whether an output file at ``path`` must be written into, not replaced: a device, a
-    FIFO, a socket, or one of a process's descriptors (``/dev/stdout`` links to
-    ``/proc/self/fd/1``, which may be the file pytest's output is redirected to).
-    Renaming a new file over any of those would replace the node (or the ``/dev`` link)
-    itself. False for a path that does not exist, a regular file, or a link to one."""
-    current = os.fspath(path)
-    for _ in range(40):  # the kernel's own limit on links followed
-        try:
-            st = os.lstat(current)
-        except OSError:
-            return False
-        if not stat.S_ISLNK(st.st_mode):
-            return not stat.S_ISREG(st.st_mode)
-        try:
-            target = os.readlink(current)
-        except OSError:
-            return False
-        current = os.path.normpath(os.path.join(os.path.dirname(current), target))
-        if current == "/proc" or current.startswith("/proc/"):
-            return True
-    return False
+def _written_into(target: str) -> os.stat_result | None:
+    """The node at ``target`` (``resolved``) when a report must be written into it, not a
+    new file renamed over it: a device, a FIFO, a socket, or a process's descriptor (the
+    one link ``resolved`` leaves). Renaming over any of those would replace the node (or
+    the ``/dev`` link) itself. None for nothing there, or a regular file."""
+    try:
+        st = os.lstat(target)
+    except OSError:
+        return None
+    return None if stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode) else st
+
+
+def _not_yours(st: os.stat_result, target: str) -> str | None:
+    """Why a node of another user (not you, not root) is not written into: a FIFO planted
+    in a shared folder would hand the report to its owner. None for yours."""
+    if st.st_uid in (os.geteuid(), 0):
+        return None
+    kind = _KIND_NAMES.get(stat.S_IFMT(st.st_mode), "a node")
+    return f"{target} is {kind} of uid {st.st_uid}, not yours: not written"
+
+
+def _append(target: str, text: str, create: bool = False) -> None:
+    """Append ``text`` to the node at ``target`` (``resolved``): opened without following
+    a link (but a descriptor's), without blocking (a FIFO without a reader is an error, not
+    a wait for one) and without becoming the controlling terminal; then, by its descriptor,
+    checked to be yours (or root's), unless it is your process's own descriptor."""
+    descriptor = _DESCRIPTOR.fullmatch(target) is not None  # by its path: /proc, no race
+    flags = os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+    flags |= (0 if descriptor else os.O_NOFOLLOW) | (os.O_CREAT if create else 0)
+    try:
+        fd = os.open(target, flags, 0o666)  # as open(): the umask decides
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:  # O_NONBLOCK's answer for a FIFO without a reader
+            why = f"{target} is a FIFO that no process reads (or a socket): not written"
+            raise OSError(errno.ENXIO, why) from None
+        if exc.errno == errno.ELOOP and not descriptor:  # a link put there meanwhile
+            raise OSError(errno.ELOOP, f"{target} is a symbolic link now: not followed") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        problem = None if descriptor else _not_yours(st, target)
+        if problem is not None:
+            raise OSError(errno.EPERM, problem)
+        os.set_blocking(fd, True)  # a reader there is waited for, as stdout's is
+    except BaseException:
+        os.close(fd)
+        raise
+    with os.fdopen(fd, "w", encoding="utf-8", errors=UNENCODABLE) as f:
+        f.write(text)
 
 
 def write_text(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` whole or not at all (a temporary file renamed over it).
 
     A device, a FIFO or a descriptor (``/dev/null``, ``/dev/stdout``) is appended to
-    instead (``written_in_place``); for a link to a regular file, the file is
-    replaced and the link kept.
+    instead (``_append``: yours or root's only, never waited on); for a link to a regular
+    file, the file is replaced and the link kept. Another user's link on the way is an
+    ``OSError`` naming it (``resolved``).
     """
-    if written_in_place(path):
-        with open(path, "a", encoding="utf-8", errors=UNENCODABLE) as f:
-            f.write(text)
+    target = resolved(path)
+    if _written_into(target) is not None:
+        _append(target, text)
         return
-    path = Path(resolved(path))
+    path = Path(target)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except FileExistsError:  # a file where the folder should be: say that, not "File exists"
@@ -141,7 +186,9 @@ def resolved(path: str | os.PathLike) -> str:
     links of yours (or root's): another user's link (planted in a shared ``/tmp``) is an
     ``OSError`` naming it, never followed to replace a file of yours with a report.
     (``os.path.realpath`` follows any link in user space, so the kernel's
-    ``fs.protected_symlinks`` never applies to it.)"""
+    ``fs.protected_symlinks`` never applies to it.) A process's descriptor at the end
+    (``/proc/self/fd/1``, where ``/dev/stdout`` leads) is left as it is, for the kernel
+    to open: its file may be a pipe, which no path names."""
     pending = os.path.join(os.getcwd(), os.fspath(path)).split("/")
     done, hops = "/", 0
     while pending:
@@ -162,6 +209,8 @@ def resolved(path: str | os.PathLike) -> str:
         if st.st_uid not in (os.geteuid(), 0):
             why = f"{current} is a symbolic link of uid {st.st_uid}, not yours: not followed"
             raise OSError(errno.EPERM, why)
+        if not any(pending) and _DESCRIPTOR.fullmatch(current):
+            return current
         hops += 1
         if hops > 40:  # the kernel's own limit
             raise OSError(errno.ELOOP, f"too many levels of symbolic links: {path}")
@@ -195,9 +244,8 @@ def append_step_summary(text: str) -> str | None:
     step = step_summary_path()
     if step is None:
         return None
-    try:
-        with open(step, "a", encoding="utf-8", errors=UNENCODABLE) as f:
-            f.write(text)
+    try:  # as a report is written into: no link, FIFO or file of another user's
+        _append(resolved(step), text, create=True)
     except OSError as exc:
         return f"{exc.strerror}: {step}"
     return None

@@ -33,6 +33,7 @@ from typing import Any
 
 from .record import ending, last_attempts
 from .report import bound
+from .termtext import escaped
 
 GITHUB_ENV = "GITHUB_ACTIONS"  # "true" on GitHub Actions' runners
 WORKSPACE_ENV = "GITHUB_WORKSPACE"  # the checkout, which annotation paths are relative to
@@ -123,7 +124,8 @@ def _where(record: dict[str, Any]) -> tuple[str | None, int | None]:
         line = location.get("line")
         path = location.get("path")
         file = path if isinstance(path, str) else location["file"]
-        return file, line if isinstance(line, int) and line > 0 else None
+        whole = isinstance(line, int) and not isinstance(line, bool)  # JSON's true is no line
+        return file, line if whole and line > 0 else None
     return record["nodeid"].split("::")[0] or None, None
 
 
@@ -181,7 +183,9 @@ def of_changes(new: list[Any], head: list[dict[str, Any]]) -> list[Finding]:
 
 
 def _data(text: str) -> str:
-    """A workflow command's message, escaped (GitHub's rules)."""
+    """A workflow command's message, escaped (GitHub's rules for ``%`` and line breaks;
+    any other unprintable character, a lone surrogate too, as its Python escape)."""
+    text = escaped(text, keep="\r\n")
     return text.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
 
 
@@ -288,14 +292,16 @@ def _fit(
 
 
 def code_quality(findings: list[Finding]) -> str:
-    """GitLab's Code Quality report (a JSON list) of the findings."""
+    """GitLab's Code Quality report (a JSON list) of the findings; its text escaped
+    (``termtext.escaped``): a lone surrogate is no JSON every parser takes."""
     issues = []
     for f in findings:
-        path = f.file or f.nodeid.split("::")[0]
-        fingerprint = hashlib.sha256(f"{f.nodeid}\0{f.check}\0{f.level}".encode()).hexdigest()
+        path = escaped(f.file or f.nodeid.split("::")[0])
+        key = f"{f.nodeid}\0{f.check}\0{f.level}".encode("utf-8", "surrogatepass")
+        fingerprint = hashlib.sha256(key).hexdigest()  # a node id may hold a lone surrogate
         issues.append(
             {
-                "description": f"{f.title}: {f.message}",
+                "description": escaped(f"{f.title}: {f.message}"),
                 "check_name": f"pytest-gpuiso/{f.check}",
                 "fingerprint": fingerprint,
                 "severity": SEVERITY[f.level],

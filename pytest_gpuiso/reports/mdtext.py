@@ -6,6 +6,7 @@ import re
 from typing import Any
 
 from ..values import KINDS
+from .termtext import escaped
 
 _LINE_BREAK = re.compile(r"\r\n|\r|\n")  # what ends a table row in Markdown
 _SPECIAL = re.compile(r"([\\`*_\[\]<>|~&])")  # what Markdown could read as markup
@@ -44,6 +45,12 @@ def bounded(lines: list[str], where: str, limit: int = LIMIT) -> str:
     return "\n".join([*kept, "", f"**{note}**"]) + "\n"
 
 
+def _one_line(text: Any) -> str:
+    """``text`` with its line breaks as spaces and its other unprintable characters as
+    their escapes (``termtext.escaped``), cut to ``CELL_CHARS``."""
+    return cut(escaped(_LINE_BREAK.sub(" ", str(text))))
+
+
 def cell(text: Any) -> str:
     """Text rendered literally inside a Markdown table cell: one line, markup escaped,
     cut to ``CELL_CHARS``.
@@ -51,7 +58,7 @@ def cell(text: Any) -> str:
     Backslashes are doubled too, so a ``\\|`` of the text neither ends the cell nor
     loses its backslash to the table's own pipe escape.
     """
-    return _SPECIAL.sub(r"\\\1", _LINE_BREAK.sub(" ", cut(str(text))))
+    return _SPECIAL.sub(r"\\\1", _one_line(text))
 
 
 def kind_cell(kind: str) -> str:
@@ -62,7 +69,7 @@ def kind_cell(kind: str) -> str:
 
 def code_cell(text: str) -> str:
     """Text as a code span inside a table cell, rendered literally, backticks included."""
-    text = _LINE_BREAK.sub(" ", cut(text))
+    text = _one_line(text)
     if not text:
         return ""
     if "\\|" in text:  # the table would take this backslash as its pipe escape

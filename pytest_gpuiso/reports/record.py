@@ -24,11 +24,19 @@ class Exit(TypedDict):
     expired: str | None  # the bound that ran out: "test", "startup" or "exit"
 
 
-class Start(TypedDict):
+class _Started(TypedDict):
     method: str | None  # "spawn" or "forkserver"
     prewarmed: bool
     collected: bool
     uncollected: str | None  # why the template gave up collecting
+
+
+class Start(_Started, total=False):
+    """How the test's process started; the last three only where it could not."""
+
+    error: str  # what it said, in one line
+    traceback: str  # everything it said
+    tried: bool  # false: not started again after the same failure repeated
 
 
 class Location(TypedDict, total=False):

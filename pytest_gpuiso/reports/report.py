@@ -95,7 +95,7 @@ def terminal_summary(
     tr.write_line("gpu-isolate: " + ", ".join(parts))
     starts = start_counts(records)
     if starts and getattr(tr, "verbosity", 0) > 0:  # how processes started: a detail
-        tr.write_line("gpu-isolate: started " + starts)
+        tr.write_line("gpu-isolate: started " + inert(starts))
     cost = cost_line(records)
     if cost:
         tr.write_line("gpu-isolate: " + cost)
@@ -103,7 +103,7 @@ def terminal_summary(
             tr.write_line("gpu-isolate: " + wall_line(*clock))
     again = fixtures.rebuilt(records)  # said once a session, where it surprises
     if again:
-        tr.write_line("gpu-isolate: " + again, yellow=True)
+        tr.write_line("gpu-isolate: " + inert(again), yellow=True)
     folded = sum(r["warnings_folded"] for r in records if is_number(r.get("warnings_folded")))
     if folded:
         tr.write_line(
@@ -123,13 +123,13 @@ def terminal_summary(
         for note in gpu_notes(r):
             tr.write_line(f"gpu-isolate: {inert(note)} (after {inert(r['nodeid'])})")
     if path is not None:
-        tr.write_line(f"gpu-isolate: JSON report written to {path}")
+        tr.write_line(f"gpu-isolate: JSON report written to {inert(path)}")
     leaky = [r for r in records if r.get("leaks")]
     if leaky:
         leak_summary(tr, records)
     if baseline is not None:
         for line in baseline_lines(baseline, WORST):
-            tr.write_line(line)
+            tr.write_line(inert(line))
 
 
 def _flagged(tr: Any, word: str, rest: str, color: str = "red") -> None:
@@ -137,7 +137,7 @@ def _flagged(tr: Any, word: str, rest: str, color: str = "red") -> None:
     ``--color=no``: the terminal writer decides), as pytest's own FAILED lines."""
     tw = getattr(tr, "_tw", None)
     flag = tw.markup(word, **{color: True, "bold": True}) if tw is not None else word
-    tr.write_line(f"  {flag} {rest}")
+    tr.write_line(f"  {flag} {inert(rest)}")
 
 
 def notable(records: list[dict[str, Any]]) -> bool:
@@ -170,7 +170,7 @@ def startup_durations(tr: Any, records: list[dict[str, Any]], config: Any) -> No
         if r["startup"] < minimum:
             tr.write_line(f"({len(timed) - n} start-ups < {minimum:g}s hidden.)")
             break
-        tr.write_line(f"{r['startup']:.2f}s startup {r['nodeid']} (wall {r['wall']:.2f}s)")
+        tr.write_line(f"{r['startup']:.2f}s startup {inert(r['nodeid'])} (wall {r['wall']:.2f}s)")
 
 
 def cost_line(records: list[dict[str, Any]]) -> str:

@@ -17,13 +17,18 @@ from typing import Any
 
 from ..values import KINDS
 from .record import SCHEMA_VERSION, is_number, last_attempts
+from .termtext import inert
 
 # The largest report ``merge`` reads: a record is about 1 KiB, so a million tests.
 MAX_REPORT_BYTES = 1 << 30
 
 
 class ReportError(ValueError):
-    """A report file that cannot be read or merged; the message names the file."""
+    """A report file that cannot be read or merged; the message names the file, and is
+    inert (``termtext.inert``): it may quote what the file holds (a leak's kind)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(inert(message))
 
 
 MAX_INT = (1 << 63) - 1  # no field of ours holds more (bytes, ports, counts)
@@ -230,10 +235,11 @@ def durations(
 
 
 def read_durations(path: str | os.PathLike[str]) -> dict[str, float]:
-    """The entries of a durations file that is there ({} where there is none yet); a file
-    that is not ``{nodeid: seconds}`` is a ``ReportError`` naming it. Read as a report
-    is (``_read_report``: a FIFO or ``/dev/zero`` there hangs nothing)."""
-    if not os.path.lexists(path):
+    """The entries of a durations file that is there ({} where there is none yet, or only
+    a dangling link); a file that is not ``{nodeid: seconds}`` (a number no float holds
+    included) is a ``ReportError`` naming it. Read as a report is (``_read_report``: a FIFO
+    or ``/dev/zero`` there hangs nothing)."""
+    if not os.path.exists(path):  # a dangling link of yours too: the writer makes its file
         return {}
     data = _read_report(str(path))
     try:
@@ -244,9 +250,11 @@ def read_durations(path: str | os.PathLike[str]) -> dict[str, float]:
         isinstance(e, list) and len(e) == 2 and isinstance(e[0], str) for e in found
     ):
         found = dict(found)  # pytest-split's format before 0.5: [[nodeid, seconds], ...]
+    bad = _bad_number(found, "") if isinstance(found, dict) else None
+    if bad:  # NaN, an infinity, an integer no float holds
+        raise ReportError(f"{path}: not a durations file ({bad})")
     if not isinstance(found, dict) or not all(
-        isinstance(k, str) and is_number(v) and math.isfinite(v) and v >= 0
-        for k, v in found.items()
+        isinstance(k, str) and is_number(v) and v >= 0 for k, v in found.items()
     ):
         raise ReportError(f"{path}: not a durations file ({{nodeid: seconds}} expected)")
     return {k: float(v) for k, v in found.items()}

@@ -159,7 +159,8 @@ def test_always_keeps_every_test_off_a_gpu_nvml_has_lost(
     _run(gpuiso_spawn, f"{MOD}::test_after", *options).assert_outcomes(passed=3)
     assert all(_gpus(log)[f"after-{n}"] == {"1"} for n in range(3))
     [row] = [line for line in _cli("status").stdout.splitlines() if "QUARANTINED" in line]
-    assert row.split()[0] == "0" and "it does not answer NVML" in row and "before its lease" in row
+    assert row.split()[0] == "0" and "it does not answer NVML" in row
+    assert f"between tests (found at the lease of {MOD}::test_after[0]" in row
 
 
 @pytest.mark.plugins("rerunfailures")
@@ -237,23 +238,43 @@ def test_a_quarantines_reason_names_the_test_first_and_fits_the_table() -> None:
     assert "é]" in long and " (it timed out): the CUDA driver probe failed: x" in long
 
 
+def test_only_a_problem_the_driver_probe_found_is_judged_by_it() -> None:
+    """A quarantine's reason says which part decided it, whatever the test's name holds."""
+    from pytest_gpuiso.gpu.health import between_reason, judged_by_driver, quarantine_reason
+
+    driver = "the CUDA driver probe failed: cuCtxSynchronize: CUDA error 700"
+    sticky = "a sticky CUDA error (illegal memory access)"
+    assert judged_by_driver(quarantine_reason(driver, "t.py::test_k", sticky))
+    hung = "the CUDA driver probe did not finish within 20 s"
+    assert judged_by_driver(quarantine_reason(hung, "t.py::test_k", "it timed out"))
+    assert not judged_by_driver(quarantine_reason("Xid 48 (double-bit ECC error)", "t", "x"))
+    assert not judged_by_driver(between_reason("Xid 79 (GPU has fallen off the bus)", "t"))
+    forged = "t.py::test[it timed out): the CUDA driver probe failed: ]"
+    reason = quarantine_reason("Xid 79 (GPU has fallen off the bus)", forged, "it timed out")
+    assert not judged_by_driver(reason) and "[it timed out) : the CUDA driver" in reason
+
+
 class _Nvml:
     """NVML's health answers, scripted per device; ``lost_first``: the first device asked
-    about has fallen off the bus."""
+    about has fallen off the bus; ``loaded``: whether NVML could be loaded at all."""
 
-    def __init__(self, problems: dict[str, list[str]] | None = None, lost_first=False) -> None:
+    def __init__(
+        self, problems: dict[str, list[str]] | None = None, lost_first=False, loaded=True
+    ) -> None:
         self.problems_of, self.lost_first, self.watched = dict(problems or {}), lost_first, []
-
-    error = None
+        self.loaded = loaded
+        self.error = None if loaded else "NVML: libnvidia-ml.so.1 not found"
+        self.pending: dict[str, list[int]] = {}  # device -> Xids its event set holds
 
     def available(self) -> bool:
-        return True
+        return self.loaded
 
-    def track_errors(self, device: str) -> None:
+    def track_errors(self, device: str) -> list[int]:
         self.watched.append(device)
+        return self.xids(device)
 
     def xids(self, device: str) -> list[int]:
-        return []
+        return self.pending.pop(device, [])
 
     def problems(self, device: str) -> list[str]:
         if self.lost_first:
@@ -280,7 +301,7 @@ def test_always_quarantines_a_gpu_that_fails_nvml_and_leases_another(lease_regio
     quarantined = leases.quarantined()
     assert set(quarantined) == {lost}
     assert quarantined[lost]["why"] == (
-        "after t::a (before its lease): it does not answer NVML (NVML: GPU is lost)"
+        "between tests (found at the lease of t::a): it does not answer NVML (NVML: GPU is lost)"
     )
     leases.release(lease)
 
@@ -322,6 +343,71 @@ def test_reprobe_lifts_a_quarantined_gpu_that_passes_again(
     lease = checks.lease(1, "t::b", 5.0, None)
     assert sorted(probed) == ["0", "1"] and lease.devices == ("0",)
     assert set(leases.quarantined()) == {"1"}
+
+
+def test_reprobe_without_nvml_lifts_only_what_the_driver_probe_decided(
+    lease_region: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No NVML (the CUDA driver only), both GPUs pass the driver probe: GPU 1, quarantined
+    by the driver probe, is lifted; GPU 0, quarantined for an Xid (NVML's to judge), stays."""
+    from pytest_gpuiso.gpu import health
+
+    leases = _leases(lease_region)
+    leases.release(leases.acquire(2, "t::a", 5.0))
+    leases.quarantine("0", health.quarantine_reason("Xid 79 (fallen off)", "t::a", "x"))
+    driver = "the CUDA driver probe failed: cuCtxSynchronize: CUDA error 700"
+    leases.quarantine("1", health.quarantine_reason(driver, "t::a", "it timed out"))
+    monkeypatch.setattr(health, "driver_check", lambda env: (None, None))
+    checks = health.Health(leases, _Nvml(loaded=False), "after-failure", 0.001)
+    time.sleep(0.01)  # both quarantines are older than the re-probe interval
+    lease = checks.lease(1, "t::b", 5.0, None)
+    assert lease.devices == ("1",) and set(leases.quarantined()) == {"0"}
+
+
+def test_an_xid_from_before_a_gpus_quarantine_is_the_quarantines(lease_region: Path) -> None:
+    """Another session's test raised an Xid 48 on GPU 0 and quarantined it; this session's
+    event set holds the Xid too. Once GPU 0 is lifted (reset, repaired), the session's
+    next lease of it is not quarantined again by that Xid: it was the quarantine's."""
+    from pytest_gpuiso.gpu.health import Health
+
+    leases = _leases(lease_region)
+    leases.release(leases.acquire(2, "t::a", 5.0))
+    nvml = _Nvml()
+    checks = Health(leases, nvml, "after-failure")
+    nvml.pending["0"] = [48]
+    leases.quarantine("0", "after t::x (an Xid during it): Xid 48 (double-bit ECC error)")
+    lease = checks.lease(1, "t::b", 5.0, None)
+    assert lease.devices == ("1",)
+    leases.release(lease)
+    assert leases.lift("0") is True
+    lease = checks.lease(2, "t::c", 5.0, None)
+    assert sorted(lease.devices) == ["0", "1"] and leases.quarantined() == {}
+
+
+def test_an_xid_between_tests_quarantines_at_the_lease_unless_a_pinned_worker_holds_it(
+    lease_region: Path,
+) -> None:
+    """Xids the session reads at a lease (none of its tests held the GPU): a 79 quarantines
+    GPU 0 "between tests" and the lease is taken on GPU 1; the application Xid beside it
+    is no test's and is let be. A pinned worker's test cannot move: it fails, its worker's
+    lease kept."""
+    from pytest_gpuiso.gpu.health import Health
+    from pytest_gpuiso.gpu.leases import LeaseError
+
+    leases = _leases(lease_region)
+    nvml = _Nvml()
+    checks = Health(leases, nvml, "after-failure")
+    nvml.pending = {"0": [13, 79]}
+    lease = checks.lease(1, "t::a", 5.0, None)  # GPU 0 first (the table's order), then 1
+    assert lease.devices == ("1",)
+    assert leases.quarantined()["0"]["why"] == (
+        "between tests (found at the lease of t::a): Xid 79 (GPU has fallen off the bus): "
+        "reboot the machine"
+    )
+    nvml.pending = {"1": [48]}
+    with pytest.raises(LeaseError, match=r"^its pinned worker's GPUs are in doubt \(GPU 1: Xid 48"):
+        checks.lease(1, "t::b", None, None, pinned=lease)
+    assert [h["lease"] for h in leases.region.snapshot()["holders"]] == [lease.lease_id]
 
 
 def test_a_request_quarantine_left_unservable_holds_no_one_back(lease_region: Path) -> None:
@@ -405,8 +491,8 @@ def test_the_nvml_part_counts_what_came_since_the_lease() -> None:
     fake = _FakePynvml()
     reader = NvmlReader()
     reader._nvml = fake  # as if nvmlInit had found a driver
-    fake.events, fake.ecc = [48], 3  # before the lease: not this run's
-    reader.track_errors("0")
+    fake.events, fake.ecc = [48], 3  # before the lease: not this run's, judged apart
+    assert reader.track_errors("0") == [48]
     assert reader.problems("0") == []
     fake.events = [45, 79, 13]  # read apart, and judged by the catalog (gpu/xids.py)
     assert reader.xids("0") == [45, 79, 13] and reader.xids("0") == []

@@ -5,6 +5,8 @@ the catalog's action said everywhere; a GPU that could not be probed is said to 
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,8 @@ pytestmark = [pytest.mark.installation, pytest.mark.versions]
 
 MOD = "sim_health.py"
 RESET = "reset the GPU (nvidia-smi -r as root, with no process on it)"
+H100 = "GPU-00000001-0000-4000-8000-000000000000"
+DRIVER_FAILED = "the CUDA driver probe failed: cuCtxSynchronize: CUDA error 700"
 
 
 def _run(gpuiso: GpuIso, *tests: str, options: tuple[str, ...] = ()) -> pytest.RunResult:
@@ -165,3 +169,139 @@ def test_reset_does_not_lift_a_quarantine_on_a_probe_that_could_not_run(
     assert set(leases.quarantined()) == {"0"}
     assert _cli("reset", "--device", "0", "--force").returncode == 0
     assert leases.quarantined() == {}
+
+
+@pytest.mark.parametrize(
+    ("problem", "lifted"),
+    [(DRIVER_FAILED, True), (f"Xid 48 (double-bit ECC error): {RESET}", False)],
+    ids=["driver-decided", "nvml-decided"],
+)
+def test_reset_without_nvml_lifts_only_what_the_driver_probe_decided(
+    sim: Path,
+    lease_region: Path,
+    gpusim_libs: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    problem: str,
+    lifted: bool,
+) -> None:
+    """The CUDA driver only (a container without NVML), GPU 0 healthy again: a quarantine
+    the driver probe decided is lifted by a passing driver probe; one NVML decided (an
+    Xid) cannot be assessed without NVML and stays. Before, both stayed (only --force)."""
+    from pytest_gpuiso.gpu.devices import Devices
+    from pytest_gpuiso.gpu.health import quarantine_reason
+    from pytest_gpuiso.gpu.leases import Leases
+
+    leases = Leases(Devices(("0",), "test"), 1, path=str(lease_region))
+    leases.release(leases.acquire(1, "t::a", 5.0))
+    leases.quarantine("0", quarantine_reason(problem, "t::a", "it crashed with SIGSEGV"))
+    _only("libcuda.so.1", gpusim_libs, tmp_path, monkeypatch)
+    done = _cli("reset", "--device", "0")
+    if lifted:
+        assert done.returncode == 0, done.stderr
+        assert "GPU 0: quarantine lifted (it passed its probe" in done.stdout
+        assert leases.quarantined() == {}
+    else:
+        assert done.returncode == 1
+        assert "GPU 0 could not be assessed (NVML: " in done.stderr
+        assert set(leases.quarantined()) == {"0"}
+
+
+def test_a_gpu_the_driver_probe_quarantined_without_nvml_is_lifted_when_it_passes(
+    gpuiso: GpuIso, gpusim_libs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A session with the CUDA driver only names GPU 0 "0": its row is the UUID CUDA
+    says; a test leaves the GPU broken, the driver probe quarantines it; ``reset --device
+    0`` there refuses while the driver probe still fails and lifts it once it passes."""
+    _only("libcuda.so.1", gpusim_libs, tmp_path, monkeypatch)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    _run(gpuiso, "test_breaks_its_gpu").assert_outcomes(failed=1)
+    checked = gpuiso.records()[f"{MOD}::test_breaks_its_gpu"]["gpu_health"]
+    assert checked["quarantined"] == {"0": DRIVER_FAILED}
+    [row] = _quarantined()
+    assert row.split()[0] == H100
+    still = _cli("reset", "--device", "0")
+    assert still.returncode == 1
+    assert f"GPU 0 still fails its probe: {DRIVER_FAILED}; left quarantined" in still.stderr
+    repair = "import ctypes, sys; sys.exit(ctypes.CDLL('libcuda.so.1').gpusimBreakGpu(0, 0))"
+    subprocess.run([sys.executable, "-c", repair], check=True, timeout=60)
+    lifted = _cli("reset", "--device", "0")
+    assert lifted.returncode == 0, lifted.stderr
+    assert f"GPU 0 ({H100}): quarantine lifted (it passed its probe" in lifted.stdout
+    assert _quarantined() == []
+
+
+def test_an_application_xid_beside_a_process_not_the_tests_is_only_noted(
+    gpuiso: GpuIso, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another job (started here, outside the session) computes on the test's GPU when an
+    application Xid comes: NVML's events carry no pid, and NVML showed a process on the
+    GPU that is not the test's, so the Xid is not put on the test: noted with that pid,
+    the test passes. Before, the test failed of it (only the session's own settings, slots
+    or memory leases, made a GPU shared)."""
+    folder = gpuiso.path / "holder"
+    folder.mkdir()
+    monkeypatch.setenv("GPUISO_HOLDER_DIR", str(folder))
+    monkeypatch.setenv("GPUISO_HOLDER_THEN_XID", "31")
+    for name in ("sim_leaks.py", "sim_process.py"):
+        (gpuiso.path / name).write_text(program(name).read_text())
+    holder = subprocess.Popen(
+        [sys.executable, str(program("sim_holder.py")), str(folder), "120"],
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        result = gpuiso.run(REPORT, "-rA", "sim_leaks.py::test_escaped_gpu_holder")
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    result.assert_outcomes(passed=1)
+    record = gpuiso.records()["sim_leaks.py::test_escaped_gpu_holder"]
+    [xid] = record["gpu_health"]["xids"]
+    assert (xid["xid"], xid["class"], xid["fails_test"]) == (31, "application", False)
+    assert xid["other_pids"] == [holder.pid]
+    assert "during the test: NVIDIA's Xid catalog says" not in result.stdout.str()
+    assert _quarantined() == []
+
+
+BETWEEN = "sim_between.py"
+
+
+@pytest.mark.parametrize("mode", ["after-failure", "always"])
+def test_an_xid_between_tests_quarantines_its_gpu_between_tests(
+    gpuiso_spawn: GpuIso, sim: Path, monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    """Two GPUs; an Xid 48 (reset the GPU) on GPU 0 while no isolated test holds it (an
+    in-process test between two isolated ones). The next lease reads it, quarantines GPU 0
+    "between tests" (not after the test whose lease found it, nor failing that test) and
+    takes GPU 1. Before, the lease drained the Xid unjudged and the test ran on GPU 0."""
+    log = gpuiso_spawn.path / "gpus.log"
+    monkeypatch.setenv("GPUISO_HEALTH_LOG", str(log))
+    (gpuiso_spawn.path / BETWEEN).write_text(program(BETWEEN).read_text())
+    tests = [f"{BETWEEN}::test_{name}" for name in ("1_isolated", "2_between_leases", "3_isolated")]
+    health = f"--gpu-isolate-health={mode}"
+    result = gpuiso_spawn.run(REPORT, "-p", "no:randomly", health, *tests)
+    result.assert_outcomes(passed=3)
+    assert log.read_text().split() == ["first", "0", "third", "1"]
+    failed = f"Xid 48 (double-bit ECC error): {RESET}"
+    third = gpuiso_spawn.records()[tests[2]]["gpu_health"]
+    assert third == {"devices": ["1"], "quarantined": {}, "between_tests": {"0": failed}}
+    [row] = _quarantined()
+    assert row.split()[0] == "0"
+    assert f"between tests (found at the lease of {tests[2]}): Xid 48 (double-bit ECC" in row
+
+
+def test_a_run_isolated_call_has_its_gpus_judged_as_a_tests(
+    gpuiso: GpuIso, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``run_isolated(gpus=1)`` from an in-process test leases its own GPU: an application
+    Xid on it is the call's failure (IsolationError naming it), one that needs a reset
+    quarantines the GPU after the call. Before, a call's lease was never judged."""
+    (gpuiso.path / BETWEEN).write_text(program(BETWEEN).read_text())
+    tests = [f"{BETWEEN}::test_call_{name}_xid" for name in ("application", "reset")]
+    result = gpuiso.run("-p", "no:randomly", *tests)
+    result.assert_outcomes(passed=2)
+    [row] = _quarantined()
+    assert row.split()[0] == "0"
+    assert "after run_isolated(_own_xid) in pid " in row
+    assert "(an Xid during it): Xid 48 (double-bit ECC error)" in row

@@ -12,6 +12,8 @@ import re
 
 import pytest
 
+from tests.helpers import REPORT
+
 STRICT = "strict_project"
 FAILS = "start_fails"
 STRICT_OUTCOMES = {"passed": 4, "failed": 1, "xfailed": 1}
@@ -119,7 +121,8 @@ def test_a_process_that_cannot_start_says_why_and_the_session_stops(gpuiso, monk
     started apart from the isolated ones."""
     gpuiso.copy(FAILS)
     monkeypatch.setenv("START_FAILS", "always")
-    result = gpuiso.run("--gpu-isolate", "--gpu-isolate-report=report.json", "-p", "no:randomly")
+    # its folder named: its conftest is an initial one, which the process loads as it starts
+    result = gpuiso.run("--gpu-isolate", REPORT, "-p", "no:randomly", FAILS)
     result.assert_outcomes(errors=2)
     assert result.ret == pytest.ExitCode.INTERRUPTED
     result.stdout.fnmatch_lines(
@@ -156,9 +159,7 @@ def test_a_repeated_start_failure_fails_later_tests_at_once(gpuiso_spawn, tmp_pa
     for them (each started afresh: no prewarming, which would configure them early)."""
     gpuiso_spawn.copy(FAILS)
     monkeypatch.setenv("START_FAILS", str(tmp_path / "flag"))
-    result = gpuiso_spawn.run(
-        "--gpu-isolate", "--gpu-isolate-prewarm=0", "--gpu-isolate-report=report.json"
-    )
+    result = gpuiso_spawn.run("--gpu-isolate", "--gpu-isolate-prewarm=0", REPORT, FAILS)
     result.assert_outcomes(passed=1, errors=4)
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     result.stdout.fnmatch_lines(

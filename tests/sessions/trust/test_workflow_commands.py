@@ -81,3 +81,21 @@ def test_leak_details_start_no_workflow_command(
     assert any(f"GpuIsoLeakWarning: {warned}: " in line and shown in line for line in lines)
     assert r"\u2028::notice::after a line separator\x85::debug::" in text
     assert r"text #\x23[error]v1 command" in text
+
+
+def test_a_forged_fixture_name_starts_no_workflow_command(gpuiso_spawn):
+    """A FIXTURE frame's name is the test's process's text: the "set up in N isolated
+    processes" line shows it escaped, on one line."""
+    gpuiso_spawn.copy("test_forged_fixture_frames.py")
+    session = gpuiso_spawn.popen("-rA")
+    output, _ = session.communicate(timeout=180)
+    lines = _runner_lines(output)
+    text = "\n".join(lines)
+    assert session.returncode == 0, text
+    assert _commands(lines) == [], text
+    assert "\x1b" not in text
+    shown = (
+        r"gpu-isolate: session-scoped fixture model\n::error title=FORGED::a forged error"
+        r"\r#\x23[warning]v1 \x1b[2J set up in 2 isolated processes: "
+    )
+    assert any(line.startswith(shown) for line in lines), text

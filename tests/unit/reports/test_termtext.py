@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from pytest_gpuiso.reports import findings, report
+from pytest_gpuiso.reports import findings, mdtext, report
 from pytest_gpuiso.reports.termtext import inert
 from tests.helpers.output import Terminal
 
@@ -103,3 +103,74 @@ def test_each_noted_gpu_holder_is_one_summary_line_and_notable():
     ]  # a note that is not text (a hostile record) is left out
     assert report.notable([record])
     assert not report.notable([{**record, "gpu_notes": "not a list"}])
+
+
+def _summary(records: list, baseline: dict | None = None) -> list[str]:
+    tr = Terminal()
+    report.terminal_summary(tr, records, None, baseline)
+    return tr.lines
+
+
+def _fixtures(*names: str) -> list[dict]:
+    return [{"name": name, "scope": "session"} for name in names]
+
+
+def test_a_forged_fixture_name_is_one_inert_line():
+    """A FIXTURE frame's name is the test's process's text: its line break started a line
+    of its own (``::error``) in the "set up in N isolated processes" line."""
+    name = "model\n::error title=FORGED::a forged error\x1b[2J ##[warning]v1"
+    records = [
+        {**_record(f"t.py::test_{n}", "a leak"), "leaks": [], "fixtures": _fixtures(name)}
+        for n in range(2)
+    ]
+    lines = _summary(records)
+    assert [line for line in "\n".join(lines).splitlines() if _is_command(line)] == []
+    assert (
+        r"gpu-isolate: session-scoped fixture model\n::error title=FORGED::a forged error"
+        r"\x1b[2J #\x23[warning]v1 set up in 2 isolated processes"
+    ) in "\n".join(lines)
+
+
+def test_timeouts_crashes_and_quarantines_name_their_test_on_one_inert_line():
+    forged = "t.py::test_x[\n::error::id ##[x \x1b]"
+    timed_out = {
+        **_record(forged, "a leak"),
+        "leaks": [],
+        "timeout": 5.0,
+        "exit": {"code": -9, "signal": "SIGKILL", "timed_out": True, "expired": "test"},
+    }
+    crashed = {
+        **_record(forged, "a leak"),
+        "leaks": [],
+        "exit": {"code": -11, "signal": "SIG\n::warning::SEGV", "timed_out": False},
+        "gpu_health": {"quarantined": {"0": "Xid 79\n::error::x"}, "probed": "xid"},
+    }
+    lines = _summary([timed_out, crashed])
+    assert [line for line in "\n".join(lines).splitlines() if _is_command(line)] == []
+    shown = r"t.py::test_x[\n::error::id #\x23[x \x1b]"
+    assert f"  TIMEOUT {shown} (after 5 s)" in lines
+    assert rf"  CRASHED {shown} (SIG\n::warning::SEGV)" in lines
+    assert rf"  QUARANTINED GPU 0 after {shown}: Xid 79\n::error::x" in lines
+
+
+def test_the_leak_baselines_lines_name_its_entries_inert():
+    """A baseline is a file (a pull request may have written it): the tests it names that
+    did not run, and those fixed, are shown escaped."""
+    forged = "t.py::test_gone[\n::stop-commands::tok]"
+    summary = {
+        "path": "known.json",
+        "missing": False,
+        "entries": 2,
+        "known": 0,
+        "fixed": [{"nodeid": forged, "kind": "shm"}],
+        "not_run": [forged],
+    }
+    lines = _summary([{**_record("t.py::test_x", "a leak"), "leaks": []}], summary)
+    assert [line for line in "\n".join(lines).splitlines() if _is_command(line)] == []
+    assert r"  FIXED t.py::test_gone[\n::stop-commands::tok]: shm (no longer leaks)" in lines
+
+
+def test_a_markdown_cell_holds_no_raw_control_character_nor_lone_surrogate():
+    assert mdtext.cell("a\nb\x1b[2J\udcff") == r"a b\\x1b\[2J\\udcff"
+    assert mdtext.code_cell("t.py::x[\x1b\u2028]") == r"`t.py::x[\x1b\u2028]`"
+    assert mdtext.cell("x" * 400 + "\x1b").endswith("(104 more characters)")  # "\\x1b": 4
