@@ -11,6 +11,8 @@ import fcntl
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -527,6 +529,37 @@ def test_ctrl_c_takes_the_child_group_down(gpuiso, tmp_path: Path, private_tmpdi
         assert list(private_tmpdir.iterdir()) == []
     finally:
         kill_quietly([proc.pid, *pids])
+        if proc.returncode is None:
+            proc.communicate(timeout=30)
+
+
+def test_ctrl_c_on_a_loaded_machine_ends_the_session_within_30_s(
+    gpuiso, tmp_path: Path, private_tmpdir: Path
+) -> None:
+    """Every wait on the interrupt path has a bound: with two processes busy on every
+    core beside it, SIGINT during an isolated test with a child of its own ends pytest
+    within 30 s (the test's tree killed, the session's directory removed)."""
+    gpuiso.copy("fail_group_hang.py")
+    pidfile = tmp_path / "pid"
+    hogs = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        for _ in range(2 * len(os.sched_getaffinity(0)))
+    ]
+    proc = gpuiso.popen("fail_group_hang.py", env={"GPUISO_PIDFILE": str(pidfile)})
+    pids: list[int] = []
+    try:
+        pids = [int(p) for p in wait_for_file(pidfile, timeout=120).split()]
+        os.kill(proc.pid, signal.SIGINT)
+        start = time.monotonic()
+        out, _ = proc.communicate(timeout=30)
+        took = time.monotonic() - start
+        assert proc.returncode == 2, out.decode(errors="replace")
+        assert took < 30 and [p for p in pids if pid_alive(p)] == [], took
+        assert list(private_tmpdir.iterdir()) == []
+    finally:
+        kill_quietly([proc.pid, *pids, *(hog.pid for hog in hogs)])
+        for hog in hogs:
+            hog.wait(timeout=30)
         if proc.returncode is None:
             proc.communicate(timeout=30)
 
