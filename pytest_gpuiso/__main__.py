@@ -45,7 +45,7 @@ def _error(message: str, status: int = 2) -> int:
 
 
 def _merge(opts: argparse.Namespace) -> int:
-    from .reports import files, report, shards
+    from .reports import files, report, run_info, shards
 
     try:
         merged = shards.merge(opts.reports)
@@ -56,6 +56,10 @@ def _merge(opts: argparse.Namespace) -> int:
     if overlap:
         print(f"warning: {inert(overlap)}", file=sys.stderr)
     records, runs = merged.records, merged.runs
+    for run in runs:  # a shard whose session was killed: what finished before, said so
+        said = run_info.partial(run_info.session_of({"session": run.get("session")}))
+        if said:
+            print(f"warning: {inert(str(run['path']))}{inert(said)}", file=sys.stderr)
     tests = len({r["nodeid"] for r in records})  # a rerun test has a record per attempt
     shards_text = f"{tests} tests from {len(opts.reports)} reports"
     text = report.markdown(records)

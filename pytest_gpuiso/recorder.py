@@ -43,10 +43,18 @@ class Recorder:
         self.started = time.time()  # the session's start, for the JSON report
         self.collected: float | None = None  # when collection ended (time.monotonic)
         self.own = 0.0  # every test's own time (setup, call, teardown), isolated or not
+        self.running: dict[str, None] = {}  # tests begun and not finished, in their order
+        self.unsaved = False  # records came since the report was last written
+        self.saved_at = 0.0  # when the partial report may be written again (monotonic)
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         self.collected = time.monotonic()
+
+    def pytest_runtest_logstart(self, nodeid: str) -> None:
+        self.running[nodeid] = None
+        self.unsaved = True  # the partial report names the tests running now
+        self._save_partial()
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self.own += report.duration or 0.0
@@ -57,6 +65,42 @@ class Recorder:
             findings.locate(record, self.config.rootpath)
             if self.controller is not None:
                 self.controller.records.append(record)
+                self.unsaved = True
+
+    def pytest_runtest_logfinish(self, nodeid: str) -> None:
+        self.running.pop(nodeid, None)
+        self._save_partial()
+
+    def _save_partial(self) -> None:
+        """What finished so far, and what runs now, at the report's path: a session that is
+        killed (a CI job's timeout, the OOM killer) leaves that much. Rewritten whole (never
+        torn), at each test's start and end; a report so large that writing it takes over
+        20 ms is written again only once ten times that has passed (its cost stays under a
+        tenth of the session's time)."""
+        out = self.controller
+        if out is None or out.report_path is None or not self.unsaved:
+            return
+        now = time.monotonic()
+        if now < self.saved_at:
+            return
+        from .reports import files, run_info
+
+        session = run_info.session_block(
+            self.started,
+            time.time(),
+            None,
+            out.records,
+            list(self.config.invocation_params.args),
+            None,
+            running=list(self.running),
+        )
+        try:
+            files.write_json(out.report_path, out.records, None, session)
+        except OSError:
+            return  # said at the session's end, when the final report cannot be written
+        self.unsaved = False
+        took = time.monotonic() - now
+        self.saved_at = now + (10 * took if took > 0.02 else 1e-9)
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         state, out = self.state, self.controller

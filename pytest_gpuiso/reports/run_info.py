@@ -27,22 +27,28 @@ def iso(seconds: float) -> str:
 def session_block(
     started: float,
     finished: float,
-    exitstatus: int,
+    exitstatus: int | None,
     records: list[dict[str, Any]],
     args: list[str],
     gpus: dict[str, Any] | None,
+    running: list[str] | None = None,
 ) -> dict[str, Any]:
     """The report's ``session``; ``gpus``: the CUDA driver and the GPUs NVML found
-    (``NvmlReader.inventory``), None without NVML."""
+    (``NvmlReader.inventory``), None without NVML. ``running``: the session has not ended
+    (a partial report, written after each test: ``exitstatus`` None), and these tests
+    were running when it was written."""
     outcomes = Counter(r["outcome"] for r in last_attempts(records).values())
-    return {
+    block: dict[str, Any] = {
         "started": iso(started),
         "finished": iso(finished),
-        "exitstatus": int(exitstatus),
+        "exitstatus": None if exitstatus is None else int(exitstatus),
         "outcomes": dict(sorted(outcomes.items())),
         "args": [str(arg) for arg in args],
         "environment": environment(gpus),
     }
+    if running is not None:
+        block.update(partial=True, running=list(running))
+    return block
 
 
 def environment(gpus: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -71,7 +77,15 @@ def session_of(document: Any) -> dict[str, Any] | None:
         found = next((s.get("session") for s in document["shards"] if isinstance(s, dict)), None)
     if not isinstance(found, dict):
         return None
-    kept = {k: found[k] for k in ("started", "finished") if isinstance(found.get(k), str)}
+    kept: dict[str, Any] = {
+        k: found[k] for k in ("started", "finished") if isinstance(found.get(k), str)
+    }
+    if found.get("partial") is True:  # its session never ended (killed): what finished
+        running = found.get("running")
+        kept["partial"] = True
+        kept["running"] = (
+            [t for t in running if isinstance(t, str)] if isinstance(running, list) else []
+        )
     env = found.get("environment")
     if isinstance(env, dict):
         kept["environment"] = {k: v for k, v in env.items() if isinstance(v, str)}
@@ -93,7 +107,18 @@ def line(session: dict[str, Any] | None) -> str:
     said = [f"{name} {env[key]}" for key, name in MATTERS if env.get(key)]
     said += [f"python {env['python']}"] if env.get("python") else []
     when = session.get("started", "?")
-    return f"started {when}" + (f": {', '.join(said)}" if said else "")
+    return f"started {when}" + (f": {', '.join(said)}" if said else "") + partial(session)
+
+
+def partial(session: dict[str, Any] | None) -> str:
+    """ "" for a report of a session that ended; else what it says of its end."""
+    if session is None or not session.get("partial"):
+        return ""
+    running = session.get("running") or []
+    during = (
+        f" during {', '.join(running[:3])}" + (" ..." if running[3:] else "") if running else ""
+    )
+    return f" (PARTIAL: its session never ended{during}; the tests that finished before)"
 
 
 def differences(base: dict[str, Any] | None, head: dict[str, Any] | None) -> list[str]:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import platform
 import re
+import signal
 from collections import Counter
 
 import pytest
@@ -12,6 +14,7 @@ import pytest
 import pytest_gpuiso
 from pytest_gpuiso.reports.record import Exit, Record, Start
 from pytest_gpuiso.reports.report import cost_line, wall_line
+from tests.helpers import REPORT, command, kill_quietly, wait_for_file
 
 # pytest's report formats, hooks and internals: CI's lowest-versions stage runs them all
 pytestmark = pytest.mark.versions
@@ -82,10 +85,10 @@ def test_json_report_records_every_isolated_test(gpuiso_spawn, xdist):
     )
     records = _check_schema(gpuiso_spawn.report())
     assert set(records) == set(EXPECTED), result.stdout.str()
-    for nodeid, (outcome, signal, code) in EXPECTED.items():
+    for nodeid, (outcome, signal_name, code) in EXPECTED.items():
         record = records[nodeid]
         assert record["outcome"] == outcome, nodeid
-        assert record["exit"]["signal"] == signal, nodeid
+        assert record["exit"]["signal"] == signal_name, nodeid
         assert record["exit"]["code"] == code, nodeid
         assert record["exit"]["timed_out"] is False
     result.stdout.fnmatch_lines(["gpu-isolate: JSON report written to *report.json"])
@@ -248,3 +251,38 @@ def test_how_a_process_ended_is_read_once_for_every_report(
     assert (found[0] if found else None) == finding
     assert report._ended(record) == text
     assert baseline._ran_through(record) is through
+
+
+@pytest.mark.parametrize("kill", ["pytest", "group"])
+def test_a_killed_session_leaves_its_partial_report(gpuiso, tmp_path, kill):
+    """pytest SIGKILLed (alone, or with its whole process group) during an isolated test:
+    the report holds the tests that finished, marked partial, naming the test that ran;
+    merge and compare read it and say so."""
+    gpuiso.copy("test_killed_session.py")
+    running = tmp_path / "running"
+    proc = gpuiso.popen(
+        "--gpu-isolate", REPORT, "test_killed_session.py", env={"GPUISO_RUNNING": str(running)}
+    )
+    child = None
+    try:
+        child = int(wait_for_file(running, timeout=120))
+        if kill == "group":
+            os.killpg(proc.pid, signal.SIGKILL)
+        else:
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=30)
+    finally:
+        kill_quietly([proc.pid, *([child] if child else [])])
+    document = gpuiso.report()
+    session = document["session"]
+    assert (session["partial"], session["exitstatus"]) == (True, None)
+    assert session["running"] == ["test_killed_session.py::test_killed_with_pytest"]
+    assert sorted(r["nodeid"] for r in document["tests"]) == [
+        f"test_killed_session.py::test_quick[{n}]" for n in range(3)
+    ]
+    merged = command("merge", str(gpuiso.path / "report.json"), "--json", str(tmp_path / "m"))
+    assert merged.returncode == 0, merged.stderr
+    assert "PARTIAL: its session never ended during test_killed_session.py::" in merged.stderr
+    compared = command("compare", *[str(gpuiso.path / "report.json")] * 2)
+    assert "(PARTIAL: its session never ended" in compared.stdout
+
