@@ -285,4 +285,3 @@ def test_a_killed_session_leaves_its_partial_report(gpuiso, tmp_path, kill):
     assert "PARTIAL: its session never ended during test_killed_session.py::" in merged.stderr
     compared = command("compare", *[str(gpuiso.path / "report.json")] * 2)
     assert "(PARTIAL: its session never ended" in compared.stdout
-
