@@ -281,6 +281,23 @@ class Leases:
         named = [(self.devices.name_of(h["device"]), h) for h in snapshot["holders"]]
         return "; ".join(f"GPU {name}: {_who(h)} ({h['label']})" for name, h in named if name)
 
+    def died_text(self) -> str:
+        """The leases of sessions that died holding them (freed at their next use), in one
+        line: whose pid, during which test, on which GPU; "" when none."""
+        from .._lease import RegionError
+
+        try:
+            snapshot = self._attach().snapshot()
+        except RegionError:
+            return ""
+        died = [
+            f"the pytest session of pid {h['pid']} died during {h['label'] or 'a test'} "
+            f"(on GPU {name})"
+            for h in snapshot["holders"]
+            if not h["alive"] and (name := self.devices.name_of(h["device"]))
+        ]
+        return "; ".join(died)
+
     def child_env(self, lease: Lease | None) -> dict[str, str]:
         """What the isolated child must see: exactly its leased devices.
 

@@ -176,6 +176,9 @@ def prepare(config: pytest.Config, state: State) -> None:
             state.leases = Leases(state.devices, settings.slots)
     except (RegionError, SpecError) as exc:  # a bad device list, a table not ours
         raise pytest.UsageError(f"gpu-isolate: {exc}") from None
+    died = state.leases.died_text() if state.leases is not None and not state.parallel else ""
+    if died:  # what the lease table says of a session killed with a test on its GPUs
+        warn_start(config, died)
     problem = pinning.problem(config, settings, state.devices)
     if problem is not None:
         raise pytest.UsageError(f"gpu-isolate: {problem}")

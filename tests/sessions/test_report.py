@@ -254,14 +254,20 @@ def test_how_a_process_ended_is_read_once_for_every_report(
 
 
 @pytest.mark.parametrize("kill", ["pytest", "group"])
-def test_a_killed_session_leaves_its_partial_report(gpuiso, tmp_path, kill):
-    """pytest SIGKILLed (alone, or with its whole process group) during an isolated test:
-    the report holds the tests that finished, marked partial, naming the test that ran;
-    merge and compare read it and say so."""
+def test_a_killed_session_leaves_its_partial_report(gpuiso, tmp_path, kill, lease_region):
+    """pytest SIGKILLed (alone, or with its whole process group) during an isolated test
+    on a (stand-in) GPU: the report holds the tests that finished, marked partial, naming
+    the test that ran; merge and compare read it and say so; the next session says, from
+    the lease table, that the session died during that test on that GPU."""
     gpuiso.copy("test_killed_session.py")
     running = tmp_path / "running"
+    devices = "--gpu-isolate-devices=0"
     proc = gpuiso.popen(
-        "--gpu-isolate", REPORT, "test_killed_session.py", env={"GPUISO_RUNNING": str(running)}
+        "--gpu-isolate",
+        devices,
+        REPORT,
+        "test_killed_session.py",
+        env={"GPUISO_RUNNING": str(running)},
     )
     child = None
     try:
@@ -285,3 +291,9 @@ def test_a_killed_session_leaves_its_partial_report(gpuiso, tmp_path, kill):
     assert "PARTIAL: its session never ended during test_killed_session.py::" in merged.stderr
     compared = command("compare", *[str(gpuiso.path / "report.json")] * 2)
     assert "(PARTIAL: its session never ended" in compared.stdout
+    after = gpuiso.run("--gpu-isolate", devices, "test_killed_session.py::test_quick")
+    after.assert_outcomes(passed=3, warnings=1)
+    assert (
+        f"the pytest session of pid {proc.pid} died during "
+        "test_killed_session.py::test_killed_with_pytest (on GPU 0)"
+    ) in after.stdout.str()
