@@ -58,6 +58,8 @@ SMALL = 64 << 10  # a frame decoded before its cost is judged; the most one that
 ITEM_COST, FRAME_COST = 80, 200
 _KIND = re.compile(rb'\["T","([a-z_]{1,20})",')  # the start of an encoded frame: its kind
 _STRINGS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')  # JSON strings, escapes included
+# A character beyond the BMP: a surrogate's escape, or the lead byte of 4 UTF-8 bytes
+_ASTRAL = re.compile(rb"\\u[dD][89abAB]|[\xf0-\xf4]")
 _SPILL = "spill"  # a frame in a file: its payload is the file's number
 _HEADER = struct.Struct("!i")  # multiprocessing's framing of send_bytes
 _READ = 1 << 16
@@ -272,7 +274,7 @@ class Reader:
             if isinstance(frame, tuple) and len(frame) == 2 and frame[0] == _SPILL:
                 data = self._spilled(frame[1])
                 spent = None if data is None else cost(data)
-                if spent is None or self.kept + spent > KEEP_BYTES:
+                if spent is None or self.kept + spent + decoding(data) > KEEP_BYTES:
                     return self._drop("spilled")  # never decoded: it would not be kept
                 frame = wire.decode(data)
             kind, payload = check(frame)
@@ -326,7 +328,7 @@ class Reader:
             if said and said[1].decode() in _ALWAYS_KEPT:
                 kind = said[1].decode()
                 raise FrameError(f"a {kind!r} frame of {st.st_size} bytes (at most {SMALL})")
-            if self.kept + FRAME_COST + st.st_size > KEEP_BYTES:
+            if self.kept + FRAME_COST + 3 * st.st_size > KEEP_BYTES:  # kept, read, decoded
                 return None
             data = bytearray(st.st_size)
             view, got = memoryview(data), 0
@@ -346,12 +348,31 @@ class Reader:
         self.errors.append((ERROR, UNREADABLE + why))
 
 
+def width(data: bytes) -> int:
+    """Bytes a character of the frame's text takes once decoded (CPython keeps a string in
+    1, 2 or 4 bytes a character, by its widest): 4 where it may hold a character beyond
+    the BMP (a surrogate escape, a 4-byte UTF-8 sequence), 2 where any other non-ASCII, 1
+    for ASCII. Judged on the bytes, conservatively for the whole frame."""
+    if _ASTRAL.search(data):
+        return 4
+    if not data.isascii() or b"\\u" in data:
+        return 2
+    return 1
+
+
 def cost(data: bytes) -> int:
     """What the frame ``data`` costs pytest once decoded, judged without decoding it: its
-    bytes, and each item it holds (counted by the separators outside its strings)."""
+    text at its width, and each item it holds (counted by the separators outside its
+    strings)."""
     bare = _STRINGS.sub(b"", data)
     items = bare.count(b",") + bare.count(b"[") + bare.count(b"{")
-    return FRAME_COST + len(data) + ITEM_COST * items
+    return FRAME_COST + len(data) * width(data) + ITEM_COST * items
+
+
+def decoding(data: bytes) -> int:
+    """What decoding the frame ``data`` needs beside what it keeps (``cost``), until it is
+    decoded: its bytes and their text (``wire.decode`` parses a str of them)."""
+    return len(data) * (1 + width(data))
 
 
 def encode_warning(message: warnings.WarningMessage, nodeid: str) -> dict[str, Any]:

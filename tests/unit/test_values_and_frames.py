@@ -323,6 +323,37 @@ def test_a_spilled_frame_past_the_budget_is_never_decoded(tmp_path, monkeypatch)
     assert received[0][1].endswith("(the first was a spilled frame)")
 
 
+@pytest.mark.parametrize(
+    ("text", "wide"),
+    [("ascii " * 100, 1), ("é" * 300, 2), ("\U0001f600" * 150, 4), ("\ud800" * 100, 2)],
+)
+def test_a_frames_cost_counts_its_text_at_its_decoded_width(text, wide):
+    """CPython keeps a string at 1, 2 or 4 bytes a character, by its widest: a frame's
+    cost (what it keeps) and its decoding (its bytes and their text, until decoded) count
+    its text at that width, so that what is really held stays under KEEP_BYTES."""
+    data = wire.encode((frames.PHASE, text))
+    assert frames.width(data) == wide
+    assert frames.cost(data) >= frames.FRAME_COST + len(data) * wide
+    assert frames.decoding(data) == len(data) * (1 + wide)
+    assert len(text) * wide <= frames.cost(data)  # at least what its str holds
+
+
+def test_a_spill_whose_decoding_would_pass_the_budget_is_not_decoded(tmp_path, monkeypatch):
+    """Its kept cost alone fits; with its bytes and their text while it is decoded, it
+    would not: it is dropped, never decoded."""
+    value = {"x": "\U0001f600" * (300 << 10)}  # 1.2 MB of UTF-8: spilled to a file
+    data = wire.encode((frames.PAYLOAD, value))
+    monkeypatch.setattr(frames, "KEEP_BYTES", frames.cost(data) + len(data))
+    reader, writer = _pipe(tmp_path)
+    prefix = str(tmp_path / "spill-t-")
+    frames.send_frame(writer, frames.PAYLOAD, value, prefix)
+    frames.send_frame(writer, frames.DONE, 0, prefix)
+    writer.close()
+    received = _read_all(reader)
+    assert [kind for kind, _ in received] == [frames.ERROR, frames.DONE]
+    assert received[0][1].endswith("(the first was a spilled frame)")
+
+
 def test_a_large_frame_of_a_kind_always_kept_is_an_error(tmp_path):
     reader, writer = _pipe(tmp_path)
     prefix = str(tmp_path / "spill-t-")
