@@ -51,7 +51,9 @@ def test_with_cleanup_the_next_session_deletes_it_and_says_so_once(
     with _killed_session(gpuiso, shm_name) as (dead, segment):
         assert [p.name.split("-")[0] for p in private_tmpdir.iterdir()] == [str(dead)]
         result = gpuiso.run(DEVICES, "--gpu-isolate-cleanup", f"{PROGRAM}::test_next")
-        result.assert_outcomes(passed=1, warnings=1)
+        # and, from the lease table, the test it died in (a second warning)
+        result.assert_outcomes(passed=1, warnings=2)
+        assert f"the pytest session of pid {dead} died during " in result.stdout.str()
         [line] = _lines(result)
         where, _, said = line.strip().partition(": ")
         assert re.fullmatch(r".*/pytest_gpuiso/[\w/]+\.py:\d+", where), line  # our line
@@ -72,7 +74,9 @@ def test_without_cleanup_it_is_named_once_and_left(
 ):
     with _killed_session(gpuiso_spawn, shm_name) as (dead, segment):
         result = gpuiso_spawn.run(DEVICES, f"{PROGRAM}::test_next")
-        result.assert_outcomes(passed=1, warnings=1)
+        # and, from the lease table, the test it died in (a second warning)
+        result.assert_outcomes(passed=1, warnings=2)
+        assert f"the pytest session of pid {dead} died during " in result.stdout.str()
         [line] = _lines(result)
         assert (
             f"gpu-isolate: left 1 /dev/shm entry (1 MiB) created by the tests of a pytest "

@@ -75,7 +75,9 @@ def test_the_next_session_ends_a_dead_sessions_daemons_and_says_so_once(
     with _killed_session(gpuiso, tmp_path) as (dead, daemons):
         assert [p.name.split("-")[0] for p in private_tmpdir.iterdir()] == [str(dead)]
         result = gpuiso.run(DEVICES, f"{PROGRAM}::test_next")
-        result.assert_outcomes(passed=1, warnings=1)
+        # and, from the lease table, the test it died in (a second warning)
+        result.assert_outcomes(passed=1, warnings=2)
+        assert f"the pytest session of pid {dead} died during " in result.stdout.str()
         [line] = _ended_lines(result)
         where, _, said = line.strip().partition(": ")
         assert re.fullmatch(r".*/pytest_gpuiso/[\w/]+\.py:\d+", where), line  # our line
