@@ -160,7 +160,8 @@ def test_always_keeps_every_test_off_a_gpu_nvml_has_lost(
     assert all(_gpus(log)[f"after-{n}"] == {"1"} for n in range(3))
     [row] = [line for line in _cli("status").stdout.splitlines() if "QUARANTINED" in line]
     assert row.split()[0] == "0" and "it does not answer NVML" in row
-    assert f"between tests (found at the lease of {MOD}::test_after[0]" in row
+    # found by whichever lease first took GPU 0 (the table's order of equal GPUs)
+    assert f"between tests (found at the lease of {MOD}::test_after[" in row
 
 
 @pytest.mark.plugins("rerunfailures")
