@@ -26,17 +26,10 @@ def test_hold():
 """
 
 
-def test_two_sessions_naming_one_gpu_two_ways_never_share_it(
-    gpuiso_spawn: GpuIso, sim: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """An 80 GiB H100 and an A100 in MIG mode: NVML discovery names every GPU by UUID,
-    while a session with CUDA_VISIBLE_DEVICES=0 names the H100 "0". Before: two rows, both
-    sessions held 60 GiB of the one H100 at once."""
-    monkeypatch.setenv("GPUISO_SIM_GPUS", "Sim H100,81559;Sim A100,40960,mig=20480+20480")
-    spans = tmp_path / "spans"
-    monkeypatch.setenv("GPUISO_SPANS", str(spans))
-    gpuiso_spawn.pytester.makepyfile(test_hold=HOLD)
-    first = gpuiso_spawn.popen("test_hold.py", env={"SESSION": "a", "CUDA_VISIBLE_DEVICES": "0"})
+def _take_turns(gpuiso_spawn: GpuIso, spans: Path, env_a: dict[str, str]) -> None:
+    """Session a (``env_a``) and session b each run test_hold at once: both pass, and
+    their holds of the GPU never overlap."""
+    first = gpuiso_spawn.popen("test_hold.py", env=env_a)
     try:
         second = gpuiso_spawn.popen("test_hold.py", env={"SESSION": "b"})
         out, _ = second.communicate(timeout=120)
@@ -48,6 +41,19 @@ def test_two_sessions_naming_one_gpu_two_ways_never_share_it(
         tuple(map(float, line.split()[1:])) for line in sorted(spans.read_text().splitlines())
     )
     assert a_end <= b_start or b_end <= a_start, spans.read_text()
+
+
+def test_two_sessions_naming_one_gpu_two_ways_never_share_it(
+    gpuiso_spawn: GpuIso, sim: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An 80 GiB H100 and an A100 in MIG mode: NVML discovery names every GPU by UUID,
+    while a session with CUDA_VISIBLE_DEVICES=0 names the H100 "0". Before: two rows, both
+    sessions held 60 GiB of the one H100 at once."""
+    monkeypatch.setenv("GPUISO_SIM_GPUS", "Sim H100,81559;Sim A100,40960,mig=20480+20480")
+    spans = tmp_path / "spans"
+    monkeypatch.setenv("GPUISO_SPANS", str(spans))
+    gpuiso_spawn.pytester.makepyfile(test_hold=HOLD)
+    _take_turns(gpuiso_spawn, spans, {"SESSION": "a", "CUDA_VISIBLE_DEVICES": "0"})
 
 
 HOLD_WHOLE = HOLD.replace('gpu_memory="60GiB", ', "")
@@ -72,18 +78,7 @@ def test_a_session_without_nvml_leases_the_row_cuda_names(
     (cuda_only / "libcuda.so.1").symlink_to(gpusim_libs / "libcuda.so.1")
     gpuiso_spawn.pytester.makepyfile(test_hold=HOLD_WHOLE)
     env = {"SESSION": "a", "CUDA_VISIBLE_DEVICES": "0", "LD_LIBRARY_PATH": str(cuda_only)}
-    first = gpuiso_spawn.popen("test_hold.py", env=env)
-    try:
-        second = gpuiso_spawn.popen("test_hold.py", env={"SESSION": "b"})
-        out, _ = second.communicate(timeout=120)
-        assert second.returncode == 0, out.decode()
-    finally:
-        out, _ = first.communicate(timeout=120)
-    assert first.returncode == 0, out.decode()
-    (a_start, a_end), (b_start, b_end) = (
-        tuple(map(float, line.split()[1:])) for line in sorted(spans.read_text().splitlines())
-    )
-    assert a_end <= b_start or b_end <= a_start, spans.read_text()
+    _take_turns(gpuiso_spawn, spans, env)
 
 
 def test_without_nvml_cuda_says_each_gpus_row_and_memory(
