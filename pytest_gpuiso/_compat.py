@@ -55,6 +55,44 @@ def set_capture_tempfile(factory: Callable[..., Any]) -> None:
         _capture.TemporaryFile = factory
 
 
+def adopt_global_capture(config: Any) -> bool:
+    """Keep the global capture this process inherited (suspended) and give it files of its
+    own: its fd captures write to fresh files (made by ``TemporaryFile``, named once
+    ``set_capture_tempfile`` ran) and restore this process's own stdout and stderr, as
+    they now are. The stream objects stay the same, so what a module took at collection
+    (a logger around ``sys.stdout``) is ``sys.stdout`` at test time, as in one pytest
+    process. False: nothing to adopt (no capture, or not suspended as expected)."""
+    capman = config.pluginmanager.get_plugin("capturemanager")
+    capturing = getattr(capman, "_global_capturing", None)
+    if capturing is None:
+        return False
+    for capture in (capturing.out, capturing.err):
+        if isinstance(capture, _capture.FDCaptureBase):
+            if capture._state != "suspended":
+                return False
+            os.dup2(capture.targetfd, capture.targetfd_save)  # restores ours, not the template's
+            fresh = _capture.TemporaryFile(buffering=0)
+            os.dup2(fresh.fileno(), capture.tmpfile.fileno())
+            fresh.close()
+    capman.read_global_capture()  # whatever sys capture still held is the template's
+    return True
+
+
+def global_capture_fds(config: Any) -> set[int]:
+    """The descriptors of the session's global capture (its files and saved streams):
+    pytest's, which each test's process keeps and gives files of its own."""
+    capman = config.pluginmanager.get_plugin("capturemanager")
+    capturing = getattr(capman, "_global_capturing", None)
+    fds = set()
+    for capture in (
+        getattr(capturing, "in_", None),
+        *(getattr(capturing, n, None) for n in ("out", "err")),
+    ):
+        if isinstance(capture, _capture.FDCaptureBase):
+            fds.update((capture.tmpfile.fileno(), capture.targetfd_save))
+    return fds
+
+
 def basetemp(config: Any) -> Path | None:
     """The session's base temporary directory (made on first call), or None where pytest's
     tmp_path plugin is off (``-p no:tmpdir``)."""

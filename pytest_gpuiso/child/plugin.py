@@ -56,12 +56,19 @@ class ChildChannel(Protocol):
 
 
 def restart_capture(config: Any) -> None:
-    """Give this process its own global capture (the server stopped its own after parsing).
+    """Give this process pytest's global capture as its own, in the state pytest leaves
+    it after ``pytest_load_initial_conftests`` (suspended until a test runs).
 
-    As after ``pytest_load_initial_conftests``: started, then suspended until a test runs.
+    The capture this process inherited is kept when it can be (``adopt_global_capture``):
+    its streams are what conftests and test modules took while they were imported (a
+    logger around ``sys.stdout``), and they stay ``sys.stdout`` at test time, as in
+    pytest's own process. Otherwise it starts anew.
     """
+    if _compat.adopt_global_capture(config):
+        return
     capman = config.pluginmanager.get_plugin("capturemanager")
     if capman is not None:
+        capman.stop_global_capturing()
         capman.start_global_capturing()
         capman.suspend_global_capture()
 

@@ -70,11 +70,13 @@ def _reads_per_test(reads: dict[str, str | None]) -> str | None:
     return f"it read {', '.join(names)} at import, which each test's process is given anew"
 
 
-def unfit(before: tuple[dict[int, str], set[str]], shm_log: str | None) -> str | None:
-    """Why this template may not be forked (``unsafe_to_fork``, ``left_outside``), or None;
-    when it may not, the processes it started are killed first: they go with it, not to
-    a test's account."""
-    problem = unsafe_to_fork("the template") or left_outside(before, shm_log)
+def unfit(
+    before: tuple[dict[int, str], set[str]], shm_log: str | None, kept: set[int] = frozenset()
+) -> str | None:
+    """Why this template may not be forked (``unsafe_to_fork``, ``left_outside``; ``kept``:
+    descriptors each test's process takes over), or None; when it may not, the
+    processes it started are killed first: they go with it, not to a test's account."""
+    problem = unsafe_to_fork("the template") or left_outside(before, shm_log, kept)
     if problem is not None:
         for pid in live_descendants():
             with contextlib.suppress(OSError):
@@ -117,7 +119,9 @@ def _shared_mappings() -> set[str]:
         return set()
 
 
-def left_outside(before: tuple[dict[int, str], set[str]], shm_log: str | None) -> str | None:
+def left_outside(
+    before: tuple[dict[int, str], set[str]], shm_log: str | None, kept: set[int] = frozenset()
+) -> str | None:
     """What configuring and collecting made outside this process's memory, or None.
 
     Forked tests' processes would share it: one test would see what another wrote into
@@ -131,7 +135,7 @@ def left_outside(before: tuple[dict[int, str], set[str]], shm_log: str | None) -
     if kids:
         return f"it started process {kids[0]}" + (f" and {len(kids) - 1} more" if kids[1:] else "")
     for fd, target in _descriptors().items():
-        if fds.get(fd) == target:
+        if fds.get(fd) == target or fd in kept:
             continue
         regular = target.startswith("/") and not target.startswith(("/dev/", "/proc/"))
         if regular and not _write_only(fd):

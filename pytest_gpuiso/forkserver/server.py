@@ -131,11 +131,8 @@ def _prepare(boot: ServerBoot) -> Any:
         pools.step(f"importing {name}")
     config = prepare_config(list(boot.args), plugins=[ServerMark()])
     pools.step("configuring pytest (plugins)")
-    # Parsing starts pytest's global capture into temporary files; children forked
-    # from here must not share them, so each child's own configuration makes its own.
-    capman = config.pluginmanager.get_plugin("capturemanager")
-    if capman is not None:
-        capman.stop_global_capturing()
+    # Parsing started pytest's global capture (conftests took its streams): each process
+    # forked from here keeps it, with files of its own (``restart_capture``).
     freeze()
     return config
 

@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
+from .. import _compat
 from ..child import plugin as child_plugin
 from ..leaks.shm_log import created_entries, remove_created
 from ..proc._linux import (
@@ -204,7 +205,8 @@ def _template_main(server: TemplateHost, sock: socket.socket, modules: list[str]
         """Called by the session once collected; returns only in a test's process."""
         os.environ.pop(LOG_ENV, None)
         pools.step("collecting test modules")
-        problem = audit.unfit(before, shm_log)  # what it started is killed with it
+        # what it started is killed with it; pytest's capture files each test's process keeps
+        problem = audit.unfit(before, shm_log, _compat.global_capture_fds(config))
         set_child_subreaper(False)  # tests' orphans (with two forks: tests) go to pytest
         if problem is not None:  # what it made goes with it, not to a test's account
             if shm_log is not None:  # only what the shim saw it create, still that inode

@@ -52,9 +52,6 @@ class TemplatePlugin(child_plugin.ChildPlugin):
         after = _random_states()
         self.seeded = [new if new != old else None for old, new in zip(before, after, strict=True)]
         self.items = {item.nodeid: item for item in session.items}
-        capman = self.config.pluginmanager.get_plugin("capturemanager")
-        if capman is not None:  # each test's process captures into its own files
-            capman.stop_global_capturing()
         self._take_over(*self.await_fork(list(self.items)))  # in a test's process
         self.channel.wait_go()
         return True
@@ -69,7 +66,7 @@ class TemplatePlugin(child_plugin.ChildPlugin):
         config = self.config
         self._record_junit(config)
         child_plugin.name_capture_files(boot.capture_prefix)
-        child_plugin.restart_capture(config)
+        child_plugin.restart_capture(config)  # the session's one, with files of its own
         child_options.override_options(config.option, job.basetemp, job.options)
         # The session's factory was made in the template: this test's basetemp instead.
         _compat.retarget_basetemp(config, job.basetemp)

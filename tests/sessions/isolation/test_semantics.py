@@ -656,3 +656,29 @@ def test_a_warning_each_fresh_process_repeats_is_shown_once(gpuiso: GpuIso, mode
     isolated.stdout.fnmatch_lines(
         ["gpu-isolate: 4 warnings repeated by later tests' processes shown once (*=each*)"]
     )
+
+
+@pytest.mark.parametrize("capture", ["fd", "sys", "tee-sys", "no"])
+def test_streams_a_module_took_at_collection_are_the_tests(gpuiso: GpuIso, capture: str) -> None:
+    """A logger made at collection around ``sys.stdout`` writes to the stream its tests
+    see (pytest's global capture is one for the session); a failing test shows only its
+    own output, never what the template's collection printed."""
+    gpuiso.copy("sem_stream_at_collection.py")
+    args = ("-rA", f"--capture={capture}", "sem_stream_at_collection.py")
+    inproc = gpuiso.run(*args)
+    inproc.assert_outcomes(passed=1, failed=1)
+    iso = gpuiso.run("--gpu-isolate", *args)
+    with isolated_side():
+        iso.assert_outcomes(passed=1, failed=1)
+        out = iso.stdout.str()
+        if gpuiso.start == "forkserver" or capture in ("fd", "sys"):  # a spawned process
+            # imports the module again, and under -s or tee-sys says so (docs/semantics.md)
+            assert out.count("MARKER-AT-COLLECTION") == inproc.stdout.str().count(
+                "MARKER-AT-COLLECTION"
+            )
+        for marker in ("MARKER-HELD-STREAM", "MARKER-OWN-OUT", "MARKER-OWN-ERR"):
+            assert marker in out
+        if capture != "no":  # pytest's own sections, each with the test's own output only
+            iso.stdout.fnmatch_lines(
+                ["*- Captured stdout call -*", "MARKER-OWN-OUT", "*- Captured stderr call -*"]
+            )
