@@ -15,6 +15,11 @@ from typing import Any
 
 import pytest
 
+from . import _import_plainly
+
+_import_plainly()  # loaded once pytest marked us (in a process that imported the package
+# before): what this module imports loads plainly (the package's docstring says why)
+
 from . import native
 from .options import add_options
 from .parent.session import (

@@ -25,7 +25,10 @@ _libc = None
 def _lib() -> ctypes.CDLL:
     global _libc
     if _libc is None:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        try:  # glibc's name; find_library runs ldconfig in a subprocess, ~5 ms a process
+            _libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        except OSError:  # another C library (musl)
+            _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
         _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return _libc
 

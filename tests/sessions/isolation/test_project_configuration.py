@@ -180,3 +180,17 @@ def test_a_conftest_that_asks_for_xdist_workers_runs_its_tests_isolated(gpuiso) 
     result = gpuiso.run("--gpu-isolate", "-p", "no:randomly", "conftest_sets_workers")
     result.assert_outcomes(passed=1)
     assert "could not start" not in result.stdout.str()
+
+
+@pytest.mark.installation
+def test_our_modules_are_not_rewritten_where_pytest_marks_them(gpuiso, monkeypatch) -> None:
+    """pytest marks an installed plugin's package for assertion rewriting; ours takes
+    itself off that list, so that its modules load from their installed bytecode in
+    pytest's process, the fork server and each test's process (not compiled again by the
+    rewriter in each, where bytecode is not written). Installed as a wheel is, with a
+    strict project's warnings on (no "already imported" warning either)."""
+    _strict(gpuiso, monkeypatch)
+    gpuiso.copy("sem_plain_imports.py")
+    args = ("-W", "error", "sem_plain_imports.py")
+    gpuiso.run_as_installed("--no-gpu-isolate", *args).assert_outcomes(passed=1)
+    gpuiso.run_as_installed("--gpu-isolate", *args).assert_outcomes(passed=1)
