@@ -3,7 +3,9 @@
 They go through Python's ``warnings`` machinery with pytest's filters in force, so
 ``-W``, ini ``filterwarnings`` and ``@pytest.mark.filterwarnings`` treat them as any
 pytest warning: ``ignore`` drops one, ``error`` turns it into an exception (which
-the caller makes a failure of the test, or a usage error of the session).
+the caller makes a failure of the test, or a usage error of the session). A session's
+``GpuIsoStartWarning`` is an error only under a filter that names it: a project's blanket
+``error`` is about its own code, not how the plugin runs it (``warn_session``).
 """
 
 from __future__ import annotations
@@ -58,13 +60,39 @@ def issue_for_test(warning: Warning, filename: str, lineno: int) -> str:
     return "shown" if passed else "ignored"
 
 
+def _named_error(warning: Warning, filename: str, line: int) -> bool:
+    """Whether the filter that turned ``warning`` into an error names its category (or
+    a subclass of it), where that category is one of the plugin's session warnings that
+    a blanket filter leaves alone (``warn_session``)."""
+    kind = type(warning)
+    if not issubclass(kind, GpuIsoStartWarning):
+        return True  # a leak warning: the test's, under every filter
+    text = str(warning)
+    module = filename[:-3] if filename.endswith(".py") else filename
+    for action, message, category, where, lineno in warnings.filters:
+        if (
+            issubclass(kind, category)
+            and (message is None or message.match(text))
+            and (where is None or where.match(module))
+            and lineno in (0, line)
+        ):
+            return action == "error" and issubclass(category, GpuIsoStartWarning)
+    return False
+
+
 def warn_session(
     config: pytest.Config, warning: Warning, *, notice: bool = False, stacklevel: int = 1
 ) -> bool:
     """Issue a warning of the session (no test's marks apply), at the line of ours that
     issues it (``stacklevel`` frames up from its caller); False when a filter made it an
     error. ``notice``: information (tests run in-process for a debugger), which a filter's
-    ``error`` shows all the same: it ends nothing."""
+    ``error`` shows all the same: it ends nothing.
+
+    A ``GpuIsoStartWarning`` says how the plugin runs the tests (a fork server given up,
+    a dead session's leftovers ended), never what a test did: a project's blanket
+    ``filterwarnings = error`` (or ``error::pytest.PytestWarning``) shows it and ends
+    nothing; only a filter that names ``GpuIsoStartWarning`` (or a subclass) makes it an
+    error."""
     warning = _inert(warning)
     caller = sys._getframe(stacklevel)
     where = (caller.f_code.co_filename, caller.f_lineno)
@@ -74,7 +102,7 @@ def warn_session(
         try:
             warnings.warn_explicit(warning, type(warning), *where)
         except type(warning):
-            if not notice:
+            if not notice and _named_error(warning, *where):
                 return False
             log.append(warnings.WarningMessage(warning, type(warning), *where))
     for record in log:

@@ -626,6 +626,29 @@ def test_threaded_fork_server_falls_back_to_spawn(env: Env) -> None:
     assert {r["start"]["method"] for r in env.iso.records().values()} == {"spawn"}
 
 
+@pytest.mark.parametrize("filter_", ["error", "error::pytest.PytestWarning", "named"])
+def test_a_fallback_notice_under_a_projects_error_filter(env: Env, filter_: str) -> None:
+    """The fork server falls back to spawn (a conftest's thread) in a project whose
+    filters make warnings errors: a blanket filter is about the project's code, so the
+    notice is shown and every test runs; a filter naming GpuIsoStartWarning is the
+    user's wish to stop, which ends the session with one line after the first test."""
+    program = "test_import_thread.py"
+    env.iso.copy(program, "conftest_heartbeat_thread.py")
+    (env.iso.path / "conftest_heartbeat_thread.py").rename(env.iso.path / "conftest.py")
+    named = filter_ == "named"
+    result = env.run("-W", "error::pytest_gpuiso.GpuIsoStartWarning" if named else filter_, program)
+    if named:
+        assert result.ret == pytest.ExitCode.USAGE_ERROR, result.stdout.str()
+        result.stdout.fnmatch_lines(
+            ["*gpu-isolate: *2 threads*(GpuIsoStartWarning is an error by -W/filterwarnings)*"]
+        )
+        result.assert_outcomes(passed=1)
+    else:
+        result.assert_outcomes(passed=2, warnings=1)
+        [warning] = [line for line in result.outlines if ": GpuIsoStartWarning: " in line]
+        assert "2 threads" in warning, warning
+
+
 @pytest.mark.parametrize("seed", ["1234", ""], ids=["seeded", "unseeded"])
 def test_random_state_as_under_spawn(env: Env, seed: str) -> None:
     """random.seed() at import: each forked test's first draw is the seed's, as under spawn.
