@@ -42,11 +42,7 @@ def prepare_config(args: list[str], plugins: list[Any]) -> Any:
     them, for the life of this process, whose configuration this is.
     """
     Config.issue_config_time_warning = _said_by_pytests_process  # type: ignore[method-assign]
-    config = _prepareconfig(args, plugins=plugins)
-    import pytest_gpuiso  # marked for rewriting again: our modules imported later load plainly
-
-    pytest_gpuiso._import_plainly()
-    return config
+    return _prepareconfig(args, plugins=plugins)
 
 
 def _said_by_pytests_process(self: Any, warning: Warning, stacklevel: int) -> None:
