@@ -49,10 +49,14 @@ def _said_by_pytests_process(self: Any, warning: Warning, stacklevel: int) -> No
     """``Config.issue_config_time_warning`` in our processes (``prepare_config``)."""
 
 
-def set_capture_tempfile(factory: Callable[..., Any]) -> None:
-    """Make pytest's fd capture open its files with ``factory`` (anonymous files if it cannot)."""
+_ANONYMOUS = getattr(_capture, "TemporaryFile", None)  # pytest's own (tempfile's)
+
+
+def set_capture_tempfile(factory: Callable[..., Any] | None) -> None:
+    """Make pytest's fd capture open its files with ``factory`` (None: pytest's own,
+    anonymous ones; anonymous if it cannot)."""
     if hasattr(_capture, "TemporaryFile"):
-        _capture.TemporaryFile = factory
+        _capture.TemporaryFile = factory if factory is not None else _ANONYMOUS
 
 
 def adopt_global_capture(config: Any) -> bool:

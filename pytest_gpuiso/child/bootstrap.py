@@ -52,7 +52,7 @@ from .options import override_options
 from .plugin import (
     ChildPlugin,
     after_the_test,
-    name_capture_files,
+    named_capture_files,
     restart_capture,
 )
 
@@ -332,7 +332,6 @@ def _name(obj: Any) -> str:
 
 def run_item(job: ItemJob, channel: Channel, boot: Bootstrap, config: Any = None) -> None:
     """Run one test through pytest (its configuration parsed here, or the fork server's)."""
-    name_capture_files(boot.capture_prefix)
     os.chdir(job.invocation_dir)
     plugin = ChildPlugin(job, channel)
     if config is not None:  # parsing it once in the fork server saves ~15 ms a test
@@ -341,10 +340,12 @@ def run_item(job: ItemJob, channel: Channel, boot: Bootstrap, config: Any = None
             config = None
     if config is None:
         channel.send(frames.PHASE, "configuring pytest (plugins, conftests)")
-        config = _compat.prepare_config(list(job.args), plugins=[plugin])
+        with named_capture_files(boot.capture_prefix):  # parsing starts the global capture
+            config = _compat.prepare_config(list(job.args), plugins=[plugin])
     else:
         config.pluginmanager.register(plugin)
-        restart_capture(config)
+        with named_capture_files(boot.capture_prefix):
+            restart_capture(config)
     override_options(config.option, job.basetemp, job.options)
     status = after_the_test(plugin, lambda: config.hook.pytest_cmdline_main(config=config))
     channel.send(frames.DONE, status)

@@ -65,8 +65,8 @@ class TemplatePlugin(child_plugin.ChildPlugin):
         cuda_state.baseline()
         config = self.config
         self._record_junit(config)
-        child_plugin.name_capture_files(boot.capture_prefix)
-        child_plugin.restart_capture(config)  # the session's one, with files of its own
+        with child_plugin.named_capture_files(boot.capture_prefix):
+            child_plugin.restart_capture(config)  # the session's one, with files of its own
         child_options.override_options(config.option, job.basetemp, job.options)
         # The session's factory was made in the template: this test's basetemp instead.
         _compat.retarget_basetemp(config, job.basetemp)
