@@ -287,12 +287,12 @@ EXPLAINED: dict[str, str] = {
     ),
     # Both race anyio's worker thread, and both fail in pytest's own process too once its
     # heap is frozen (gc.freeze() in a plugin) on a busy or one-CPU machine: 8 of 8 runs.
-    "anyio::tests.test_to_thread.test_run_sync_worker_cyclic_references*": (
+    "anyio::tests.test_to_thread::test_run_sync_worker_cyclic_references*": (
         "a race in the test: it checks before the worker thread dropped its copy of the "
         "context, which a gc.collect() over the whole heap gives it time to; the test's "
         "process collects only the test's own objects (docs/semantics.md)"
     ),
-    "anyio::tests.test_to_thread.test_asyncio_run_does_not_leak_event_loop": (
+    "anyio::tests.test_to_thread::test_asyncio_run_does_not_leak_event_loop": (
         "a race in the test: it checks before the stopped worker thread, which still "
         "refers to the loop, has exited (anyio.run does not join it); the test's process "
         "collects only the test's own objects, in far less time (docs/semantics.md)"
