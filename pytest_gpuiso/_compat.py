@@ -17,6 +17,7 @@ from typing import Any
 
 import _pytest.capture as _capture
 from _pytest import tmpdir as _tmpdir
+from _pytest._code.code import TerminalRepr  # noqa: F401 - re-exported
 from _pytest.config import Config, _prepareconfig, apply_warning_filters, create_terminal_writer
 from _pytest.faulthandler import fault_handler_stderr_fd_key  # noqa: F401 - re-exported
 from _pytest.junitxml import _check_record_param_type as check_record_param_type  # noqa: F401

@@ -293,6 +293,9 @@ class ChildPlugin:
         ]
         report.sections = [(title, keep_end(text)) for title, text in report.sections]
         data = self.config.hook.pytest_report_to_serializable(config=self.config, report=report)
+        longrepr = report.longrepr
+        if hasattr(longrepr, "toterminal") and not hasattr(longrepr, "reprcrash"):
+            data[frames.TEXT_REPR] = True  # e.g. a missing fixture: a text with no crash line
         self.channel.send(frames.REPORT, data)
 
     def pytest_warning_recorded(

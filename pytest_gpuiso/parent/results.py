@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from .._compat import evaluate_xfail_marks
+from .._compat import TerminalRepr, evaluate_xfail_marks
 from ..gpu.xids import faults_text
 from ..leaks import Verdict, advice
 from ..reports.termtext import inert
@@ -40,8 +40,11 @@ def item_reports(
         try:
             if problem is not None:
                 raise ValueError(problem)
+            text_repr = data.pop(frames.TEXT_REPR, False)
             rep = config.hook.pytest_report_from_serializable(config=config, data=data)
             if isinstance(rep, pytest.TestReport):
+                if text_repr is True and isinstance(rep.longrepr, str):
+                    rep.longrepr = TextRepr(rep.longrepr)
                 rep.longreprtext  # noqa: B018 - rendered now, not in pytest's own reporting
         except Exception as exc:  # noqa: BLE001 - whatever the test's process sent
             why = problem or repr(exc)
@@ -64,6 +67,18 @@ def item_reports(
     if reports and verdict is not None and verdict.records:
         _attach_leaks(item, reports, verdict)
     return reports
+
+
+class TextRepr(TerminalRepr):
+    """A report's text with no crash line (``frames.TEXT_REPR``): shown whole in the
+    failure's section, and, as in-process, not quoted after its short summary line."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def toterminal(self, tw: Any) -> None:
+        for line in self.text.splitlines():
+            tw.line(line)
 
 
 _PHASES = ("setup", "call", "teardown")

@@ -115,6 +115,10 @@ KINDS = frozenset(SHAPES)  # the whole vocabulary
 
 UNREADABLE = "unreadable message from the test process: "  # an ERROR frame of the Reader's
 UNCOLLECTED = "the isolated process could not collect "  # its test: the test's own error
+# In a REPORT's data: its longrepr was a text with no crash line (a missing fixture's), which
+# pytest serializes as a plain string; rebuilt as such a text, not as a string, which
+# pytest's short summary would quote.
+TEXT_REPR = "_gpuiso_text_repr"
 
 
 class FrameError(ValueError):

@@ -22,7 +22,9 @@ CAUSE = "RuntimeError: this plugin cannot run here"
 
 def _summary(result: pytest.RunResult) -> set[str]:
     """The short test summary's line of each test (-rA), e.g. "PASSED test_strict.py::x"."""
-    return {line for line in result.outlines if re.match(r"(PASSED|FAILED|XFAIL) \S+::", line)}
+    return {
+        line for line in result.outlines if re.match(r"(PASSED|FAILED|ERROR|XFAIL) \S+::", line)
+    }
 
 
 def _strict(gpuiso, monkeypatch) -> None:
