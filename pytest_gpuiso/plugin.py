@@ -90,6 +90,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[STATE] = state
     if settings.mode == "all" or settings.pin_workers:  # wanted before collection
         prepare(config, state)
+    if settings.mode == "all" and _wants_server(config, state) and not _only_tells(config):
+        start_server(config, state)  # it imports pytest while this process gets to collect
     config.pluginmanager.register(Recorder(config, state, controller), "gpuiso-recorder")
 
 
@@ -217,21 +219,16 @@ def _runs_tests(config: pytest.Config) -> bool:
     return hasattr(config, "workerinput") or dist == "no" or not dist
 
 
+def _only_tells(config: pytest.Config) -> bool:
+    """``--help``, ``--markers``, ``--version``: pytest configures, says, and runs nothing."""
+    option = config.option
+    return any(getattr(option, name, False) for name in ("help", "markers", "version"))
+
+
 def _wants_server(config: pytest.Config, state: State | None) -> bool:
     if state is None or state.settings.mode == "off" or state.settings.start != "forkserver":
         return False
     return _runs_tests(config) and not config.option.collectonly
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection(session: pytest.Session) -> None:
-    """Start the fork server now, so that it imports torch while pytest collects.
-
-    Only when every test is isolated; otherwise once collection found a marked test.
-    """
-    state = session.config.stash.get(STATE, None)
-    if _wants_server(session.config, state) and state.settings.mode == "all":
-        start_server(session.config, state)
 
 
 @pytest.hookimpl(tryfirst=True)  # before the terminal asks for its lines
