@@ -27,7 +27,8 @@ def _import_plainly() -> None:
 
 _import_plainly()
 
-from .warning_types import GpuIsoLeakWarning, GpuIsoStartWarning  # noqa: E402 - unmarked first
+from .values import VERSION  # noqa: E402 - unmarked first
+from .warning_types import GpuIsoLeakWarning, GpuIsoStartWarning  # noqa: E402
 
 if TYPE_CHECKING:
     from .parent.call import IsolatedTimeout, IsolationError, RemoteError, run_isolated
@@ -43,7 +44,7 @@ __all__ = [
     "run_isolated",
     "__version__",
 ]
-__version__ = "0.1.0"  # the one place the version is written (pyproject reads it)
+__version__ = VERSION  # written once, on the bottom floor (values.py)
 
 
 def __getattr__(name: str) -> Any:

@@ -14,10 +14,10 @@ import os
 import sys
 from pathlib import Path
 
-from . import __version__
 from .gpu import table
 from .gpu.leases import REGION_ENV
-from .reports.termtext import inert
+from .termtext import inert
+from .values import VERSION
 
 MERGE_HELP = """\
 merge the JSON reports (--gpu-isolate-report) of CI shards into one JSON report, one
@@ -197,7 +197,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     raw = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser("python -m pytest_gpuiso", formatter_class=raw)
     parser.description, parser.epilog = DESCRIPTION, EXIT_STATUS
-    parser.add_argument("--version", action="version", version=f"pytest-gpuiso {__version__}")
+    parser.add_argument("--version", action="version", version=f"pytest-gpuiso {VERSION}")
     parser.add_argument("--region", metavar="PATH", default=None, help=REGION_HELP)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     sub.add_parser("status", parents=[region], help="print the lease table: leases, waiters")

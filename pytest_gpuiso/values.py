@@ -49,6 +49,8 @@ TEMPLATE_WAIT_MAX = 240.0  # below the 300 s pytest waits for a fork's answer
 CUDA_ID = re.compile(r"^(\d+|(GPU|MIG)-[0-9A-Za-z./-]+)$")  # a CUDA_VISIBLE_DEVICES entry
 _MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 
+VERSION = "0.1.0"  # the one place the version is written (pyproject and the package read it)
+
 
 class SpecError(ValueError):
     """A bad setting. The message is one line naming the source and the value."""

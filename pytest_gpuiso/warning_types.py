@@ -16,7 +16,7 @@ import warnings
 import pytest
 
 from . import _compat
-from .reports.termtext import inert
+from .termtext import inert
 
 
 class GpuIsoLeakWarning(pytest.PytestWarning):

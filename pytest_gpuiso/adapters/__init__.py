@@ -5,6 +5,10 @@ implementations when its plugin is installed (both in pytest and in the tests'
 processes) and imports the plugin itself only when a hook needs it. Called from
 ``plugin.pytest_addhooks``, so that the implementations are there before the
 command line is parsed (pytest-cov decides at ``pytest_load_initial_conftests``).
+
+Also here: ``benchmark`` (pytest-benchmark's timings join pytest's), ``randomly``
+(pytest-randomly's seed in every test's process), ``rerunfailures`` (each attempt in a
+fresh process) and ``syrupy`` (the snapshots an isolated test used).
 """
 
 from __future__ import annotations

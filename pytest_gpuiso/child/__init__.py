@@ -8,4 +8,8 @@ test, sends its reports), and ``cuda_state``, ``memory_cap``, ``imports`` and
 environment variables were read before its go. Knows nothing of pytest's side: it
 imports neither ``parent``, nor ``forkserver``, ``gpu`` or ``reports``; what it needs
 crosses in ``wire``.
+
+Also here: ``exiting`` (how the test's process ends: its exit hooks, then saying so) and
+``tracker`` (multiprocessing's resource tracker: its segments, handed to the leak
+check).
 """

@@ -4,6 +4,10 @@ Starting an interpreter and importing pytest, its plugins and torch costs second
 forking a process that already did costs milliseconds. ``ForkServer`` is pytest's
 handle on it; the server process is ``server``, its pre-collected session (the
 template) ``template``, and the fork mechanics and request wire ``fork``.
+
+Also here: ``audit`` (whether the template is fit to be forked), ``pools`` (threads
+native libraries start, made safe to fork) and ``template_session`` (the template's
+pytest session, and a test's process taking it over).
 """
 
 from __future__ import annotations

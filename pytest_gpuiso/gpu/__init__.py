@@ -5,4 +5,8 @@ lease table (``leases``: who holds which GPU, memory and port, shared by every s
 the user), GPU health and quarantine (``health``, ``gpu_probe``, ``xids``: NVIDIA's Xid
 catalog), NVML (``nvml``) and ROCm (``rocm``), pinned xdist workers (``pinning``,
 ``workers``) and ``MASTER_PORT`` leases (``ports``). Never imports ``parent`` or ``child``.
+
+Also here: ``devices`` (the GPUs a session may lease and their memory, found without a
+CUDA context) and ``identity`` (which GPU each device name is: its UUID, its lease-table
+row).
 """

@@ -50,7 +50,6 @@ import time
 from collections.abc import Collection, Mapping
 from typing import Any, Protocol
 
-from ..leaks import Leak
 from ..values import GpuMemory
 from . import rocm, xids
 from .gpu_probe import FULL, NO_DRIVER
@@ -83,7 +82,11 @@ class RunEnd(Protocol):
 
     errors: list[str]  # what its process said went wrong
     reports: list[dict[str, Any]]  # its serialized pytest reports
-    leaks: list[Leak]
+
+    @property
+    def gpu_left(self) -> Mapping[str, list[str]]:
+        """Device -> what the GPU memory leak check found still on it after the run."""
+        ...
 
 
 def why_probe(outcome: RunEnd) -> str | None:
@@ -152,23 +155,6 @@ def driver_check(
     return f"{DRIVER_PART}failed: {last or f'exit status {proc.returncode}'}", None
 
 
-def _leaked_on(device: str, leaks: list[Leak]) -> list[str]:
-    """What the GPU memory leak check found still on ``device`` after the test's end."""
-    found = []
-    for leak in leaks:  # on a GPU shared with other tests, what it saw may be theirs
-        fields = leak.fields
-        if (
-            leak.kind == "gpu_memory"
-            and fields.get("device") == device
-            and not fields.get("shared")
-        ):
-            if leak.fields.get("holder"):
-                found.append(f"process {leak.fields['pid']} still holds it")
-            else:
-                found.append(f"{leak.fields['bytes'] >> 20} MiB still in use")
-    return found
-
-
 def examine(
     device: str,
     nvml: NvmlReader,
@@ -197,15 +183,16 @@ def examine(
 def checkup(
     devices: tuple[str, ...],
     nvml: NvmlReader,
-    leaks: list[Leak],
+    left: Mapping[str, list[str]],
     env_of: dict[str, dict[str, str]],
 ) -> tuple[dict[str, str], dict[str, str]]:
-    """Probe each of ``devices`` (``env_of``: the driver probe's environment for each):
-    what failed on each that is not healthy, and why each that could not be assessed
-    was not ({}, {} when all are healthy)."""
+    """Probe each of ``devices`` (``left``: what the test left on each, ``RunEnd.gpu_left``;
+    ``env_of``: the driver probe's environment for each): what failed on each that is not
+    healthy, and why each that could not be assessed was not ({}, {} when all are
+    healthy)."""
     failed, unassessed = {}, {}
     for device in devices:
-        problem, untold = examine(device, nvml, env_of[device], _leaked_on(device, leaks))
+        problem, untold = examine(device, nvml, env_of[device], left.get(device, []))
         if problem:
             failed[device] = problem
         elif untold:
@@ -354,7 +341,7 @@ class Health:
         if why is not None:
             rest = tuple(d for d in lease.devices if d not in failed)
             env_of = {device: self.leases.visible((device,)) for device in rest}
-            found, unassessed = checkup(rest, self.nvml, outcome.leaks, env_of)
+            found, unassessed = checkup(rest, self.nvml, outcome.gpu_left, env_of)
             failed.update(found)
         elif failed:
             why = "an Xid during it"

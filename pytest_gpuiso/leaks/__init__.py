@@ -6,6 +6,11 @@ descendants are gone, which returns ``Leak`` records. The policy (warn / fail / 
 marker's ``allow_leaks``; parsed in ``settings``) is applied by ``judge``: probes
 only observe, except the process probe, which always kills what it finds (a
 leftover process is never left running, whatever the policy says about reporting it).
+
+Also here: ``gpu_memory`` (residual GPU memory and escaped holders, through NVML; what a
+test left on each GPU, as plain text for the health probes), ``shm`` (leaked /dev/shm
+entries), ``shm_log`` (the shim's log of the entries a test's processes created) and
+``torch`` (torch's CUDA allocator around one test).
 """
 
 from __future__ import annotations

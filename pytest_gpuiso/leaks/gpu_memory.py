@@ -241,3 +241,21 @@ class GpuMemoryProbe(Probe):
                 )
             )
         return leaks
+
+
+def left_on_gpus(leaks: Sequence[Leak]) -> dict[str, list[str]]:
+    """Device -> what the GPU memory check found still on it after the test's end (what
+    health probes judge a GPU by, as plain text): a process of the test's holding it, or
+    memory still in use. On a GPU shared with other tests, what it saw may be theirs:
+    not counted."""
+    left: dict[str, list[str]] = {}
+    for leak in leaks:
+        fields = leak.fields
+        if leak.kind != "gpu_memory" or fields.get("shared") or "device" not in fields:
+            continue
+        if fields.get("holder"):
+            text = f"process {fields['pid']} still holds it"
+        else:
+            text = f"{fields['bytes'] >> 20} MiB still in use"
+        left.setdefault(str(fields["device"]), []).append(text)
+    return left

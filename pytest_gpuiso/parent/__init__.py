@@ -7,4 +7,8 @@ that could not start (``start_failures``), what it sent decoded
 (``outcome``, ``results``) and replayed into pytest (``replay``); ``session`` holds the
 session's side of isolation and ``call`` runs a function isolated (``run_isolated``).
 Owns the tests' processes and the leases they hold; never creates a CUDA context.
+
+Also here: ``recording`` (each test's JSON record, built once), ``serving`` (the
+session's use of the fork server) and ``standins`` (stand-in warning categories, for
+xdist's controller).
 """

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..leaks import Leak
+from ..leaks.gpu_memory import left_on_gpus
 from ..proc.workdir import read_end
 from ..wire import frames
 
@@ -84,6 +85,11 @@ class Outcome:
             if always or cutoff is None or at < cutoff:
                 take(self, payload)
         return self
+
+    @property
+    def gpu_left(self) -> dict[str, list[str]]:
+        """Device -> what the GPU memory check found still on it (``gpu.health.RunEnd``)."""
+        return left_on_gpus(self.leaks)
 
     @property
     def timed_out(self) -> bool:

@@ -18,7 +18,7 @@ import pytest
 
 from .. import _compat
 from ..leaks import ADVICE, Verdict
-from ..reports.termtext import inert
+from ..termtext import inert
 from ..warning_types import GpuIsoLeakWarning, GpuIsoStartWarning, issue_for_test, warn_for_test
 from ..wire import frames
 from . import standins

@@ -18,8 +18,8 @@ import pytest
 from .._compat import TerminalRepr, evaluate_xfail_marks
 from ..gpu.xids import faults_text
 from ..leaks import Verdict, advice
-from ..reports.termtext import inert
 from ..settings import IsolationSpec
+from ..termtext import inert
 from ..wire import frames
 from .outcome import Outcome
 

@@ -5,4 +5,8 @@ Runs in pytest's process at the session's end (the xdist controller's) and in
 one test; ``report`` writes the JSON report, the Markdown summary and the terminal
 summary; ``findings`` (annotations, GitLab), ``baseline`` (known leaks), ``shards``,
 ``compare`` and ``mdtext``. Never imports ``parent``, ``child`` or ``forkserver``.
+
+Also here: ``files`` (where reports are written: whole or not at all), ``fixtures``
+(broad-scoped fixtures each process set up anew), ``gpu_tables`` (the Markdown sections
+about GPUs) and ``run_info`` (a report's ``session`` and ``environment`` blocks).
 """

@@ -20,9 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..termtext import inert
 from .mdtext import bounded, cell, code_cell
 from .record import ending, is_number, last_attempts, leak_kinds
-from .termtext import inert
 
 STARTUP_GROWTH = 2.0  # seconds more of start-up that count as a regression
 PEAK_GROWTH = 512 << 20  # bytes more of GPU memory peak that count as a regression

@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..termtext import escaped
 from .record import ending, last_attempts
 from .report import bound
-from .termtext import escaped
 
 GITHUB_ENV = "GITHUB_ACTIONS"  # "true" on GitHub Actions' runners
 WORKSPACE_ENV = "GITHUB_WORKSPACE"  # the checkout, which annotation paths are relative to

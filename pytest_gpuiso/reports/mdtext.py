@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from ..termtext import escaped
 from ..values import KINDS
-from .termtext import escaped
 
 _LINE_BREAK = re.compile(r"\r\n|\r|\n")  # what ends a table row in Markdown
 _SPECIAL = re.compile(r"([\\`*_\[\]<>|~&])")  # what Markdown could read as markup

@@ -11,6 +11,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from ..termtext import inert
 from ..values import KINDS, count_text
 from . import fixtures, mdtext
 from .baseline import baseline_lines, fixed_table
@@ -20,7 +21,6 @@ from .mdtext import cell as _cell
 from .mdtext import code_cell as _code_cell
 from .mdtext import kind_cell as _kind
 from .record import counted_leaks, ending, gpu_notes, is_number, known_count
-from .termtext import inert
 
 WORST = 5  # tests listed as worst offenders in the terminal
 

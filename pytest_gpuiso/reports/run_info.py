@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from .. import __version__
+from ..values import VERSION
 from .record import last_attempts
 
 PACKAGES = ("pytest-xdist", "torch", "nvidia-ml-py")  # their versions, when installed
@@ -55,7 +55,7 @@ def environment(gpus: dict[str, Any] | None = None) -> dict[str, Any]:
     found: dict[str, Any] = {
         "python": platform.python_version(),
         "pytest": pytest.__version__,
-        "pytest-gpuiso": __version__,
+        "pytest-gpuiso": VERSION,
         "platform": platform.platform(),
     }
     for name in PACKAGES:

@@ -15,9 +15,9 @@ import stat
 from dataclasses import dataclass
 from typing import Any
 
+from ..termtext import inert
 from ..values import KINDS
 from .record import SCHEMA_VERSION, is_number, last_attempts
-from .termtext import inert
 
 # The largest report ``merge`` reads: a record is about 1 KiB, so a million tests.
 MAX_REPORT_BYTES = 1 << 30

@@ -189,7 +189,7 @@ class _Outcome:
 
     def __init__(self, signal=None, timed_out=False, reports=(), errors=()):
         self.signal_name, self.timed_out = signal, timed_out
-        self.reports, self.errors, self.leaks = list(reports), list(errors), []
+        self.reports, self.errors, self.gpu_left = list(reports), list(errors), {}
 
 
 def _failed(message: str, source: str = "") -> dict:

@@ -150,50 +150,107 @@ def test_values_is_the_bottom_floor() -> None:
 
 
 # Folder rules (GUIDE.md, "The house"): folder -> the folders of ours it never imports.
-# "top" is the package's own top-level modules (the face and the configuration).
+# "face" is what pytest and users meet (the package's __init__, the hooks, the header, the
+# recorder, the command line): no folder imports it. "top" is the rest of the top level,
+# the floor every folder stands on (the values, the option table, the settings, _compat,
+# the warning categories, the terminal's text).
 FOLDERS = ("parent", "child", "forkserver", "wire", "gpu", "leaks", "reports", "proc", "adapters")
+FACE = {
+    "pytest_gpuiso",
+    "pytest_gpuiso.plugin",
+    "pytest_gpuiso.header",
+    "pytest_gpuiso.recorder",
+    "pytest_gpuiso.__main__",
+}
 NEVER = {
     "wire": {"parent", "child", "forkserver", "gpu", "leaks", "reports", "adapters", "top"},
     "proc": {"parent", "child", "forkserver", "gpu", "leaks", "reports", "adapters", "top"},
-    "child": {"parent", "forkserver", "gpu", "reports"},
-    "reports": {"parent", "child", "forkserver"},
-    "gpu": {"parent", "child"},
-    "leaks": {"parent", "child"},
+    "child": {"parent", "forkserver", "gpu", "reports", "adapters"},
+    "forkserver": {"parent", "gpu", "reports", "adapters"},
+    "reports": {"parent", "child", "forkserver", "adapters"},
+    "gpu": {"parent", "child", "forkserver", "leaks", "reports", "adapters"},
+    "leaks": {"parent", "child", "forkserver", "reports", "adapters"},
+    "adapters": {"parent", "child", "forkserver", "gpu", "leaks", "reports", "proc"},
+    "parent": {"adapters"},
 }
 
 
 def _folder(module: str) -> str:
+    if module in FACE:
+        return "face"
     parts = module.split(".")
     return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in FOLDERS) else "top"
 
 
 def _crossings(graph: dict[str, set[str]], leaves: frozenset[str] = frozenset()) -> list[str]:
-    """Imports that break a folder rule; ``leaves`` (the C extensions) may be imported
-    from anywhere."""
+    """Imports that break a folder rule (a folder importing the face breaks one too);
+    ``leaves`` (the C extensions) may be imported from anywhere."""
     return sorted(
         f"{module} -> {target}"
         for module, targets in graph.items()
         for target in targets
-        if target != "pytest_gpuiso"
-        and target not in leaves
-        and _folder(target) in NEVER.get(_folder(module), ())
+        if target not in leaves
+        and _folder(module) in FOLDERS
+        and (_folder(target) == "face" or _folder(target) in NEVER.get(_folder(module), ()))
     )
+
+
+def _folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Which folders (the face and the floor as two more) import which."""
+    folders: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        mine = folders.setdefault(_folder(module), set())
+        mine.update(_folder(t) for t in targets if _folder(t) != _folder(module))
+    for targets in list(folders.values()):
+        for target in targets:
+            folders.setdefault(target, set())
+    return folders
 
 
 def test_each_folder_imports_only_what_its_role_may() -> None:
     """wire/ and proc/ import nothing of ours above them; the test's process (child/)
-    knows nothing of pytest's side, the fork server, GPUs or reports; reports/ nothing of
-    the processes; gpu/ and leaks/ nothing of the processes' sides."""
+    knows nothing of pytest's side, the fork server, GPUs or reports; the fork server
+    nothing of pytest's side, GPUs or reports; reports/ nothing of the processes; gpu/ and
+    leaks/ nothing of the processes' sides (and gpu/ not the leaks); adapters/ only the
+    floor and the wire; no folder the face."""
     native = frozenset(name for name, path in _modules().items() if path.suffix != ".py")
     assert _crossings(_graph(), native) == []
     planted = {
         "pytest_gpuiso.child.plugin": {"pytest_gpuiso.parent.runner"},
         "pytest_gpuiso.wire.frames": {"pytest_gpuiso._compat", "pytest_gpuiso._lease"},
+        "pytest_gpuiso.reports.run_info": {"pytest_gpuiso", "pytest_gpuiso.values"},
+        "pytest_gpuiso.forkserver.server": {"pytest_gpuiso.gpu.leases"},
     }
     assert _crossings(planted, frozenset({"pytest_gpuiso._lease"})) == [
         "pytest_gpuiso.child.plugin -> pytest_gpuiso.parent.runner",
+        "pytest_gpuiso.forkserver.server -> pytest_gpuiso.gpu.leases",
+        "pytest_gpuiso.reports.run_info -> pytest_gpuiso",
         "pytest_gpuiso.wire.frames -> pytest_gpuiso._compat",
     ]
+
+
+def test_the_folders_import_each_other_without_a_loop() -> None:
+    """Folders stand on floors: no two import each other, even through others (the face
+    on top, the floor below the folders that read the configuration, wire/ and proc/ at
+    the bottom)."""
+    assert _cycles(_folder_graph(_graph())) == []
+    looped = {
+        "pytest_gpuiso.gpu.health": {"pytest_gpuiso.leaks"},
+        "pytest_gpuiso.leaks": {"pytest_gpuiso.gpu.nvml"},
+    }
+    assert _cycles(_folder_graph(looped)) == [["gpu", "leaks"]]
+
+
+def test_each_folders_docstring_names_every_module_in_it() -> None:
+    """A folder's door says what is inside: each module's name appears in its docstring."""
+    unnamed = {}
+    for folder in FOLDERS:
+        doc = ast.get_docstring(ast.parse((PACKAGE / folder / "__init__.py").read_text())) or ""
+        modules = sorted(p.stem for p in (PACKAGE / folder).glob("*.py") if p.stem != "__init__")
+        missing = [m for m in modules if not re.search(rf"\b{re.escape(m)}\b", doc)]
+        if missing:
+            unnamed[folder] = missing
+    assert unnamed == {}
 
 
 def test_the_package_shows_its_roles() -> None:

@@ -11,9 +11,8 @@ import sys
 import psutil
 
 from pytest_gpuiso.gpu import gpu_probe
-from pytest_gpuiso.gpu.health import _leaked_on
 from pytest_gpuiso.leaks import RunInfo
-from pytest_gpuiso.leaks.gpu_memory import MIB, GpuMemoryProbe, Sample, of_test
+from pytest_gpuiso.leaks.gpu_memory import MIB, GpuMemoryProbe, Sample, left_on_gpus, of_test
 
 ENDED = 1_700_000_003.5
 GONE = 3_123_456  # no process has this pid (well above the pids this machine hands out)
@@ -63,7 +62,7 @@ def test_a_holder_the_sweep_found_is_the_tests_and_a_foreign_one_beside_it_is_no
     assert leak.fields == {"device": "0", "pid": GONE, "bytes": 1024 * MIB, "holder": True}
     assert [n.split(" (")[0] for n in probe.notes] == [f"GPU 0: pid {FOREIGN}"]
     # Health judges the GPU by the test's holder only.
-    assert _leaked_on("0", probe.found) == [f"process {GONE} still holds it"]  # type: ignore[attr-defined]
+    assert left_on_gpus(probe.found) == {"0": [f"process {GONE} still holds it"]}  # type: ignore[attr-defined]
 
 
 def test_a_holder_of_unknown_size_is_noted_without_one_and_the_growth_beside_it_too():

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from pytest_gpuiso.reports import findings, mdtext, report
-from pytest_gpuiso.reports.termtext import inert
+from pytest_gpuiso.termtext import inert
 from tests.helpers.output import Terminal
 
 FORGED = "x\n::stop-commands::pwned\n::error title=F::forged\r\n  ::add-mask::s\n##[error]v1"
