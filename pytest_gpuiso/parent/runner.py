@@ -22,7 +22,7 @@ none calls back. The session-wide side lives in ``session.State``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import pytest
@@ -66,6 +66,7 @@ class Ran:
 
     reports: list[pytest.TestReport]
     spec: IsolationSpec | None = None
+    _: KW_ONLY  # what follows is named where a Ran is made
     outcome: Outcome | None = None  # None: no process ran
     lease: Lease | None = None
     verdict: Verdict | None = None
@@ -290,17 +291,17 @@ def _finish(item: pytest.Item, plan: Plan, state: State, turn: Turn, running: Ru
     return Ran(
         reports,
         spec,
-        outcome,
-        lease,
-        verdict,
-        stopped,
-        payload,
-        gpu.peak if gpu is not None else None,
-        number,
-        checked,
-        checks,
-        folded,
-        notes,
+        outcome=outcome,
+        lease=lease,
+        verdict=verdict,
+        stop=stopped,
+        payload=payload,
+        peak=gpu.peak if gpu is not None else None,
+        port=number,
+        health=checked,
+        leak_checks=checks,
+        folded=folded,
+        gpu_notes=notes,
         start_failure=failure,
         halt=halt,
     )
