@@ -48,6 +48,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ..values import GpuMemory
@@ -69,6 +70,26 @@ STICKY = re.compile(
     r"HARDWARE_STACK_ERROR|ILLEGAL_INSTRUCTION|MISALIGNED_ADDRESS|INVALID_PC)",
     re.IGNORECASE,
 )
+
+
+@dataclass
+class Checkup:
+    """What ``Health.after`` found of a test's GPUs: each device's quarantine (why),
+    why they were probed (None: they were not), which could not be assessed (why), what
+    their lease found between tests, and the Xids they raised, judged."""
+
+    devices: list[str]
+    quarantined: dict[str, str]
+    probed: str | None = None
+    unassessed: dict[str, str] = field(default_factory=dict)
+    between_tests: dict[str, Any] = field(default_factory=dict)
+    xids: list[dict[str, Any]] = field(default_factory=list)
+
+    def as_record(self) -> dict[str, Any]:
+        """The record's ``gpu_health`` (docs/json-report.md): empty parts left out."""
+        parts = ("probed", "unassessed", "between_tests", "xids")
+        record = {"devices": self.devices, "quarantined": self.quarantined}
+        return record | {part: getattr(self, part) for part in parts if getattr(self, part)}
 
 
 class RunEnd(Protocol):
@@ -317,7 +338,7 @@ class Health:
         outcome: RunEnd,
         shared: bool = False,
         others: Mapping[str, Collection[int]] | None = None,
-    ) -> dict[str, Any] | None:
+    ) -> Checkup | None:
         """Judge the Xids of the test's GPUs since its lease by NVIDIA's catalog, probe
         its GPUs when its run put them in doubt, and quarantine those that fail or had an
         Xid that needs a reset, a reboot or service (before its lease is released). What
@@ -349,16 +370,14 @@ class Health:
             refused = self.leases.quarantine(device, quarantine_reason(problem, nodeid, why))
             if refused:
                 failed[device] = f"{problem} (not quarantined: {refused})"
-        checked: dict[str, Any] = {"devices": list(lease.devices), "quarantined": failed}
-        if why is not None:
-            checked["probed"] = why
-        if unassessed:
-            checked["unassessed"] = unassessed
-        if between:
-            checked["between_tests"] = between
-        if seen:
-            checked["xids"] = [x.judged(d, shared, (others or {}).get(d, ())) for d, x in seen]
-        return checked
+        return Checkup(
+            devices=list(lease.devices),
+            quarantined=failed,
+            probed=why,
+            unassessed=unassessed,
+            between_tests=between,
+            xids=[x.judged(d, shared, (others or {}).get(d, ())) for d, x in seen],
+        )
 
     def _reprobe(self, quarantined: dict[str, dict[str, Any]]) -> None:
         """Probe again the ``quarantined`` GPUs whose last probe is ``reprobe`` seconds old,

@@ -18,7 +18,7 @@ from typing import Any
 from .. import native
 from ..gpu import xids
 from ..gpu.devices import discover
-from ..gpu.health import Health
+from ..gpu.health import Checkup, Health
 from ..gpu.leases import LeaseError, Leases, held_lease, visible_env
 from ..gpu.nvml import NvmlReader
 from ..leaks.process import Mark
@@ -111,7 +111,7 @@ def call_isolated(
         raise IsolationError(f"run_isolated({name}): {unavailable.split(';')[0]}")
     lease, env = None, {}
     checks: Health | None = None
-    checked: dict[str, Any] | None = None
+    checked: Checkup | None = None
     outcome: Outcome | None = None
     have = held_lease(os.environ)
     if have is not None:  # inside an isolated test: use the GPUs it holds
@@ -151,7 +151,7 @@ def call_isolated(
                 checked = checks.after(label, lease, outcome, leases.slots > 1)
             leases.release(lease)
             checks.nvml.close()
-    faults = xids.faults_text((checked or {}).get("xids", ()), during="the call")
+    faults = xids.faults_text(checked.xids if checked else (), during="the call")
     if faults is None:
         return _unwrap(func, outcome, timeout)
     try:  # an application Xid on a GPU it held alone: the call's own failure

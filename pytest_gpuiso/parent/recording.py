@@ -7,6 +7,7 @@ from typing import Any, Protocol
 
 import pytest
 
+from ..gpu.health import Checkup
 from ..leaks import Verdict
 from ..reports.record import RECORD_ATTR, Record
 from ..settings import IsolationSpec
@@ -47,7 +48,7 @@ class Run(Protocol):
     verdict: Verdict | None
     peak: int | None  # the most GPU memory its processes held on one GPU (NVML)
     port: int | None  # its MASTER_PORT
-    health: dict[str, Any] | None  # its GPUs' probe after it (None: not probed)
+    health: Checkup | None  # its GPUs' probe after it (None: not probed)
     leak_checks: tuple[str, ...]
     folded: int  # its warnings an earlier test's process gave (not replayed again)
     gpu_notes: tuple[str, ...]  # GPU holders on its GPUs that were not its: not blamed
@@ -129,7 +130,7 @@ def build_record(
         record["gpu_memory"] = lease.memory or None
         record["gpu_memory_peak"] = peak
     if health is not None:  # its GPUs: {devices, quarantined, probed?, unassessed?, xids?}
-        record["gpu_health"] = health
+        record["gpu_health"] = health.as_record()
     if run.folded:
         record["warnings_folded"] = run.folded
     if run.gpu_notes:

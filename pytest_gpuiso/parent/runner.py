@@ -29,6 +29,7 @@ import pytest
 
 from .. import _compat
 from ..gpu import pinning, ports
+from ..gpu.health import Checkup
 from ..gpu.leases import Lease, LeaseError
 from ..gpu.ports import PortLease
 from ..leaks import Probe, Verdict, judge
@@ -74,7 +75,7 @@ class Ran:
     payload: dict[str, Any] = field(default_factory=dict)  # pytest_gpuiso_child_payload's
     peak: int | None = None  # most GPU memory its processes held on one GPU (NVML)
     port: int | None = None  # its MASTER_PORT (None: the user's own, or none leased)
-    health: dict[str, Any] | None = None  # its GPUs' probe after it (None: not probed)
+    health: Checkup | None = None  # its GPUs' probe after it (None: not probed)
     leak_checks: tuple[str, ...] = ()  # the leak kinds checked after it
     folded: int = 0  # its warnings an earlier test's process gave (not replayed again)
     gpu_notes: tuple[str, ...] = ()  # GPU holders on its GPUs that were not its: not blamed
@@ -278,7 +279,7 @@ def _finish(item: pytest.Item, plan: Plan, state: State, turn: Turn, running: Ru
         replay.echo(item.config, outcome.output)
     stop = outcome.exits or start_error
     reports = failure.reports(item) if failure else item_reports(item, spec, outcome, verdict)
-    attach_xids(item, reports, checked.get("xids", []) if checked else [])
+    attach_xids(item, reports, checked.xids if checked else [])
     payload: dict[str, Any] = {}
     for sent in outcome.payloads:  # one, unless a plugin misbehaved
         payload.update(sent)
