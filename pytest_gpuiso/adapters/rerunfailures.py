@@ -30,7 +30,7 @@ import pytest
 
 from .. import _compat
 from ..warning_types import GpuIsoStartWarning, warn_session
-from ..wire.plugin_names import CHILD_PLUGIN  # not child_plugin's module: kept cheap
+from ..wire.plugin_names import CHILD_PLUGIN  # not child.relay's module: kept cheap
 from . import plugin_version
 
 PLUGIN = "rerunfailures"  # pytest-rerunfailures' entry point name

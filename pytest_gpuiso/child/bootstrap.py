@@ -49,7 +49,7 @@ from . import cuda_state
 from .env_reads import EnvReads
 from .exiting import flush_and_exit, mark_exit_handlers
 from .options import override_options
-from .plugin import (
+from .relay import (
     ChildPlugin,
     after_the_test,
     named_capture_files,

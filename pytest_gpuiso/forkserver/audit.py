@@ -12,8 +12,7 @@ import os
 import signal
 import sys
 
-from ..child import imports
-from ..child import plugin as child_plugin
+from ..child import imports, relay
 from ..child.env_reads import env_reads
 from ..leaks.shm_log import created_entries
 from ..proc._linux import set_child_subreaper
@@ -56,7 +55,7 @@ def import_audited(names: list[tuple[str, str]]) -> tuple[str, str] | None:
         set_child_subreaper(False)
         if problem is not None:
             return name, f"after importing {name}, as a test did: {problem}"
-    child_plugin.freeze()
+    relay.freeze()
     return None
 
 

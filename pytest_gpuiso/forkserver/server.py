@@ -24,7 +24,7 @@ from typing import Any, NoReturn
 
 from .._compat import load_conftests, prepare_config
 from ..child import bootstrap as child
-from ..child.plugin import freeze
+from ..child.relay import freeze
 from ..proc._linux import die_with_parent
 from ..values import TEMPLATE_WAIT_DEFAULT
 from ..wire import wire

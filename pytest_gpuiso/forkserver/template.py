@@ -28,7 +28,7 @@ from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
 from .. import _compat
-from ..child import plugin as child_plugin
+from ..child import relay
 from ..leaks.shm_log import created_entries, remove_created
 from ..proc._linux import (
     die_with_parent,
@@ -220,7 +220,7 @@ def _template_main(server: TemplateHost, sock: socket.socket, modules: list[str]
                         problem += f"; it created {entry} too, left in place ({how})"
             conn.send(("unusable", f"after configuring and collecting: {problem}"))
             os._exit(0)
-        child_plugin.freeze()
+        relay.freeze()
         conn.send(("collected", items))
         forked = _serve_forks(boot.parent_pid, sock, conn, server.stdio, items)
         if forked is None:

@@ -22,16 +22,15 @@ import pytest
 
 from .. import _compat
 from ..child import bootstrap as child
-from ..child import cuda_state, exiting
+from ..child import cuda_state, exiting, relay
 from ..child import options as child_options
-from ..child import plugin as child_plugin
 from ..wire import frames, jobs
 
 # A test's process forked from the template: its bootstrap, job and pipe ends.
 Forked = tuple[jobs.Bootstrap, Any, Connection, Connection]
 
 
-class TemplatePlugin(child_plugin.ChildPlugin):
+class TemplatePlugin(relay.ChildPlugin):
     """The template's session: collect, then wait for forks; in a test's process forked
     there, take its job and what is its own, and run its item from the collected session."""
 
@@ -65,8 +64,8 @@ class TemplatePlugin(child_plugin.ChildPlugin):
         cuda_state.baseline()
         config = self.config
         self._record_junit(config)
-        with child_plugin.named_capture_files(boot.capture_prefix):
-            child_plugin.restart_capture(config)  # the session's one, with files of its own
+        with relay.named_capture_files(boot.capture_prefix):
+            relay.restart_capture(config)  # the session's one, with files of its own
         child_options.override_options(config.option, job.basetemp, job.options)
         # The session's factory was made in the template: this test's basetemp instead.
         _compat.retarget_basetemp(config, job.basetemp)
@@ -92,11 +91,11 @@ def run_session(
 ) -> None:
     """The template's pytest session; in a test's process forked from it, the test's end."""
     plugin = TemplatePlugin(modules, await_fork)
-    config.pluginmanager.register(plugin, child_plugin.CHILD_PLUGIN)
-    child_plugin.restart_capture(config)
+    config.pluginmanager.register(plugin, relay.CHILD_PLUGIN)
+    relay.restart_capture(config)
     child_options.override_options(config.option, config.option.basetemp, options)
     try:
-        status = child_plugin.after_the_test(
+        status = relay.after_the_test(
             plugin, lambda: config.hook.pytest_cmdline_main(config=config)
         )
     except BaseException:

@@ -48,7 +48,7 @@ class Named(Protocol):
     def in_pci_order(self) -> bool: ...
 
 
-class Reader(Protocol):
+class IdentitySource(Protocol):
     def available(self) -> bool: ...
 
     def identity(self, device: str) -> str | None: ...
@@ -66,7 +66,7 @@ class Identity:
     total: int = 0  # bytes, from CUDA (asked only without NVML); 0: not known here
 
 
-def identities(devices: Named, nvml: Reader) -> list[Identity]:
+def identities(devices: Named, nvml: IdentitySource) -> list[Identity]:
     """Each name's identity; ``SpecError`` when CUDA must be asked and cannot say."""
     from . import rocm
 

@@ -54,13 +54,13 @@ PEAK_EVERY = 0.2  # seconds between samples of the running test's GPU memory
 
 
 @dataclass(frozen=True)
-class Finding:
+class Residue:
     device: str
     new_pids: dict[int, int]  # escaped GPU holders: pid -> bytes
     growth: int  # bytes above the baseline
 
 
-def compare(before: dict[str, Sample], after: dict[str, Sample], tolerance: int) -> list[Finding]:
+def compare(before: dict[str, Sample], after: dict[str, Sample], tolerance: int) -> list[Residue]:
     """Devices that are not back to their baseline."""
     found = []
     for device, base in before.items():
@@ -68,7 +68,7 @@ def compare(before: dict[str, Sample], after: dict[str, Sample], tolerance: int)
         new = {pid: b for pid, b in now.processes.items() if pid not in base.processes}
         growth = now.used - base.used
         if new or growth > tolerance:
-            found.append(Finding(device, new, growth))
+            found.append(Residue(device, new, growth))
     return found
 
 
@@ -186,7 +186,7 @@ class GpuMemoryProbe(Probe):
     def _check(self, before: dict[str, Sample] | None, run: RunInfo) -> list[Leak]:
         if not before:
             return []
-        findings: list[Finding] = []
+        findings: list[Residue] = []
         for delay in self.backoff:
             if delay:
                 self.sleep(delay)
@@ -198,7 +198,7 @@ class GpuMemoryProbe(Probe):
                 return []
         return [leak for f in findings for leak in self._leaks(f, run)]
 
-    def _leaks(self, f: Finding, run: RunInfo) -> list[Leak]:
+    def _leaks(self, f: Residue, run: RunInfo) -> list[Leak]:
         common: dict[str, Any] = {"device": f.device}
         note = ""
         if self.shared:

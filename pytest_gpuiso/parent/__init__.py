@@ -1,7 +1,7 @@
 """One isolated test's life, as pytest's process lives it (the xdist worker's under xdist).
 
 Runs in pytest's process only. ``runner`` takes a test down one straight path: its plan
-(``jobs``), its GPU lease, its process started (``launcher``, ``started``, ``prewarm``)
+(``plans``), its GPU lease, its process started (``launcher``, ``started``, ``prewarm``)
 and watched to its end (``supervisor``, ``watch``, ``leaving``) or counted among those
 that could not start (``start_failures``), what it sent decoded
 (``outcome``, ``results``) and replayed into pytest (``replay``); ``session`` holds the

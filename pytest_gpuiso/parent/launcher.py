@@ -93,7 +93,7 @@ class Launcher:
         self.shm_cleanup = shm_cleanup  # what a discarded process created: deleted, else said
         self._told_shm_left = False
         self.live: dict[int, Started] = {}  # started children not yet run, by id()
-        self.ending = leaving.Ending()  # tests' processes left while past their exit
+        self.reaper = leaving.Reaper()  # tests' processes left while past their exit
         self._awaiting: collections.deque[Started] = collections.deque()  # fork answers due
         self._ctx = multiprocessing.get_context("spawn")
         self.serving = Serving(
@@ -153,14 +153,14 @@ class Launcher:
         exit (its pidfd is then the launcher's, reaped later: ``reap_ending``)."""
         self.live.pop(id(started), None)
         if left:
-            self.ending.add(started.proc.pid, started.sentinel)
+            self.reaper.add(started.proc.pid, started.sentinel)
             started.sentinel = None
         else:
             reap(started.proc, started.sentinel)
 
     def reap_ending(self, patience: float = REAP_WAIT) -> None:
         """Reap the processes left past their exit that are gone by now."""
-        self.ending.reap(patience)
+        self.reaper.reap(patience)
 
     def discard(self, started: Started) -> None:
         """Kill a child that will not run (its test is not next after all), reap it, tidy up."""
@@ -184,7 +184,7 @@ class Launcher:
         for started in list(self.live.values()):
             self.discard(started)
         self.serving.close()
-        self.ending.reap(REAP_WAIT)
+        self.reaper.reap(REAP_WAIT)
 
     def spare(self, *, settle: bool = False) -> frozenset[int]:
         """Our processes that are not a test's leftovers: the server and waiting children.
@@ -192,7 +192,7 @@ class Launcher:
         ``settle``: wait for pending fork answers first, so that every child counts.
         """
         self._settle(everything=settle)
-        pids = {s.pid for s in self.live.values() if s.proc is not None} | self.ending.reap()
+        pids = {s.pid for s in self.live.values() if s.proc is not None} | self.reaper.reap()
         pids |= self.serving.pids()
         return frozenset(pids)
 

@@ -23,7 +23,7 @@ once (``Watch``'s ``leave``) when all of these hold, and else waits for the exit
 Its probes then run at once: it maps nothing any more and holds no descriptor but its
 stdio and the pipe, so /dev/shm's holder check sees it as the ended process it is. The
 next test gets its go while the kernel finishes, and the process is reaped later
-through its pidfd (``Ending``): before every listing of our descendants, before a test
+through its pidfd (``Reaper``): before every listing of our descendants, before a test
 that runs in pytest's own process, and at the session's end.
 """
 
@@ -63,7 +63,7 @@ def ended(pid: int, patience: float = PATIENCE) -> int | None:
     return status
 
 
-class Ending:
+class Reaper:
     """Our children past their exit, each with its pidfd, reaped once they are gone (a
     pidfd names its process: no later one with the same pid is ever waited for)."""
 

@@ -3,7 +3,7 @@
 ``run_item`` runs one attempt, from the test's turn to its reports; ``finish_item``
 makes the last attempt's reports final (``mark_rerun`` an attempt run again):
 
-1. take the test's plan (``jobs``: its ``IsolationSpec``, its GPUs, its job; a bad
+1. take the test's plan (``plans``: its ``IsolationSpec``, its GPUs, its job; a bad
    marker is the test's setup error, missing GPUs its skip);
 2. lease its GPUs and port (in this process: a child that crashes can never strand
    a GPU), and take its process: prewarmed, or started now (``launcher``);
@@ -42,9 +42,9 @@ from ..values import KINDS
 from ..warning_types import GpuIsoStartWarning, warn_session
 from ..wire.environment import MEMORY_ENV
 from . import replay, start_failures, supervisor
-from .jobs import PLAN, Plan, plan_for
 from .launcher import StartError
 from .outcome import Outcome
+from .plans import PLAN, Plan, plan_for
 from .prewarm import WarmJob
 from .recording import attach_record, build_record
 from .results import (

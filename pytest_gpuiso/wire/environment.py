@@ -7,7 +7,7 @@ from __future__ import annotations
 
 # Set by pytest's process (``parent.runner``) in a test's process: the GPUs its test
 # holds, the lease they are held under, and the variable they are named in when it is
-# not CUDA_VISIBLE_DEVICES (ROCm's). Read by the test's plugin (``child.plugin``) and by
+# not CUDA_VISIBLE_DEVICES (ROCm's). Read by the test's plugin (``child.relay``) and by
 # a nested session's ``gpu.leases``, which then leases nothing of its own.
 LEASED_ENV = "PYTEST_GPUISO_LEASED"
 LEASE_ID_ENV = "PYTEST_GPUISO_LEASE_ID"

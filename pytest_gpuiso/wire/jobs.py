@@ -2,7 +2,7 @@
 
 ``Bootstrap`` says how the process is set up (its output, stack dumps, spill files,
 environment, what to import ahead); ``ItemJob`` is one test to run through pytest,
-``CallJob`` one ``run_isolated`` call. Made in pytest's process (``parent.jobs``,
+``CallJob`` one ``run_isolated`` call. Made in pytest's process (``parent.plans``,
 ``parent.call``, ``parent.launcher``), pickled to the test's process, run there by
 ``child.bootstrap``.
 """

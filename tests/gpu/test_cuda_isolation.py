@@ -21,7 +21,7 @@ def test_parent_never_initialises_cuda(gpuiso):
     # the check runs only in the pytest parent (the one without the child plugin).
     gpuiso.pytester.makeconftest(
         "import sys\n"
-        "from pytest_gpuiso.child.plugin import CHILD_PLUGIN\n"
+        "from pytest_gpuiso.child.relay import CHILD_PLUGIN\n"
         "def pytest_sessionfinish(session):\n"
         "    if session.config.pluginmanager.has_plugin(CHILD_PLUGIN):\n"
         "        return\n"

@@ -142,7 +142,7 @@ def test_gpu_holders_not_of_the_test_are_noted_never_blamed(
 
 PARENT_CHECK = """
 import os
-from pytest_gpuiso.child.plugin import CHILD_PLUGIN
+from pytest_gpuiso.child.relay import CHILD_PLUGIN
 
 def pytest_sessionfinish(session):
     if session.config.pluginmanager.has_plugin(CHILD_PLUGIN):

@@ -216,13 +216,13 @@ def test_each_folder_imports_only_what_its_role_may() -> None:
     native = frozenset(name for name, path in _modules().items() if path.suffix != ".py")
     assert _crossings(_graph(), native) == []
     planted = {
-        "pytest_gpuiso.child.plugin": {"pytest_gpuiso.parent.runner"},
+        "pytest_gpuiso.child.relay": {"pytest_gpuiso.parent.runner"},
         "pytest_gpuiso.wire.frames": {"pytest_gpuiso._compat", "pytest_gpuiso._lease"},
         "pytest_gpuiso.reports.run_info": {"pytest_gpuiso", "pytest_gpuiso.values"},
         "pytest_gpuiso.forkserver.server": {"pytest_gpuiso.gpu.leases"},
     }
     assert _crossings(planted, frozenset({"pytest_gpuiso._lease"})) == [
-        "pytest_gpuiso.child.plugin -> pytest_gpuiso.parent.runner",
+        "pytest_gpuiso.child.relay -> pytest_gpuiso.parent.runner",
         "pytest_gpuiso.forkserver.server -> pytest_gpuiso.gpu.leases",
         "pytest_gpuiso.reports.run_info -> pytest_gpuiso",
         "pytest_gpuiso.wire.frames -> pytest_gpuiso._compat",

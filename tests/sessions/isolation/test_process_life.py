@@ -70,7 +70,7 @@ def test_a_child_counts_as_ended_once_past_its_exit_with_its_status():
         os.close(write)
         os.read(read, 1)
         os._exit(3)
-    ending = leaving.Ending()
+    ending = leaving.Reaper()
     try:
         assert leaving.ended(pid, patience=0.01) is None  # running
         os.write(write, b"x")
