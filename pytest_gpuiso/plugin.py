@@ -90,8 +90,6 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[STATE] = state
     if settings.mode == "all" or settings.pin_workers:  # wanted before collection
         prepare(config, state)
-    if settings.mode == "all" and _wants_server(config, state) and not _only_tells(config):
-        start_server(config, state)  # it imports pytest while this process gets to collect
     config.pluginmanager.register(Recorder(config, state, controller), "gpuiso-recorder")
 
 
@@ -219,16 +217,20 @@ def _runs_tests(config: pytest.Config) -> bool:
     return hasattr(config, "workerinput") or dist == "no" or not dist
 
 
-def _only_tells(config: pytest.Config) -> bool:
-    """``--help``, ``--markers``, ``--version``: pytest configures, says, and runs nothing."""
-    option = config.option
-    return any(getattr(option, name, False) for name in ("help", "markers", "version"))
-
-
 def _wants_server(config: pytest.Config, state: State | None) -> bool:
     if state is None or state.settings.mode == "off" or state.settings.start != "forkserver":
         return False
     return _runs_tests(config) and not config.option.collectonly
+
+
+@pytest.hookimpl(tryfirst=True)  # before the terminal's header
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Start the fork server now when every test is isolated: it imports pytest (and
+    torch) while this process says its header and collects. Not sooner: every plugin's
+    ``pytest_configure`` ran (pytest-cov's adapter starts the resource tracker unmeasured)."""
+    state = session.config.stash.get(STATE, None)
+    if _wants_server(session.config, state) and state.settings.mode == "all":
+        start_server(session.config, state)
 
 
 @pytest.hookimpl(tryfirst=True)  # before the terminal asks for its lines
