@@ -25,7 +25,7 @@ from typing import Any
 
 from ..values import KINDS
 from .mdtext import code_cell, kind_cell
-from .record import ending, known_count, last_attempts, leak_kinds
+from .record import Record, ending, known_count, last_attempts, leak_kinds
 from .shards import ReportError, read_json, records_of
 
 FORMAT = "pytest-gpuiso leak baseline"
@@ -45,7 +45,7 @@ class Baseline:
     def entries(self) -> int:
         return sum(len(kinds) for kinds in self.known.values())
 
-    def fixed(self, records: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    def fixed(self, records: list[Record]) -> list[tuple[str, str]]:
         """(test, kind) of each entry whose test's last attempt ran to its end (neither
         skipped, nor stopped by a timeout, a crash or Ctrl-C), had that kind checked
         (not ``off``; GPU memory only with a lease and NVML) and did not leak it."""
@@ -60,13 +60,13 @@ class Baseline:
             found += [(nodeid, kind) for kind in sorted(kinds & checked - leaking)]
         return found
 
-    def not_run(self, records: list[dict[str, Any]]) -> list[str]:
+    def not_run(self, records: list[Record]) -> list[str]:
         """The tests it names that this session did not run isolated (deselected, in
         another shard, renamed or removed)."""
         ran = {r["nodeid"] for r in records}
         return sorted(set(self.known) - ran)
 
-    def summary(self, records: list[dict[str, Any]]) -> dict[str, Any]:
+    def summary(self, records: list[Record]) -> dict[str, Any]:
         """What the session made of the baseline, for the reports: its file (and whether
         it was missing), the leaks it knew, its entries now fixed, the tests it names that
         did not run."""
@@ -80,7 +80,7 @@ class Baseline:
         }
 
 
-def _ran_through(record: dict[str, Any]) -> bool:
+def _ran_through(record: Record) -> bool:
     """Whether the test ran as far as it goes: a leak it no longer reports is gone, not
     skipped over."""
     return ending(record).kind == "normal" and record.get("outcome") not in ("skipped", "rerun")
@@ -121,7 +121,7 @@ def _known(leaks: list[dict[str, Any]]) -> dict[str, frozenset[str]]:
     return {nodeid: frozenset(kinds) for nodeid, kinds in known.items()}
 
 
-def entries(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def entries(records: list[Record]) -> list[dict[str, Any]]:
     """A baseline's entries from a report's records: each test's last attempt, each leak
     kind it reported once (known ones too; not those its marker allows)."""
     found = []

@@ -22,7 +22,7 @@ from typing import Any
 
 from ..termtext import inert
 from .mdtext import bounded, cell, code_cell
-from .record import ending, is_number, last_attempts, leak_kinds
+from .record import Record, ending, is_number, last_attempts, leak_kinds
 
 STARTUP_GROWTH = 2.0  # seconds more of start-up that count as a regression
 PEAK_GROWTH = 512 << 20  # bytes more of GPU memory peak that count as a regression
@@ -44,7 +44,7 @@ class Comparison:
     compared: int = 0
 
 
-def _ended(record: dict[str, Any]) -> str | None:
+def _ended(record: Record) -> str | None:
     """ "timeout", "crash" or None: how its process ended, when not as it should."""
     ended = ending(record)
     return ended.kind if ended.abnormal else None

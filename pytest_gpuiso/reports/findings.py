@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ..termtext import escaped
-from .record import ending, last_attempts
+from .record import Record, ending, last_attempts
 from .report import bound
 
 GITHUB_ENV = "GITHUB_ACTIONS"  # "true" on GitHub Actions' runners
@@ -80,7 +80,7 @@ def wanted(mode: str) -> bool:
     return mode == "github" or (mode == "auto" and os.environ.get(GITHUB_ENV) == "true")
 
 
-def locate(record: dict[str, Any], rootdir: Path) -> None:
+def locate(record: Record, rootdir: Path) -> None:
     """Make the record's location the one GitHub and GitLab show a finding at: its line
     the test's ``def`` (``def_line``), and its ``path`` the test file's relative to the
     checkout (``GITHUB_WORKSPACE``, GitLab's ``CI_PROJECT_DIR``, else the current
@@ -116,7 +116,7 @@ def def_line(file: str, line: int) -> int:
     return line
 
 
-def _where(record: dict[str, Any]) -> tuple[str | None, int | None]:
+def _where(record: Record) -> tuple[str | None, int | None]:
     """The test's file (relative to the checkout where known, else to the rootdir) and
     line; without a location, the file its node id names."""
     location = record.get("location")
@@ -129,7 +129,7 @@ def _where(record: dict[str, Any]) -> tuple[str | None, int | None]:
     return record["nodeid"].split("::")[0] or None, None
 
 
-def _ending(record: dict[str, Any]) -> tuple[str, str, str] | None:
+def _ending(record: Record) -> tuple[str, str, str] | None:
     """(check, title, what happened) of a process that timed out or crashed; None else."""
     ended = ending(record)
     if ended.kind == "timeout":
@@ -141,7 +141,7 @@ def _ending(record: dict[str, Any]) -> tuple[str, str, str] | None:
     return None
 
 
-def of_records(records: list[dict[str, Any]]) -> list[Finding]:
+def of_records(records: list[Record]) -> list[Finding]:
     """Each test's crash or timeout (an error) and leaks (an error where it failed the
     test, a warning where it was warned of, a notice where the baseline knows it)."""
     found = []

@@ -9,14 +9,15 @@ the terminal summary, which of them were set up in more than one process.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+
+from .record import Record
 
 SCOPES = ("session", "package", "module", "class")  # broadest first: the order named
 NAMED = 5  # fixtures named in the line; the rest are counted
 WHERE = 'docs/semantics.md, "Fixtures"'
 
 
-def set_up(record: dict[str, Any]) -> set[tuple[str, str]]:
+def set_up(record: Record) -> set[tuple[str, str]]:
     """The (scope, name) of each broad fixture the record's process set up (a record read
     back from a file may be an older version's or a hostile one's: what is not one is
     left out)."""
@@ -31,7 +32,7 @@ def set_up(record: dict[str, Any]) -> set[tuple[str, str]]:
     return found
 
 
-def rebuilt(records: list[dict[str, Any]]) -> str | None:
+def rebuilt(records: list[Record]) -> str | None:
     """One line naming the broad fixtures set up in more than one isolated process, with
     how many (each record is one process: a rerun's attempt is another), broadest scope
     and most processes first; None when there is none. E.g. ``session-scoped fixture

@@ -3,17 +3,15 @@ and which tests' memory leases are far from their peak (right-size your leases).
 
 from __future__ import annotations
 
-from typing import Any
-
 from ..values import size_text
 from .mdtext import cell as _cell
 from .mdtext import code_cell as _code_cell
-from .record import is_number
+from .record import Record, is_number
 
 MARKDOWN_ROWS = 200  # rows of a table; the rest are counted
 
 
-def quarantines(records: list[dict[str, Any]]) -> list[tuple[str, str, str, str]]:
+def quarantines(records: list[Record]) -> list[tuple[str, str, str, str]]:
     """(test, GPU, what failed, why it was probed) for each GPU a test's run left unfit
     and that was quarantined after it (``health``)."""
     found = []
@@ -25,7 +23,7 @@ def quarantines(records: list[dict[str, Any]]) -> list[tuple[str, str, str, str]
     return found
 
 
-def unassessed(records: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
+def unassessed(records: list[Record]) -> list[tuple[str, str, str]]:
     """(test, GPU, why) for each GPU probed after a test that could not be assessed (no
     NVML, no CUDA driver): neither healthy nor quarantined."""
     found = []
@@ -37,7 +35,7 @@ def unassessed(records: list[dict[str, Any]]) -> list[tuple[str, str, str]]:
     return found
 
 
-def health(records: list[dict[str, Any]]) -> list[str]:
+def health(records: list[Record]) -> list[str]:
     """The "GPU health" part: each GPU quarantined after a test, what failed, why and
     what to do (NVIDIA's Xid catalog's action is in what failed); each that could not be
     assessed, and why."""
@@ -64,7 +62,7 @@ def health(records: list[dict[str, Any]]) -> list[str]:
 LEASE_LOW = 0.25  # a peak below this share of the lease: the lease could shrink
 
 
-def right_size(records: list[dict[str, Any]], where: str) -> list[str]:
+def right_size(records: list[Record], where: str) -> list[str]:
     """The "right-size your leases" table: tests whose GPU memory peak (NVML) was far below
     their lease (others could have run beside them) or above it (not enforced: CUDA
     used outside torch's allocator), with a gpu_memory= that fits the peak."""

@@ -91,7 +91,7 @@ def is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def last_attempts(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def last_attempts(records: list[Record]) -> dict[str, dict[str, Any]]:
     """Each test's last attempt (pytest-rerunfailures: a record per attempt), by node id."""
     found: dict[str, dict[str, Any]] = {}
     for record in records:
@@ -116,7 +116,7 @@ class Ending:
         return self.kind in ("timeout", "crash")
 
 
-def ending(record: dict[str, Any]) -> Ending:
+def ending(record: Record) -> Ending:
     """How the record's process ended: a timeout first (a bound ran out, whatever ended
     it), then an interrupted test (pytest stopped it: no crash), then a signal (a crash)."""
     exit_ = record.get("exit") or {}
@@ -130,7 +130,7 @@ def ending(record: dict[str, Any]) -> Ending:
     return Ending("normal", None)
 
 
-def counted_leaks(record: dict[str, Any]) -> list[dict[str, Any]]:
+def counted_leaks(record: Record) -> list[dict[str, Any]]:
     """The record's leaks that count: not allowed by its marker, not known (the baseline)."""
     return [
         leak
@@ -139,18 +139,18 @@ def counted_leaks(record: dict[str, Any]) -> list[dict[str, Any]]:
     ]
 
 
-def gpu_notes(record: dict[str, Any]) -> list[str]:
+def gpu_notes(record: Record) -> list[str]:
     """The record's notes of GPU holders that were not its test's (its text ones)."""
     notes = record.get("gpu_notes")
     return [n for n in notes if isinstance(n, str)] if isinstance(notes, list) else []
 
 
-def known_count(records: list[dict[str, Any]]) -> int:
+def known_count(records: list[Record]) -> int:
     """How many reported leaks the leak baseline knew (not counted)."""
     return sum(1 for r in records for leak in r.get("leaks", []) if leak.get("level") == "known")
 
 
-def leak_kinds(record: dict[str, Any]) -> dict[str, str]:
+def leak_kinds(record: Record) -> dict[str, str]:
     """Leak kind -> the first such leak's detail, of the record's leaks its marker did not
     allow (known ones included)."""
     kinds: dict[str, str] = {}

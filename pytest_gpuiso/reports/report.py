@@ -20,12 +20,12 @@ from .gpu_tables import MARKDOWN_ROWS, health, quarantines, right_size, unassess
 from .mdtext import cell as _cell
 from .mdtext import code_cell as _code_cell
 from .mdtext import kind_cell as _kind
-from .record import counted_leaks, ending, gpu_notes, is_number, known_count
+from .record import Record, counted_leaks, ending, gpu_notes, is_number, known_count
 
 WORST = 5  # tests listed as worst offenders in the terminal
 
 
-def _ended(record: dict[str, Any]) -> str | None:
+def _ended(record: Record) -> str | None:
     """'timed out' / 'crashed' text of a record, None for a process that ended normally."""
     ended = ending(record)
     if ended.kind == "timeout":
@@ -35,7 +35,7 @@ def _ended(record: dict[str, Any]) -> str | None:
     return f"crashed with {ended.signal}" if ended.kind == "crash" else None
 
 
-def bound(record: dict[str, Any], test: str = "timed out after") -> str:
+def bound(record: Record, test: str = "timed out after") -> str:
     """Which bound a timed-out test ran past: "timed out after 2 s" (``test`` names the
     test's own timeout), "did not finish starting within 300 s", "did not exit within
     300 s after its test"."""
@@ -49,23 +49,23 @@ def bound(record: dict[str, Any], test: str = "timed out after") -> str:
     return f"{test} {record['timeout']:g} s"
 
 
-def leak_counts(records: list[dict[str, Any]]) -> Counter[str]:
+def leak_counts(records: list[Record]) -> Counter[str]:
     return Counter(leak["kind"] for r in records for leak in counted_leaks(r))
 
 
-def _tests(records: list[dict[str, Any]]) -> int:
+def _tests(records: list[Record]) -> int:
     """How many tests the records are of (a rerun test has one record per attempt)."""
     return len({r["nodeid"] for r in records})
 
 
-def _ran(record: dict[str, Any]) -> bool:
+def _ran(record: Record) -> bool:
     """Whether a process of its own ran the test (not: a bad marker, a lease it never got,
     a process that could not start)."""
     start = record.get("start")
     return record.get("pid") is not None and not (isinstance(start, dict) and start.get("error"))
 
 
-def _attempt(record: dict[str, Any]) -> str:
+def _attempt(record: Record) -> str:
     """The attempt of a rerun test's record, as " (attempt 2)"; "" for other records."""
     attempt = record.get("attempt", 1)
     return f" (attempt {attempt})" if record["outcome"] == "rerun" or attempt != 1 else ""
@@ -73,7 +73,7 @@ def _attempt(record: dict[str, Any]) -> str:
 
 def terminal_summary(
     tr: Any,
-    records: list[dict[str, Any]],
+    records: list[Record],
     path: Path | None,
     baseline: dict[str, Any] | None = None,
     clock: tuple[float, float] | None = None,
@@ -140,7 +140,7 @@ def _flagged(tr: Any, word: str, rest: str, color: str = "red") -> None:
     tr.write_line(f"  {flag} {inert(rest)}")
 
 
-def notable(records: list[dict[str, Any]]) -> bool:
+def notable(records: list[Record]) -> bool:
     """Whether the records hold something to look at: a timeout, a crash, an escaped
     process, a reported leak or a noted GPU holder (``-qq`` shows the gpu-isolate summary
     only then)."""
@@ -154,7 +154,7 @@ def notable(records: list[dict[str, Any]]) -> bool:
     )
 
 
-def startup_durations(tr: Any, records: list[dict[str, Any]], config: Any) -> None:
+def startup_durations(tr: Any, records: list[Record], config: Any) -> None:
     """With ``--durations``: each isolated test's start-up (its turn until it began: the
     process, plugins, the module's import), which the durations table (setup, call,
     teardown, the test's own time) leaves out; slowest first, with its wall time."""
@@ -173,7 +173,7 @@ def startup_durations(tr: Any, records: list[dict[str, Any]], config: Any) -> No
         tr.write_line(f"{r['startup']:.2f}s startup {inert(r['nodeid'])} (wall {r['wall']:.2f}s)")
 
 
-def cost_line(records: list[dict[str, Any]]) -> str:
+def cost_line(records: list[Record]) -> str:
     """What isolation cost the session, from each record: the time each test's process
     took beyond the test's own setup, call and teardown (``wall - duration``: its start
     from its turn, and its exit), and apart from it the time tests waited for GPUs
@@ -207,7 +207,7 @@ def _seconds(value: float) -> str:
     return f"{value:.1f} s" if value < 100 else f"{value:,.0f} s"
 
 
-def start_counts(records: list[dict[str, Any]]) -> str:
+def start_counts(records: list[Record]) -> str:
     """How the isolated processes started, e.g. "38 forkserver, 2 spawn; 39 prewarmed".
 
     With the fork server, or prewarmed processes that collected ahead, also how many
@@ -233,7 +233,7 @@ def start_counts(records: list[dict[str, Any]]) -> str:
     return text
 
 
-def leak_summary(tr: Any, records: list[dict[str, Any]]) -> None:
+def leak_summary(tr: Any, records: list[Record]) -> None:
     """The ``gpu-isolate leak summary`` section: counts per kind, the worst tests."""
     counts = leak_counts(records)
     allowed = sum(1 for r in records for leak in r.get("leaks", []) if leak.get("allowed"))
@@ -269,7 +269,7 @@ def leak_summary(tr: Any, records: list[dict[str, Any]]) -> None:
 
 
 def markdown(
-    records: list[dict[str, Any]],
+    records: list[Record],
     title: str = "pytest-gpuiso",
     baseline: dict[str, Any] | None = None,
     where: str = "the JSON report",
@@ -338,11 +338,11 @@ def markdown(
 FAILED_TITLE = "Failed tests, timeouts and crashes"
 
 
-def _failed(record: dict[str, Any]) -> bool:
+def _failed(record: Record) -> bool:
     return record["outcome"] in ("failed", "error")
 
 
-def _failure(record: dict[str, Any]) -> str:
+def _failure(record: Record) -> str:
     """How a test that ended normally failed: by its leaks, or in its own code."""
     kinds = sorted({leak["kind"] for leak in counted_leaks(record) if leak.get("level") == "fail"})
     if kinds:
@@ -352,7 +352,7 @@ def _failure(record: dict[str, Any]) -> str:
 
 def write_markdown(
     path: Path | None,
-    records: list[dict[str, Any]],
+    records: list[Record],
     baseline: dict[str, Any] | None = None,
     report: Path | None = None,
 ) -> list[str]:
