@@ -68,17 +68,15 @@ def adopt_global_capture(config: Any) -> bool:
     (a logger around ``sys.stdout``) is ``sys.stdout`` at test time, as in one pytest
     process. False: nothing to adopt (no capture, or not suspended as expected)."""
     capman = config.pluginmanager.get_plugin("capturemanager")
-    capturing = getattr(capman, "_global_capturing", None)
-    if capturing is None:
+    if getattr(capman, "_global_capturing", None) is None:
         return False
-    for capture in (capturing.out, capturing.err):
-        if isinstance(capture, _capture.FDCaptureBase):
-            if capture._state != "suspended":
-                return False
-            os.dup2(capture.targetfd, capture.targetfd_save)  # restores ours, not the template's
-            fresh = _capture.TemporaryFile(buffering=0)
-            os.dup2(fresh.fileno(), capture.tmpfile.fileno())
-            fresh.close()
+    for capture in _global_fd_captures(config, ("out", "err")):
+        if capture._state != "suspended":
+            return False
+        os.dup2(capture.targetfd, capture.targetfd_save)  # restores ours, not the template's
+        fresh = _capture.TemporaryFile(buffering=0)
+        os.dup2(fresh.fileno(), capture.tmpfile.fileno())
+        fresh.close()
     capman.read_global_capture()  # whatever sys capture still held is the template's
     return True
 
@@ -86,16 +84,19 @@ def adopt_global_capture(config: Any) -> bool:
 def global_capture_fds(config: Any) -> set[int]:
     """The descriptors of the session's global capture (its files and saved streams):
     pytest's, which each test's process keeps and gives files of its own."""
+    fds = set()
+    for capture in _global_fd_captures(config, ("in_", "out", "err")):
+        fds.update((capture.tmpfile.fileno(), capture.targetfd_save))
+    return fds
+
+
+def _global_fd_captures(config: Any, streams: tuple[str, ...]) -> list[Any]:
+    """The session's global capture's fd captures of ``streams`` ("in_", "out", "err");
+    none for a stream captured otherwise (sys, tee-sys, no) or without a global capture."""
     capman = config.pluginmanager.get_plugin("capturemanager")
     capturing = getattr(capman, "_global_capturing", None)
-    fds = set()
-    for capture in (
-        getattr(capturing, "in_", None),
-        *(getattr(capturing, n, None) for n in ("out", "err")),
-    ):
-        if isinstance(capture, _capture.FDCaptureBase):
-            fds.update((capture.tmpfile.fileno(), capture.targetfd_save))
-    return fds
+    captures = (getattr(capturing, name, None) for name in streams)
+    return [c for c in captures if isinstance(c, _capture.FDCaptureBase)]
 
 
 def basetemp(config: Any) -> Path | None:

@@ -338,13 +338,12 @@ def run_item(job: ItemJob, channel: Channel, boot: Bootstrap, config: Any = None
         params = config.invocation_params
         if tuple(params.args) != job.args or str(params.dir) != job.invocation_dir:
             config = None
-    if config is None:
-        channel.send(frames.PHASE, "configuring pytest (plugins, conftests)")
-        with named_capture_files(boot.capture_prefix):  # parsing starts the global capture
+    with named_capture_files(boot.capture_prefix):  # for the global capture, made here
+        if config is None:  # parsing starts it
+            channel.send(frames.PHASE, "configuring pytest (plugins, conftests)")
             config = _compat.prepare_config(list(job.args), plugins=[plugin])
-    else:
-        config.pluginmanager.register(plugin)
-        with named_capture_files(boot.capture_prefix):
+        else:
+            config.pluginmanager.register(plugin)
             restart_capture(config)
     override_options(config.option, job.basetemp, job.options)
     status = after_the_test(plugin, lambda: config.hook.pytest_cmdline_main(config=config))
