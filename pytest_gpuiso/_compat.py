@@ -50,6 +50,13 @@ def _said_by_pytests_process(self: Any, warning: Warning, stacklevel: int) -> No
     """``Config.issue_config_time_warning`` in our processes (``prepare_config``)."""
 
 
+def set_location(item: Any, location: tuple[str, int | None, str]) -> None:
+    """Give ``item`` its ``location`` (a ``cached_property`` on pytest 8.0 and 9.2, which
+    reads the test's source to compute it) as pytest's process computed it."""
+    if "location" not in vars(item):
+        vars(item)["location"] = location
+
+
 _ANONYMOUS = getattr(_capture, "TemporaryFile", None)  # pytest's own (tempfile's)
 
 

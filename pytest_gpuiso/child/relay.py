@@ -206,6 +206,8 @@ class ChildPlugin:
             )
             return True
         item = session.items[0]
+        if self.job.location is not None:  # as pytest's process has it, not read again
+            _compat.set_location(item, self.job.location)
         self._run(item)
         return True
 

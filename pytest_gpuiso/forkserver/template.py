@@ -28,7 +28,7 @@ from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
 from .. import _compat
-from ..child import relay
+from ..child import cuda_state, relay
 from ..leaks.shm_log import created_entries, remove_created
 from ..proc._linux import (
     die_with_parent,
@@ -220,6 +220,7 @@ def _template_main(server: TemplateHost, sock: socket.socket, modules: list[str]
                         problem += f"; it created {entry} too, left in place ({how})"
             conn.send(("unusable", f"after configuring and collecting: {problem}"))
             os._exit(0)
+        cuda_state.baseline()  # what its forks inherit: nothing runs between here and a test
         relay.freeze()
         conn.send(("collected", items))
         forked = _serve_forks(boot.parent_pid, sock, conn, server.stdio, items)
@@ -307,6 +308,7 @@ def _succeed(
     sock, conn = socket.socket(fileno=fd), Connection(os.dup(fd))
     unfit = audit.import_audited(names)
     if unfit is None:
+        cuda_state.baseline()  # the driver its imports mapped is no test's
         outlive_parent()
     try:
         conn.send(("unfit", *unfit) if unfit is not None else ("learnt", os.getpid(), items))

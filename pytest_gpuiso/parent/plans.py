@@ -79,6 +79,7 @@ def item_job(item: pytest.Item, settings: Settings) -> ItemJob:
         junit_family=getattr(xml, "family", None),
         torch_check=settings.torch_check,
         options=child_options(config, config.stash[STATE]),
+        location=item.location,
     )
 
 

@@ -44,3 +44,5 @@ class ItemJob:
     junit_family: str | None = None  # the parent writes junitxml with this family
     torch_check: bool = False  # compare torch's CUDA allocator before and after the test
     options: tuple[tuple[str, Any], ...] = ()  # pytest_gpuiso_child_options: (dest, value)
+    # item.location in pytest's process, computed there already (it reads the source)
+    location: tuple[str, int | None, str] | None = None
