@@ -13,6 +13,7 @@ import math
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from .gpu import table
 from .gpu.leases import REGION_ENV
@@ -216,10 +217,29 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         help="only lift the quarantine of this GPU (as status names it), once it passes its "
         "health probe",
     )
+    _add_merge(sub, raw)
+    _add_compare(sub, raw)
+    return parser, sub.choices
+
+
+def _add_merge(sub: Any, raw: type[argparse.HelpFormatter]) -> None:
+    """The ``merge`` command: CI shards' JSON reports into one."""
     merge = sub.add_parser(
         "merge", help="merge CI shards' JSON reports", description=MERGE_HELP, formatter_class=raw
     )
     merge.add_argument("reports", nargs="+", metavar="REPORT", help="JSON report of one shard")
+    merge.add_argument("--markdown", type=Path, metavar="PATH", help="write the Markdown summary")
+    merge.add_argument("--json", type=Path, metavar="PATH", help="write the merged JSON report")
+    merge.add_argument(
+        "--durations",
+        type=Path,
+        metavar="PATH",
+        help="write (update) pytest-split's durations file from the isolated tests' wall times",
+    )
+
+
+def _add_compare(sub: Any, raw: type[argparse.HelpFormatter]) -> None:
+    """The ``compare`` command: what HEAD's report has new against BASE's."""
     compare = sub.add_parser(
         "compare",
         help="what HEAD's JSON report has new against BASE's",
@@ -263,15 +283,6 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         metavar="MIB",
         help="a test's GPU memory peak higher by more than this is new (default 512)",
     )
-    merge.add_argument("--markdown", type=Path, metavar="PATH", help="write the Markdown summary")
-    merge.add_argument("--json", type=Path, metavar="PATH", help="write the merged JSON report")
-    merge.add_argument(
-        "--durations",
-        type=Path,
-        metavar="PATH",
-        help="write (update) pytest-split's durations file from the isolated tests' wall times",
-    )
-    return parser, sub.choices
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -53,6 +53,7 @@ import fnmatch
 import os
 import re
 import stat
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..proc.dead_sessions import whose
@@ -115,6 +116,16 @@ def held_inodes(candidates: set[tuple[int, int]]) -> set[tuple[int, int]]:
     return held
 
 
+@dataclass
+class _Whose:
+    """Who made the entries a test left: by the shim's log (``traced``, this very inode),
+    by a ``torch_<pid>_`` name of one of its processes (``named``), or a name alone."""
+
+    creators: dict[str, int] = field(default_factory=dict)  # entry -> its creator's pid
+    traced: set[str] = field(default_factory=set)
+    named: set[str] = field(default_factory=set)
+
+
 class ShmProbe(Probe):
     """Reports /dev/shm entries a test created and left behind; deletes them on request."""
 
@@ -174,14 +185,35 @@ class ShmProbe(Probe):
         return found
 
     def check(self, before: dict[str, int], run: RunInfo) -> list[Leak]:
+        """What the test left: the entries new since ``before`` (or the shim saw it create),
+        the test's by the shim's log or their names, that no live process holds."""
         logged: dict[str, Logged] | None = None
         if self.log:
             logged = read_log(self.log)
             with contextlib.suppress(OSError):
                 os.unlink(self.log)
+        stats = self._new_entries(before, logged, run)
+        whose = self._whose(stats, logged, run)
+        handed = self._handed_over(logged, run)
+        held = held_inodes({(st.st_dev, st.st_ino) for st in stats.values()}) if stats else set()
+        leaks: dict[str, Leak] = {}
+        for name in deepest_first(list(stats)):  # a directory after what it holds
+            st = stats[name]
+            if (st.st_dev, st.st_ino) not in held:
+                leaks[name] = self._leak(name, st, whose, handed)
+        # What was handed over and is no leak of the test (ignored, in use) goes too
+        for name in deepest_first([name for name in handed if name not in leaks]):
+            remove_entry(self.directory, name, handed[name].st_ino, self.uid)
+        return [leaks[name] for name in sorted(leaks)]
+
+    def _new_entries(
+        self, before: dict[str, int], logged: dict[str, Logged] | None, run: RunInfo
+    ) -> dict[str, os.stat_result]:
+        """The entries new since ``before`` or logged by the shim (in subdirectories too,
+        and before the snapshot), not ignored, this user's, changed since the test began."""
         after = scan(self.directory)
         new = {name for name, inode in after.items() if before.get(name) != inode}
-        if logged:  # what the test made, in subdirectories too, and before the snapshot
+        if logged:
             new.update(logged)
         stats: dict[str, os.stat_result] = {}
         for name in sorted(new):
@@ -192,19 +224,23 @@ class ShmProbe(Probe):
                 # Another user's entry is never the test's, whatever its name says.
                 if st.st_uid == self.uid and st.st_ctime >= run.started - _CTIME_SLACK:
                     stats[name] = st
-        creators: dict[str, int] = {}
-        traced: set[str] = set()  # the shim saw the test create it (this very inode)
-        named: set[str] = set()  # a torch_<pid>_ name of one of the test's processes
+        return stats
+
+    def _whose(
+        self, stats: dict[str, os.stat_result], logged: dict[str, Logged] | None, run: RunInfo
+    ) -> _Whose:
+        """Who made each entry of ``stats``; those that are not the test's leave ``stats``."""
+        whose = _Whose()
         for name, st in list(stats.items()):
             entry = logged.get(name) if logged is not None else None
             if entry is not None and entry.inode == st.st_ino:
-                creators[name] = entry.pid
-                traced.add(name)
+                whose.creators[name] = entry.pid
+                whose.traced.add(name)
                 continue
             pid = creator_pid(name)
             if pid is not None and pid in run.tree_pids:
-                creators[name] = pid
-                named.add(name)
+                whose.creators[name] = pid
+                whose.named.add(name)
             elif logged is not None:
                 del stats[name]  # traced, not made by this test: another test's or session's
             elif pid is not None and exists(pid):
@@ -212,45 +248,41 @@ class ShmProbe(Probe):
             elif pid is None and not self.alone:
                 del stats[name]  # nothing says whose it is, and other tests ran beside it
             elif pid is not None:
-                creators[name] = pid
-        handed = self._handed_over(logged, run)
-        held = held_inodes({(st.st_dev, st.st_ino) for st in stats.values()}) if stats else set()
-        leaks: dict[str, Leak] = {}
-        for name in deepest_first(list(stats)):  # a directory after what it holds
-            st = stats[name]
-            if (st.st_dev, st.st_ino) in held:
-                continue
-            path = os.path.join(self.directory, name)
-            fields: dict[str, object] = {"path": path, "size": st.st_size}
-            pid = creators.get(name)
-            if pid is not None:
-                fields["pid"] = pid
-            # Only what the test is known to have made: never an entry it only opened.
-            cleaned = (
-                name in handed or (self.cleanup and (name in traced or name in named))
-            ) and remove_entry(self.directory, name, st.st_ino, self.uid)
-            fields["cleaned"] = cleaned
-            if name in handed:
-                fields["tracked"] = True
-            if stat.S_ISDIR(st.st_mode):
-                kind = "directory"
-            else:
-                kind = "semaphore" if os.path.basename(name).startswith("sem.") else "segment"
-            if name in traced:
-                by = f", created by pid {pid}"
-            elif pid is not None:
-                by = f", named for pid {pid}"  # its name says so; the shim did not see it
-            else:
-                by = ""
-            detail = f"{kind} {path} ({size_text(st.st_size)}{by}) left in /dev/shm"
-            if cleaned:
-                why = ", as Python's resource tracker would" if name in handed else ""
-                detail += f" (deleted{why})"
-            leaks[name] = Leak("shm", detail, fields)
-        # What was handed over and is no leak of the test (ignored, in use) goes too
-        for name in deepest_first([name for name in handed if name not in leaks]):
-            remove_entry(self.directory, name, handed[name].st_ino, self.uid)
-        return [leaks[name] for name in sorted(leaks)]
+                whose.creators[name] = pid
+        return whose
+
+    def _leak(
+        self, name: str, st: os.stat_result, whose: _Whose, handed: dict[str, os.stat_result]
+    ) -> Leak:
+        """The leak of entry ``name``, deleted first where that is asked for and safe."""
+        path = os.path.join(self.directory, name)
+        fields: dict[str, object] = {"path": path, "size": st.st_size}
+        pid = whose.creators.get(name)
+        if pid is not None:
+            fields["pid"] = pid
+        # Only what the test is known to have made: never an entry it only opened.
+        made = name in whose.traced or name in whose.named
+        cleaned = (name in handed or (self.cleanup and made)) and remove_entry(
+            self.directory, name, st.st_ino, self.uid
+        )
+        fields["cleaned"] = cleaned
+        if name in handed:
+            fields["tracked"] = True
+        if stat.S_ISDIR(st.st_mode):
+            kind = "directory"
+        else:
+            kind = "semaphore" if os.path.basename(name).startswith("sem.") else "segment"
+        if name in whose.traced:
+            by = f", created by pid {pid}"
+        elif pid is not None:
+            by = f", named for pid {pid}"  # its name says so; the shim did not see it
+        else:
+            by = ""
+        detail = f"{kind} {path} ({size_text(st.st_size)}{by}) left in /dev/shm"
+        if cleaned:
+            why = ", as Python's resource tracker would" if name in handed else ""
+            detail += f" (deleted{why})"
+        return Leak("shm", detail, fields)
 
 
 class DeadSessionShm:

@@ -151,6 +151,14 @@ def call_isolated(
                 checked = checks.after(label, lease, outcome, leases.slots > 1)
             leases.release(lease)
             checks.nvml.close()
+    return _result(func, outcome, timeout, checked)
+
+
+def _result(
+    func: Callable[..., Any], outcome: Outcome, timeout: float | None, checked: Checkup | None
+) -> Any:
+    """The call's return value, or its exception, with the faults its GPUs logged."""
+    __tracebackhide__ = True
     faults = xids.faults_text(checked.xids if checked else (), during="the call")
     if faults is None:
         return _unwrap(func, outcome, timeout)
@@ -160,7 +168,7 @@ def call_isolated(
         if hasattr(exc, "add_note"):  # Python 3.11 on
             exc.add_note(f"gpu-isolate: {faults}")
         raise
-    raise IsolationError(f"run_isolated({name}): {faults}", outcome)
+    raise IsolationError(f"run_isolated({_label(func)}): {faults}", outcome)
 
 
 def _label(func: Callable[..., Any]) -> str:

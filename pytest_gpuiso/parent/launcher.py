@@ -28,6 +28,7 @@ import multiprocessing
 import os
 import signal
 import time
+from dataclasses import dataclass
 from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,17 @@ from .watch import STACK_SIGNAL
 
 _SERVER_WAIT = 300.0  # seconds the first fork may wait for the server to import everything
 _RUNS = itertools.count(1)  # unique file tags within this process, whatever the Launcher
+
+
+@dataclass(frozen=True)
+class _Files:
+    """A process's private files, and the environment it is exec'd with."""
+
+    output: Path | None  # its stdout and stderr (None: not captured, as with -s)
+    stack_file: Path  # where it dumps its stack when asked (a timeout)
+    capture_prefix: Path  # pytest's global capture's files in it: PREFIX1, PREFIX2...
+    shm_log: str | None  # what the /dev/shm shim saw it create (None: no shim)
+    exec_env: dict[str, str]
 
 
 class StartError(RuntimeError):
@@ -235,36 +247,20 @@ class Launcher:
         made: list[Any],
     ) -> Started:
         """``start``'s work; what it makes goes into ``made`` first, for ``start`` to undo."""
-
-        def private(name: str) -> Path:
-            path = private_file(self.workdir, name)
-            made.append(path)
-            return path
-
-        output = private(f"out-{tag}.log") if self.capture_output else None
-        stack_file = private(f"stack-{tag}.txt")
-        capture_prefix = self.workdir / f"cap-{tag}-"
+        files = self._files(tag, env, made)
         server = self.serving.server_to_fork()
         method = "forkserver" if server is not None else "spawn"
-        shm_log = None
-        if self.exec_env:  # the shim is preloaded: it logs from the process's start on
-            shm_log = str(private(f"shm-{tag}.log"))
-            env[LOG_ENV] = shm_log
-        exec_env = {**self.exec_env, **self.owner}
-        env.update(self.owner)
-        if self.mark is not None:  # in the block it is exec'd with, which its forks share
-            exec_env.update(self.mark.env)
-            env.update(self.mark.env)  # a forked child's os.environ: what its execs inherit
+        spawned_warm = warm and method == "spawn"
         boot = jobs.Bootstrap(
             parent_pid=os.getpid(),
-            output=str(output) if output else None,
-            stack_file=str(stack_file),
+            output=str(files.output) if files.output else None,
+            stack_file=str(files.stack_file),
             stack_signal=STACK_SIGNAL,
             spill_prefix=str(self.workdir / f"spill-{tag}-"),
-            capture_prefix=str(capture_prefix),
+            capture_prefix=str(files.capture_prefix),
             env=tuple(sorted(env.items())),
-            preload=self._preload(job) if warm and method == "spawn" else (),
-            collect_ahead=warm and method == "spawn" and collect_ahead,
+            preload=self._preload(job) if spawned_warm else (),
+            collect_ahead=spawned_warm and collect_ahead,
         )
         pipe, writer = self._ctx.Pipe(duplex=False)
         made += [pipe, writer]
@@ -277,37 +273,73 @@ class Launcher:
             reader=reader,
             go=go_writer,
             method=method,
-            output=output,
-            stack_file=stack_file,
-            capture_prefix=capture_prefix,
+            output=files.output,
+            stack_file=files.stack_file,
+            capture_prefix=files.capture_prefix,
             created=time.time(),
-            shm_log=shm_log,
+            shm_log=files.shm_log,
             warm=warm,
         )
         # The tracker is a long-lived helper of ours, not something the test left behind.
         ensure_resource_tracker()
         try:
             if server is not None:
-                try:
-                    fds = [writer.fileno(), go_reader.fileno()]
-                    server.request_fork(boot, job, fds, _SERVER_WAIT)
-                    self._awaiting.append(started)
-                except Unavailable as exc:
-                    self.serving.fall_back(str(exc))
-                    started.method = "spawn"
+                self._request_fork(server, started, boot, job, [writer, go_reader])
             if started.method == "spawn":
-                proc = self._ctx.Process(
-                    target=child.main, args=(boot, job, writer, go_reader), daemon=False
-                )
-                # A test needs nothing of pytest's __main__; run_isolated's function may
-                # live there (a script's), so only a call re-runs it, as multiprocessing does.
-                keep_main = isinstance(job, jobs.CallJob)
-                main = contextlib.nullcontext() if keep_main else main_not_rerun()
-                with exec_environment(exec_env), main:
-                    proc.start()
-                unlist(proc)
-                started.attach(proc)
+                self._spawn(started, boot, job, [writer, go_reader], files.exec_env)
         finally:
             writer.close()
             go_reader.close()
         return started
+
+    def _files(self, tag: str, env: dict[str, str], made: list[Any]) -> _Files:
+        """The process's private files (in ``made``), and the environments it starts with:
+        ``env`` (what a forked process applies) is completed here, like the exec's."""
+
+        def private(name: str) -> Path:
+            path = private_file(self.workdir, name)
+            made.append(path)
+            return path
+
+        output = private(f"out-{tag}.log") if self.capture_output else None
+        stack_file = private(f"stack-{tag}.txt")
+        shm_log = None
+        if self.exec_env:  # the shim is preloaded: it logs from the process's start on
+            shm_log = str(private(f"shm-{tag}.log"))
+            env[LOG_ENV] = shm_log
+        exec_env = {**self.exec_env, **self.owner}
+        env.update(self.owner)
+        if self.mark is not None:  # in the block it is exec'd with, which its forks share
+            exec_env.update(self.mark.env)
+            env.update(self.mark.env)  # a forked child's os.environ: what its execs inherit
+        return _Files(output, stack_file, self.workdir / f"cap-{tag}-", shm_log, exec_env)
+
+    def _request_fork(
+        self, server: Any, started: Started, boot: jobs.Bootstrap, job: Any, ends: list[Any]
+    ) -> None:
+        """Ask the fork server for ``started``'s process (its answer is read later:
+        ``_settle``); where it is unavailable, ``started`` is spawned instead."""
+        try:
+            server.request_fork(boot, job, [end.fileno() for end in ends], _SERVER_WAIT)
+            self._awaiting.append(started)
+        except Unavailable as exc:
+            self.serving.fall_back(str(exc))
+            started.method = "spawn"
+
+    def _spawn(
+        self,
+        started: Started,
+        boot: jobs.Bootstrap,
+        job: Any,
+        ends: list[Any],
+        exec_env: dict[str, str],
+    ) -> None:
+        proc = self._ctx.Process(target=child.main, args=(boot, job, *ends), daemon=False)
+        # A test needs nothing of pytest's __main__; run_isolated's function may
+        # live there (a script's), so only a call re-runs it, as multiprocessing does.
+        keep_main = isinstance(job, jobs.CallJob)
+        main = contextlib.nullcontext() if keep_main else main_not_rerun()
+        with exec_environment(exec_env), main:
+            proc.start()
+        unlist(proc)
+        started.attach(proc)

@@ -67,14 +67,7 @@ def build_record(
     ``attempt`` counts a test's runs from 1 (pytest-rerunfailures: a fresh process
     each); ``rerun``: this attempt failed and the test ran again (outcome "rerun").
     """
-    reports, outcome, spec, lease, verdict = (
-        run.reports,
-        run.outcome,
-        run.spec,
-        run.lease,
-        run.verdict,
-    )
-    peak, port, health = run.peak, run.port, run.health
+    reports, outcome, verdict = run.reports, run.outcome, run.verdict
     # Interrupted before its call was reported: it neither passed nor failed.
     stopped = outcome is not None and outcome.interrupted and all(r.when != "call" for r in reports)
     result = "rerun" if rerun else "interrupted" if stopped else final_outcome(reports)
@@ -85,6 +78,28 @@ def build_record(
         # What the test ran (setup, call, teardown), as pytest and junit count it; a
         # timeout or crash counts until the process was stopped or ended.
         "duration": round(sum(r.duration for r in reports), 6) if outcome else 0.0,
+        **_process_fields(outcome, run.spec),
+        "leaks": verdict.records if verdict is not None else [],
+        "leak_checks": list(run.leak_checks),  # the kinds checked after it (none: no check ran)
+        "start": {
+            "method": outcome.method if outcome else None,
+            "prewarmed": outcome.prewarmed if outcome else False,
+            "collected": outcome.collected if outcome else False,
+            "uncollected": outcome.uncollected if outcome else None,
+        },
+    }
+    failure = run.start_failure
+    if failure is not None:  # its process's own words; "tried": false, none was started
+        record["start"].update(error=failure.line, traceback=failure.text, tried=bool(outcome))
+    if location is not None and location[1] is not None:  # a file and line: where it is
+        record["location"] = {"file": location[0], "line": location[1] + 1}
+    record.update(_optional_fields(run))
+    return record
+
+
+def _process_fields(outcome: Outcome | None, spec: IsolationSpec | None) -> Record:
+    """How the test's process ran and ended (none: it never ran)."""
+    return {
         # Seconds from the test's turn until its protocol began (start-up; None: never),
         # and until its process had ended.
         "startup": None if outcome is None or outcome.began is None else round(outcome.began, 6),
@@ -100,42 +115,36 @@ def build_record(
             "expired": outcome.expired if outcome else None,
         },
         "escaped": list(outcome.escaped) if outcome else [],
-        "leaks": verdict.records if verdict is not None else [],
-        "leak_checks": list(run.leak_checks),  # the kinds checked after it (none: no check ran)
-        "start": {
-            "method": outcome.method if outcome else None,
-            "prewarmed": outcome.prewarmed if outcome else False,
-            "collected": outcome.collected if outcome else False,
-            "uncollected": outcome.uncollected if outcome else None,
-        },
     }
-    failure = run.start_failure
-    if failure is not None:  # its process's own words; "tried": false, none was started
-        record["start"].update(error=failure.line, traceback=failure.text, tried=bool(outcome))
-    if location is not None and location[1] is not None:  # a file and line: where it is
-        record["location"] = {"file": location[0], "line": location[1] + 1}
+
+
+def _optional_fields(run: Run) -> Record:
+    """The fields a record has only where they apply: fixtures set up anew, CUDA loaded
+    without a GPU, its port, its GPUs and their health, warnings folded, GPU notes."""
+    outcome, lease = run.outcome, run.lease
+    fields: Record = {}
     if outcome is not None and outcome.fixtures:  # set up anew in its process
-        record["fixtures"] = [
+        fields["fixtures"] = [
             {"name": name, "scope": scope} for name, scope in dict.fromkeys(outcome.fixtures)
         ]
     if outcome is not None and outcome.driver:  # it leased no GPU (there were GPUs)
-        record["cuda_without_gpu"] = outcome.driver  # and loaded CUDA's driver or NVML
-    if port is not None:
-        record["master_port"] = port  # leased for the test (MASTER_ADDR=127.0.0.1)
+        fields["cuda_without_gpu"] = outcome.driver  # and loaded CUDA's driver or NVML
+    if run.port is not None:
+        fields["master_port"] = run.port  # leased for the test (MASTER_ADDR=127.0.0.1)
     if lease is not None:
-        record["gpus"] = list(lease.devices)
-        record["lease_wait"] = round(lease.waited, 6)
+        fields["gpus"] = list(lease.devices)
+        fields["lease_wait"] = round(lease.waited, 6)
         # Bytes it leased on each GPU (None: the GPUs' size is unknown), and the most its
         # processes held on one of them (NVML, sampled; None: unknown)
-        record["gpu_memory"] = lease.memory or None
-        record["gpu_memory_peak"] = peak
-    if health is not None:  # its GPUs: {devices, quarantined, probed?, unassessed?, xids?}
-        record["gpu_health"] = health.as_record()
+        fields["gpu_memory"] = lease.memory or None
+        fields["gpu_memory_peak"] = run.peak
+    if run.health is not None:  # its GPUs: {devices, quarantined, probed?, unassessed?, xids?}
+        fields["gpu_health"] = run.health.as_record()
     if run.folded:
-        record["warnings_folded"] = run.folded
+        fields["warnings_folded"] = run.folded
     if run.gpu_notes:
-        record["gpu_notes"] = list(run.gpu_notes)
-    return record
+        fields["gpu_notes"] = list(run.gpu_notes)
+    return fields
 
 
 def attach_record(reports: list[pytest.TestReport], record: Record) -> None:
