@@ -251,11 +251,11 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     prepare(session.config, state)
     if not _wants_server(session.config, state):
         return
-    started = start_server(session.config, state)
-    if started is not None:
+    worker = start_server(session.config, state)
+    if worker is not None:
         directories = {str(Path(module).parent) for module in modules}
         precollect = sorted(modules) if state.settings.precollect else []
-        started.serving.collect(sorted(directories), precollect)
+        worker.launcher.serving.collect(sorted(directories), precollect)
 
 
 @pytest.hookimpl(trylast=True)

@@ -17,7 +17,8 @@ makes the last attempt's reports final (``mark_rerun`` an attempt run again):
    report.
 
 Each of ``launcher``, ``supervisor`` and ``prewarm`` is called from here, downward;
-none calls back. The session-wide side lives in ``session.State``.
+none calls back. The session-wide side lives in ``session.State``, the means of
+isolating (the door, the prewarmer, the GPUs' health) in its ``worker.Worker``.
 """
 
 from __future__ import annotations
@@ -54,11 +55,12 @@ from .results import (
     setup_error_reports,
     skip_reports,
 )
-from .session import STATE, State, health, isolated, launcher, settle
+from .session import STATE, State, isolated, settle, start_worker
 from .start_failures import StartFailure
 from .started import Started
 from .supervisor import Running
 from .watch import Bounds
+from .worker import Worker
 
 
 @dataclass
@@ -105,18 +107,18 @@ class Turn:
     probes: tuple[Probe, ...] = ()
     env: dict[str, str] = field(default_factory=dict)  # its process's, with its go
 
-    def go(self, state: State, bounds: Bounds) -> Running:
+    def go(self, worker: Worker, bounds: Bounds) -> Running:
         """Give its process its go: from now on the process is its run's."""
-        self.running = supervisor.go(state.launcher, self.started, self.env, self.probes, bounds)
+        self.running = supervisor.go(worker.launcher, self.started, self.env, self.probes, bounds)
         self.started = None
         return self.running
 
-    def release(self, state: State) -> None:
+    def release(self, state: State, worker: Worker) -> None:
         if self.running is not None and not self.running.waited:
-            state.launcher.discard(self.running.started)  # before its lease goes
+            worker.launcher.discard(self.running.started)  # before its lease goes
         self.running = None
         if self.started is not None:
-            state.launcher.discard(self.started)
+            worker.launcher.discard(self.started)
             self.started = None
         if self.lease is not None and self.owned:
             state.leases.release(self.lease)
@@ -133,7 +135,11 @@ def run_item(item: pytest.Item, nextitem: pytest.Item | None) -> Ran:
     In one line: its plan, its lease, its process (prewarmed, or started now), the go,
     the next tests' processes started while it runs, the wait, the verdict."""
     state = item.config.stash[STATE]
-    turn = Turn(state.prewarmer.take(item.nodeid) if state.prewarmer is not None else None)
+    try:  # the first isolated test of a session whose fork server did not start
+        worker = start_worker(item.config, state)
+    except workdir.WorkdirError as exc:  # each test says why
+        return Ran(setup_error_reports(item, str(exc)))
+    turn = Turn(worker.prewarmer.take(item.nodeid))
     warmed = False
     spec = None
     try:
@@ -147,17 +153,17 @@ def run_item(item: pytest.Item, nextitem: pytest.Item | None) -> Ran:
         elif state.cannot_start is not None:  # no process of this session can start
             ran = Ran(state.cannot_start.reports(item), spec, start_failure=state.cannot_start)
         else:
-            running = _go(item, plan, state, turn)
+            running = _go(item, plan, state, worker, turn)
             if isinstance(running, Ran):
                 ran = running
             else:
-                _prewarm_safely(item, nextitem, state)
+                _prewarm_safely(item, nextitem, state, worker)
                 warmed = True
-                ran = _finish(item, plan, state, turn, running)
+                ran = _finish(item, plan, state, worker, turn, running)
                 # the next tests of a module that taught the template: from its successor
-                taught = state.launcher.serving.taught()
-                if taught is not None and state.prewarmer is not None:
-                    state.prewarmer.restart(taught)
+                taught = worker.launcher.serving.taught()
+                if taught is not None:
+                    worker.prewarmer.restart(taught)
     except (StartError, workdir.WorkdirError) as exc:  # out of processes, files: this
         ran = Ran(setup_error_reports(item, str(exc)), spec)  # test fails, the session
     except OSError as exc:  # goes on
@@ -166,9 +172,9 @@ def run_item(item: pytest.Item, nextitem: pytest.Item | None) -> Ran:
         why = f"could not watch the isolated process: {workdir.describe(exc)}"
         ran = Ran(setup_error_reports(item, why), spec)
     finally:
-        turn.release(state)
+        turn.release(state, worker)
     if ran.stop is None and not warmed:
-        _prewarm(item, nextitem, state)
+        _prewarm(item, nextitem, state, worker)
     return ran
 
 
@@ -197,22 +203,22 @@ def stop_session(stop: dict[str, Any]) -> None:
     pytest.exit(stop["message"], returncode=stop["returncode"])
 
 
-def _go(item: pytest.Item, plan: Plan, state: State, turn: Turn) -> Running | Ran:
+def _go(item: pytest.Item, plan: Plan, state: State, worker: Worker, turn: Turn) -> Running | Ran:
     """Lease the test's GPUs (in this process) and port, and give its process its go;
     the ``Ran`` of a test that cannot get them."""
     spec = plan.spec
-    launcher(item.config, state)
     n = plan.gpus
-    if n > 0 and state.leases is not None:
+    checks = worker.health  # there with the lease table: there are GPUs to lease
+    if n > 0 and state.leases is not None and checks is not None:
         pinned = pinning.within(state.pin, n, spec.gpu_memory, state.devices)
         turn.owned = pinned is None
         never = pinning.never_granted(state.leases, state.pin, n) if turn.owned else None
         if never is not None:
             return Ran(setup_error_reports(item, never), spec)
         if turn.started is None and turn.owned:  # start its process while it waits: the
-            turn.started = _warm_while_waiting(plan, state)  # lease is used from its first ms
+            turn.started = worker.prewarmer.start_waiting(plan.job)  # lease is used at once
         try:
-            turn.lease = turn.lease or health(state).lease(
+            turn.lease = turn.lease or checks.lease(
                 n, item.nodeid, state.settings.lease_timeout, spec.gpu_memory, pinned
             )
         except LeaseError as exc:  # a timeout, a slot-count conflict, a stuck table
@@ -224,19 +230,21 @@ def _go(item: pytest.Item, plan: Plan, state: State, turn: Turn) -> Running | Ra
             turn.port = ports.lease()
         except ports.PortError as exc:  # none free, or binding refused: this test and
             state.master_port = False  # the rest run without one, said once
-            state.launcher.serving.notice(str(exc))
+            worker.launcher.serving.notice(str(exc))
         except OSError as exc:  # out of descriptors: starting its process fails too,
             if exc.errno not in workdir.EXHAUSTED:  # and says why
                 raise
         if turn.port is not None:
             env.update(turn.port.env())
     turn.env = env
-    turn.started = state.launcher.ready(turn.started, plan.job, env)
+    turn.started = worker.launcher.ready(turn.started, plan.job, env)
     turn.probes = _probes(spec, state, turn.lease)
-    return turn.go(state, Bounds(spec.timeout, spec.startup_timeout, spec.grace))
+    return turn.go(worker, Bounds(spec.timeout, spec.startup_timeout, spec.grace))
 
 
-def _finish(item: pytest.Item, plan: Plan, state: State, turn: Turn, running: Running) -> Ran:
+def _finish(
+    item: pytest.Item, plan: Plan, state: State, worker: Worker, turn: Turn, running: Running
+) -> Ran:
     """Wait for the test's process, give back its lease and port, and judge what it did."""
     spec = plan.spec
     outcome = running.wait()
@@ -248,24 +256,24 @@ def _finish(item: pytest.Item, plan: Plan, state: State, turn: Turn, running: Ru
             replaced += 1
             if replaced > supervisor.REPLACEMENTS:
                 raise StartError(supervisor.unstarted_error(running.unstarted, replaced))
-        elif state.prewarmer is not None:  # only a prewarmed process can be stale
-            state.prewarmer.replaced(outcome.stale)
-        turn.started = state.launcher.start(plan.job, dict(turn.env))
+        else:  # only a prewarmed process can be stale
+            worker.prewarmer.replaced(outcome.stale)
+        turn.started = worker.launcher.start(plan.job, dict(turn.env))
         turn.probes = _probes(spec, state, turn.lease)
-        running = turn.go(state, running.bounds)
+        running = turn.go(worker, running.bounds)
         outcome = running.wait()
         outcome.prewarmed = False
     lease = turn.lease
     checked = None  # its GPUs probed, before anyone else may lease them
-    checks = health(state)
+    checks = worker.health
     gpu = next((p for p in turn.probes if isinstance(p, GpuMemoryProbe)), None)
     if lease is not None and checks is not None:
         others = gpu.others if gpu is not None else None  # NVML pids on its GPUs not its
         checked = checks.after(item.nodeid, lease, outcome, _shared(spec, state), others)
     number = turn.port.port if turn.port is not None else None
-    turn.release(state)
+    turn.release(state, worker)
     failure = start_failures.of(outcome)
-    start_error = _tell_start_problems(item, state)
+    start_error = _tell_start_problems(item, worker)
     halt = start_failures.note(state, outcome, failure)
     leaks = outcome.leaks + [torch_check.leak(data) for data in outcome.torch_leaks]
     known = state.baseline.kinds(item.nodeid) if state.baseline is not None else frozenset()
@@ -308,12 +316,6 @@ def _finish(item: pytest.Item, plan: Plan, state: State, turn: Turn, running: Ru
     )
 
 
-def _warm_while_waiting(plan: Plan, state: State) -> Started | None:
-    """Start a test's process ahead of its lease, as prewarming does (seeing no GPU until
-    its go); None when prewarming is off for the session."""
-    return state.prewarmer.start_waiting(plan.job) if state.prewarmer is not None else None
-
-
 def _probes(spec: IsolationSpec, state: State, lease: Lease | None) -> tuple[Probe, ...]:
     """The leak probes of one test, besides the process sweep (which always runs)."""
     s = state.settings
@@ -333,23 +335,21 @@ def _shared(spec: IsolationSpec, state: State) -> bool:
     return state.settings.slots > 1 or spec.gpu_memory is not None
 
 
-def _prewarm_safely(item: pytest.Item, nextitem: pytest.Item | None, state: State) -> None:
+def _prewarm_safely(
+    item: pytest.Item, nextitem: pytest.Item | None, state: State, worker: Worker
+) -> None:
     """``_prewarm`` while the test runs: a failure there must not cost the test."""
     try:
-        _prewarm(item, nextitem, state)
+        _prewarm(item, nextitem, state, worker)
     except Exception as exc:
-        state.launcher.serving.notice(f"prewarming failed: {exc}")
+        worker.launcher.serving.notice(f"prewarming failed: {exc}")
 
 
-def _prewarm(item: pytest.Item, nextitem: pytest.Item | None, state: State) -> None:
+def _prewarm(item: pytest.Item, nextitem: pytest.Item | None, state: State, worker: Worker) -> None:
     """Have the processes of the next isolated tests started (see ``prewarm``): the
     first ``depth`` isolated tests past this one, those that run in a process."""
-    try:
-        launcher(item.config, state)
-    except workdir.WorkdirError:
-        return  # each test's own start says why
-    prewarmer = state.prewarmer
-    if prewarmer is None or prewarmer.disabled is not None:
+    prewarmer = worker.prewarmer
+    if prewarmer.disabled is not None:
         return
     candidates = prewarmer.following(item.session.items, nextitem, state.parallel)
     upcoming = list({c.nodeid: c for c in candidates if isolated(c)}.values())
@@ -364,13 +364,13 @@ def _prewarm(item: pytest.Item, nextitem: pytest.Item | None, state: State) -> N
     prewarmer.refill(jobs)
 
 
-def _tell_start_problems(item: pytest.Item, state: State) -> list[dict]:
+def _tell_start_problems(item: pytest.Item, worker: Worker) -> list[dict]:
     """Say once (as a warning of the session) that the fork server or prewarming is not
     used, and why. A filter that makes ``GpuIsoStartWarning`` an error ends the session
     after this test, as a usage error (returned as the stop of ``Ran``)."""
-    messages = state.launcher.serving.news()
-    prewarmer = state.prewarmer
-    if prewarmer is not None and prewarmer.stale and prewarmer.disabled is None:
+    messages = worker.launcher.serving.news()
+    prewarmer = worker.prewarmer
+    if prewarmer.stale and prewarmer.disabled is None:
         prewarmer.disable(prewarmer.stale)  # the notices say why
     for text in messages:  # the session's, not this test's: no test location
         if not warn_session(item.config, GpuIsoStartWarning(f"gpu-isolate: {text}")):

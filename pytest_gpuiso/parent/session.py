@@ -2,8 +2,9 @@
 
 Two records live in the config's stash. ``State``, in every pytest process that may run
 an isolated test (a worker under xdist, or the one process without it): the settings,
-the lease table and GPUs, the session's ``Launcher`` and its ``Prewarmer`` (made on
-first use); ``close`` gives it all back at the session's end. ``Controller``, in the
+the lease table and GPUs (``prepare``), and the ``Worker`` that isolates tests, made
+once when isolating first needs it (``start_worker``); ``close`` gives it all back at
+the session's end. ``Controller``, in the
 process that writes the reports (xdist's controller, or the one process without it):
 where the reports go, the records they are made of, and which worker holds which
 pinned GPUs.
@@ -25,12 +26,10 @@ from ..settings import IsolationSpec, Settings, wants_isolation
 from ..values import SpecError
 
 if TYPE_CHECKING:  # what isolating needs is imported when a test is first isolated
-    from ..gpu.health import Health
     from ..gpu.leases import Lease, Leases
     from ..reports.baseline import Baseline
-    from .launcher import Launcher
-    from .prewarm import Prewarmer
     from .start_failures import StartFailure
+    from .worker import Worker
 
 
 @dataclass
@@ -39,13 +38,11 @@ class State:
 
     settings: Settings
     baseline: Baseline | None = None  # the known leaks (--gpu-isolate-leak-baseline)
-    launcher: Launcher | None = None  # made on first use (``launcher``)
+    worker: Worker | None = None  # made once isolating needs it (``start_worker``)
     devices: Devices = Devices((), "none")
     leases: Leases | None = None  # None: no GPUs, nothing to lease
-    health: Health | None = None  # with the leases, made on first use (``health``)
     nvml: NvmlReader = field(default_factory=NvmlReader)
     parallel: bool = False  # an xdist worker: other isolated tests run at the same time
-    prewarmer: Prewarmer | None = None
     child_options: tuple[tuple[str, Any], ...] | None = None  # pytest_gpuiso_child_options
     master_port: bool = field(default_factory=ports.wanted)  # lease each test a MASTER_PORT
     pin: Lease | None = None  # the GPUs this process has for life (--gpu-isolate-pin-workers)
@@ -202,8 +199,8 @@ def settle(config: pytest.Config) -> None:
     the isolated tests' processes the kernel still tears down (``leaving``), which its
     own ``os.wait()`` could take."""
     state = config.stash.get(STATE, None)
-    if state is not None and state.launcher is not None:
-        state.launcher.reap_ending()
+    if state is not None and state.worker is not None:
+        state.worker.launcher.reap_ending()
 
 
 def gpus_wanted(spec: IsolationSpec, state: State) -> int:
@@ -220,48 +217,14 @@ def default_gpus(settings: Settings, devices: Devices) -> int:
     return 1 if devices.names else 0
 
 
-def launcher(config: pytest.Config, state: State) -> Launcher:
-    """The session's launcher, made on first use (with its prewarmer)."""
-    if state.launcher is None:
-        from ..child import imports
-        from ..forkserver import ServerBoot
-        from ..leaks.shm_log import preload_env, preloadable
-        from ..proc import workdir
-        from ..proc._linux import set_child_subreaper
-        from .launcher import Launcher
-        from .prewarm import Prewarmer
+def start_worker(config: pytest.Config, state: State) -> Worker:
+    """The session's worker, made the first time isolating needs it (``worker``).
+    Raises ``workdir.WorkdirError`` when this process's work directory cannot be made."""
+    if state.worker is None:
+        from .worker import make_worker
 
-        s = state.settings
-        reaper = set_child_subreaper()  # before the fork server starts: it relies on it
-        state.launcher = Launcher(
-            workdir.process_dir(),
-            capture_output=config.getoption("capture") not in ("no", "tee-sys"),
-            start=s.start,
-            subreaper=reaper,
-            exec_env=preload_env() if s.leak_level("shm") != "off" else {},
-            shm_cleanup=s.cleanup,
-            server_boot=ServerBoot(
-                parent_pid=os.getpid(),
-                preload=s.preload,
-                args=tuple(config.invocation_params.args),
-                invocation_dir=str(config.invocation_params.dir),
-                collect_all=s.precollect and s.mode == "all",  # the template collects the args
-                learn=s.learn_imports,
-                learnt=imports.remembered(state.cache) if s.learn_imports else (),
-                template_wait=s.template_wait,
-                cleanup=s.cleanup,
-                options=child_options(config, state),
-            ),
-        )
-        if s.prewarm:
-            state.prewarmer = Prewarmer(state.launcher, s.prewarm)
-        unloadable = preloadable()[1]
-        if unloadable and s.leak_level("shm") != "off":  # said once, with the first test
-            state.launcher.serving.notice(
-                f"the /dev/shm shim cannot be preloaded ({unloadable}): a leaked /dev/shm "
-                "entry is told by what /dev/shm held before and after the test alone"
-            )
-    return state.launcher
+        state.worker = make_worker(config, state, child_options(config, state))
+    return state.worker
 
 
 def child_options(config: pytest.Config, state: State) -> tuple[tuple[str, Any], ...]:
@@ -277,39 +240,22 @@ def child_options(config: pytest.Config, state: State) -> tuple[tuple[str, Any],
 
 def close(state: State) -> None:
     """Discard prewarmed processes, stop the fork server, release a pinned worker's GPUs."""
-    if state.launcher is not None:
-        if state.prewarmer is not None:
-            state.prewarmer.close()
-        server = state.launcher.serving.server
-        if server is not None and state.settings.learn_imports:  # for the next session
-            from ..child import imports
-
-            imports.remember(state.cache, server.learnt, server.unfit)
-        state.launcher.close()
+    if state.worker is not None:
+        state.worker.close(state.cache, remember=state.settings.learn_imports)
     if state.leases is not None:
         for lease in state.pins:
             state.leases.release(lease)
     state.pins, state.pin = [], None
 
 
-def start_server(config: pytest.Config, state: State) -> Launcher | None:
+def start_server(config: pytest.Config, state: State) -> Worker | None:
     """Start the fork server; None when the work directory or a resource it needs is
     missing (each isolated test then says why, as the failure of its own start)."""
     from ..proc import workdir
 
     try:
-        started = launcher(config, state)
-        started.serving.start_server()
+        worker = start_worker(config, state)
+        worker.launcher.serving.start_server()
     except (workdir.WorkdirError, OSError):
         return None
-    return started
-
-
-def health(state: State) -> Health | None:
-    """The session's GPU health (None: no GPUs to lease), made on first use."""
-    if state.health is None and state.leases is not None:
-        from ..gpu.health import Health
-
-        s = state.settings
-        state.health = Health(state.leases, state.nvml, s.health, s.reprobe)
-    return state.health
+    return worker
