@@ -6,9 +6,9 @@ makes the last attempt's reports final (``mark_rerun`` an attempt run again):
 1. take the test's plan (``plans``: its ``IsolationSpec``, its GPUs, its job; a bad
    marker is the test's setup error, missing GPUs its skip);
 2. lease its GPUs and port (in this process: a child that crashes can never strand
-   a GPU), and take its process: prewarmed, or started now (``launcher``);
-3. give it its go with the leak probes of the session's policy (``supervisor.go``);
-4. while it runs, start the next tests' processes (``prewarm``);
+   a GPU), and take its process from the worker's door: prewarmed, or started now;
+3. give it its go with the leak probes of the session's policy (``Worker.go``);
+4. while it runs, have the next tests' processes started (``Worker.prepare_next``);
 5. wait for its outcome (``Running.wait``), give back its lease and port, judge the
    leaks, replay the child's warnings and junit properties, echo what it wrote
    outside capture, and turn the ``Outcome`` into pytest reports (``results``);
@@ -16,9 +16,10 @@ makes the last attempt's reports final (``mark_rerun`` an attempt run again):
    no longer needs, as in-process; attach each attempt's JSON record to its last
    report.
 
-Each of ``launcher``, ``supervisor`` and ``prewarm`` is called from here, downward;
-none calls back. The session-wide side lives in ``session.State``, the means of
-isolating (the door, the prewarmer, the GPUs' health) in its ``worker.Worker``.
+A test's processes come and go through one door, the session's ``worker.Worker``
+(its verbs: ``take``, ``waiting``, ``ready``, ``again``, ``go``, ``prepare_next``,
+``changed``, ``discard``), which is called from here, downward, and never calls back;
+the waiting is ``supervisor``'s. The session-wide side lives in ``session.State``.
 """
 
 from __future__ import annotations
@@ -109,16 +110,16 @@ class Turn:
 
     def go(self, worker: Worker, bounds: Bounds) -> Running:
         """Give its process its go: from now on the process is its run's."""
-        self.running = supervisor.go(worker.launcher, self.started, self.env, self.probes, bounds)
+        self.running = worker.go(self.started, self.env, self.probes, bounds)
         self.started = None
         return self.running
 
     def release(self, state: State, worker: Worker) -> None:
         if self.running is not None and not self.running.waited:
-            worker.launcher.discard(self.running.started)  # before its lease goes
+            worker.discard(self.running.started)  # before its lease goes
         self.running = None
         if self.started is not None:
-            worker.launcher.discard(self.started)
+            worker.discard(self.started)
             self.started = None
         if self.lease is not None and self.owned:
             state.leases.release(self.lease)
@@ -139,7 +140,7 @@ def run_item(item: pytest.Item, nextitem: pytest.Item | None) -> Ran:
         worker = start_worker(item.config, state)
     except workdir.WorkdirError as exc:  # each test says why
         return Ran(setup_error_reports(item, str(exc)))
-    turn = Turn(worker.prewarmer.take(item.nodeid))
+    turn = Turn(worker.take(item.nodeid))
     warmed = False
     spec = None
     try:
@@ -160,10 +161,6 @@ def run_item(item: pytest.Item, nextitem: pytest.Item | None) -> Ran:
                 _prewarm_safely(item, nextitem, state, worker)
                 warmed = True
                 ran = _finish(item, plan, state, worker, turn, running)
-                # the next tests of a module that taught the template: from its successor
-                taught = worker.launcher.serving.taught()
-                if taught is not None:
-                    worker.prewarmer.restart(taught)
     except (StartError, workdir.WorkdirError) as exc:  # out of processes, files: this
         ran = Ran(setup_error_reports(item, str(exc)), spec)  # test fails, the session
     except OSError as exc:  # goes on
@@ -216,7 +213,7 @@ def _go(item: pytest.Item, plan: Plan, state: State, worker: Worker, turn: Turn)
         if never is not None:
             return Ran(setup_error_reports(item, never), spec)
         if turn.started is None and turn.owned:  # start its process while it waits: the
-            turn.started = worker.prewarmer.start_waiting(plan.job)  # lease is used at once
+            turn.started = worker.waiting(plan.job)  # the lease is used from its first ms
         try:
             turn.lease = turn.lease or checks.lease(
                 n, item.nodeid, state.settings.lease_timeout, spec.gpu_memory, pinned
@@ -230,14 +227,14 @@ def _go(item: pytest.Item, plan: Plan, state: State, worker: Worker, turn: Turn)
             turn.port = ports.lease()
         except ports.PortError as exc:  # none free, or binding refused: this test and
             state.master_port = False  # the rest run without one, said once
-            worker.launcher.serving.notice(str(exc))
+            worker.notice(str(exc))
         except OSError as exc:  # out of descriptors: starting its process fails too,
             if exc.errno not in workdir.EXHAUSTED:  # and says why
                 raise
         if turn.port is not None:
             env.update(turn.port.env())
     turn.env = env
-    turn.started = worker.launcher.ready(turn.started, plan.job, env)
+    turn.started = worker.ready(turn.started, plan.job, env)
     turn.probes = _probes(spec, state, turn.lease)
     return turn.go(worker, Bounds(spec.timeout, spec.startup_timeout, spec.grace))
 
@@ -256,9 +253,8 @@ def _finish(
             replaced += 1
             if replaced > supervisor.REPLACEMENTS:
                 raise StartError(supervisor.unstarted_error(running.unstarted, replaced))
-        else:  # only a prewarmed process can be stale
-            worker.prewarmer.replaced(outcome.stale)
-        turn.started = worker.launcher.start(plan.job, dict(turn.env))
+        stale = outcome.stale if running.unstarted is None else None
+        turn.started = worker.again(plan.job, dict(turn.env), stale)
         turn.probes = _probes(spec, state, turn.lease)
         running = turn.go(worker, running.bounds)
         outcome = running.wait()
@@ -342,37 +338,32 @@ def _prewarm_safely(
     try:
         _prewarm(item, nextitem, state, worker)
     except Exception as exc:
-        worker.launcher.serving.notice(f"prewarming failed: {exc}")
+        worker.notice(f"prewarming failed: {exc}")
 
 
 def _prewarm(item: pytest.Item, nextitem: pytest.Item | None, state: State, worker: Worker) -> None:
     """Have the processes of the next isolated tests started (see ``prewarm``): the
     first ``depth`` isolated tests past this one, those that run in a process."""
-    prewarmer = worker.prewarmer
-    if prewarmer.disabled is not None:
+    candidates = worker.upcoming(item.session.items, nextitem, state.parallel)
+    if not candidates:
         return
-    candidates = prewarmer.following(item.session.items, nextitem, state.parallel)
     upcoming = list({c.nodeid: c for c in candidates if isolated(c)}.values())
     jobs = []
-    for candidate in upcoming[: prewarmer.depth]:
+    for candidate in upcoming[: worker.ahead]:
         try:
             plan = plan_for(candidate, state)
         except OSError:  # its temporary directory: its own run says why
             continue
         if plan.runs:
             jobs.append(WarmJob(candidate.nodeid, plan.job, plan.warm_env))
-    prewarmer.refill(jobs)
+    worker.prepare_next(jobs)
 
 
 def _tell_start_problems(item: pytest.Item, worker: Worker) -> list[dict]:
     """Say once (as a warning of the session) that the fork server or prewarming is not
     used, and why. A filter that makes ``GpuIsoStartWarning`` an error ends the session
     after this test, as a usage error (returned as the stop of ``Ran``)."""
-    messages = worker.launcher.serving.news()
-    prewarmer = worker.prewarmer
-    if prewarmer.stale and prewarmer.disabled is None:
-        prewarmer.disable(prewarmer.stale)  # the notices say why
-    for text in messages:  # the session's, not this test's: no test location
+    for text in worker.changed():  # the session's, not this test's: no test location
         if not warn_session(item.config, GpuIsoStartWarning(f"gpu-isolate: {text}")):
             message = f"gpu-isolate: {text} (GpuIsoStartWarning is an error by -W/filterwarnings)"
             return [dict(interrupt=False, message=message, returncode=pytest.ExitCode.USAGE_ERROR)]

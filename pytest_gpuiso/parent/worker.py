@@ -1,4 +1,5 @@
-"""What one pytest process isolates tests with, made together once (``make_worker``).
+"""What one pytest process isolates tests with, made together once (``make_worker``),
+and the one door its tests' processes go through.
 
 The ``Worker`` holds the process door (``Launcher``: spawn or the fork server, each
 process until its run), its ``Prewarmer`` (always there: depth 0 is prewarming off) and
@@ -9,6 +10,13 @@ test; never in a process that isolates nothing (xdist's controller, a session wh
 tests all run in-process). What it is made from is known before: the settings and the
 GPUs, their lease table and pins (``session.prepare``, at configure where pins are
 taken before collection).
+
+The runner asks the worker, never its parts, in a few verbs: for a test's plan, its
+process (``take`` the prewarmed one, ``waiting`` while its lease is awaited, ``ready``
+at its turn, ``again`` when it must be replaced), its ``go``; while a test runs, the
+next tests' processes (``prepare_next``); after it, what changed (``changed``: what the
+tests taught the fork server, prewarming turned off, notices to say); ``discard`` and
+``notice`` at any time.
 """
 
 from __future__ import annotations
@@ -22,11 +30,16 @@ import pytest
 from ..child import imports
 from ..forkserver import ServerBoot
 from ..gpu.health import Health
+from ..leaks import Probe
 from ..leaks.shm_log import preload_env, preloadable
 from ..proc import workdir
 from ..proc._linux import set_child_subreaper
+from . import supervisor
 from .launcher import Launcher
-from .prewarm import Prewarmer
+from .prewarm import Prewarmer, WarmJob
+from .started import Started
+from .supervisor import Running
+from .watch import Bounds
 
 PREWARM_OFF = "prewarming is off (--gpu-isolate-prewarm=0)"
 
@@ -38,6 +51,76 @@ class Worker:
     launcher: Launcher  # the door: every test's process starts and ends its run here
     prewarmer: Prewarmer  # the next tests' processes, started while one runs
     health: Health | None  # the leased GPUs' health (None: no GPUs to lease here)
+
+    # ------------------------------------------------ a test's process, for its plan
+
+    def take(self, nodeid: str) -> Started | None:
+        """The process started ahead for the test ``nodeid``, if there is one."""
+        return self.prewarmer.take(nodeid)
+
+    def waiting(self, job: Any) -> Started | None:
+        """Start ``job``'s process while its test waits for its lease (it sees no GPU
+        until its go); None when prewarming is off or it cannot start (its turn says why)."""
+        return self.prewarmer.start_waiting(job)
+
+    def ready(self, started: Started | None, job: Any, env: dict[str, str]) -> Started:
+        """The process that runs ``job`` at its turn: ``started`` if it still waits, else
+        a fresh one (``launcher.StartError`` when none can start)."""
+        return self.launcher.ready(started, job, env)
+
+    def again(self, job: Any, env: dict[str, str], stale: dict[str, Any] | None) -> Started:
+        """A fresh process for ``job``: its process could not take its GPUs (``stale``:
+        what it said; the prewarmer's policy learns from it) or died before its go."""
+        if stale is not None:
+            self.prewarmer.replaced(stale)
+        return self.launcher.start(job, env)
+
+    def go(
+        self,
+        started: Started,
+        env: dict[str, str],
+        probes: tuple[Probe, ...],
+        bounds: Bounds,
+    ) -> Running:
+        """Give ``started`` its go (see ``supervisor.go``): from now on it is its run's."""
+        return supervisor.go(self.launcher, started, env, probes, bounds)
+
+    def discard(self, started: Started) -> None:
+        """Kill and tidy up a process that will not run (or whose run was abandoned)."""
+        self.launcher.discard(started)
+
+    def notice(self, text: str) -> None:
+        """Say ``text`` once, with the next test (a warning of the session)."""
+        self.launcher.serving.notice(text)
+
+    # ------------------------------------------------ while a test runs, and after
+
+    def upcoming(self, items: list[Any], nextitem: Any, parallel: bool) -> list[Any]:
+        """The items whose processes may start now (none while prewarming is off)."""
+        if self.prewarmer.disabled is not None:
+            return []
+        return self.prewarmer.following(items, nextitem, parallel)
+
+    @property
+    def ahead(self) -> int:
+        """How many of the next tests' processes start ahead (0: prewarming is off)."""
+        return self.prewarmer.depth
+
+    def prepare_next(self, jobs: list[WarmJob]) -> None:
+        """Have the next tests' processes started (the first ``depth`` of ``jobs``)."""
+        self.prewarmer.refill(jobs[: self.prewarmer.depth])
+
+    def changed(self) -> list[str]:
+        """After a test: the waiting processes of a module that taught the fork server
+        started again from its successor, prewarming turned off if a prewarmed process
+        could not take its GPUs; returns the notices to say (once each)."""
+        taught = self.launcher.serving.taught()
+        if taught is not None:
+            self.prewarmer.restart(taught)
+        prewarmer = self.prewarmer
+        if prewarmer.stale and prewarmer.disabled is None:
+            prewarmer.disable(prewarmer.stale)  # the notices say why
+        return self.launcher.serving.news()
 
     def close(self, cache: Any, remember: bool) -> None:
         """Discard prewarmed processes and stop the fork server; ``remember``: keep what
