@@ -13,7 +13,8 @@ taken before collection).
 
 The runner asks the worker, never its parts, in a few verbs: for a test's plan, its
 process (``take`` the prewarmed one, ``waiting`` while its lease is awaited, ``ready``
-at its turn, ``again`` when it must be replaced), its ``go``; while a test runs, the
+at its turn, ``again`` when it must be replaced; a ``group`` of them, started in
+parallel, for a test of N processes), its ``go``; while a test runs, the
 next tests' processes (``prepare_next``); after it, what changed (``changed``: what the
 tests taught the fork server, prewarming turned off, notices to say); ``discard`` and
 ``notice`` at any time.
@@ -67,6 +68,23 @@ class Worker:
         """The process that runs ``job`` at its turn: ``started`` if it still waits, else
         a fresh one (``launcher.StartError`` when none can start)."""
         return self.launcher.ready(started, job, env)
+
+    def group(self, job: Any, envs: list[dict[str, str]]) -> list[Started]:
+        """One process for each of ``envs`` (a distributed test's ranks), all running
+        ``job``, started in parallel: every start is asked for (the fork server gets
+        every request) before any is waited for. All or none: when one cannot start, the
+        others are discarded and ``launcher.StartError`` says why."""
+        started: list[Started] = []
+        try:
+            for env in envs:
+                started.append(self.launcher.start(job, dict(env), warm=True))
+            for i, env in enumerate(envs):
+                started[i] = self.launcher.ready(started[i], job, dict(env))
+        except BaseException:
+            for process in started:
+                self.discard(process)
+            raise
+        return started
 
     def again(self, job: Any, env: dict[str, str], stale: dict[str, Any] | None) -> Started:
         """A fresh process for ``job``: its process could not take its GPUs (``stale``:
