@@ -1,127 +1,16 @@
-"""Fast unit tests of the pure pieces: value parsing, framing and spill, stack trimming."""
+"""The wire between a test's process and pytest's: frames, spill files, the budget of
+what is decoded, plain data."""
 
 from __future__ import annotations
 
-import math
 import multiprocessing
 import os
 import re
-import time
 from multiprocessing.connection import wait
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
-from pytest_gpuiso.child import imports
-from pytest_gpuiso.options import OPTIONS
-from pytest_gpuiso.parent import watch
-from pytest_gpuiso.parent.results import trim_stack
-from pytest_gpuiso.values import (
-    MAX_SECONDS,
-    SHOWN,
-    SpecError,
-    bad_value,
-    parse_allowed,
-    parse_count,
-    parse_devices,
-    parse_memory,
-    parse_path,
-    parse_policy,
-    parse_preload,
-    parse_seconds,
-    parse_size,
-    parse_template_wait,
-)
 from pytest_gpuiso.wire import frames, wire
-
-
-@given(st.floats(min_value=1e-6, max_value=MAX_SECONDS, allow_nan=False))
-def test_positive_seconds_round_trip_through_text(value):
-    assert parse_seconds(repr(value), "--x", allow_zero=False) == value
-    assert parse_seconds(value, "--x", allow_zero=False) == value
-
-
-@given(st.one_of(st.text(), st.floats(), st.integers(), st.booleans(), st.none()))
-def test_any_bad_value_raises_spec_error_naming_source_and_value(value):
-    try:
-        seconds = parse_seconds(value, "--gpu-isolate-timeout", allow_zero=False)
-    except SpecError as exc:
-        message = str(exc)
-        shown = repr(value) if len(repr(value)) <= SHOWN else f"{repr(value)[: SHOWN - 4]}..."
-        assert message.startswith(f"invalid value {shown}")
-        assert " for --gpu-isolate-timeout: expected a number of seconds > 0, at most " in message
-        assert "\n" not in message
-    else:
-        assert math.isfinite(seconds) and seconds > 0
-        assert not isinstance(value, bool)
-
-
-def test_zero_is_allowed_only_when_asked():
-    assert parse_seconds("0", "--g", allow_zero=True) == 0
-    with pytest.raises(SpecError, match="> 0"):
-        parse_seconds("0", "--t", allow_zero=False)
-
-
-@pytest.mark.parametrize("value", [-1, 1.0, "2", True, None])
-def test_counts_must_be_non_negative_integers(value):
-    with pytest.raises(SpecError, match=f"invalid value {value!r} for gpus"):
-        parse_count(value, "gpus")
-
-
-_SHAPE = re.compile(r"^invalid value (.+) for (.+): expected (.+)$")
-
-
-def _bad(parse, value, what: str) -> re.Match:
-    """The one line ``parse`` says of a bad ``value`` from ``what``, matched to the shape."""
-    with pytest.raises(SpecError) as raised:
-        parse(value, what)
-    message = str(raised.value)
-    shape = _SHAPE.match(message)
-    assert shape and "\n" not in message, message
-    assert (shape.group(1), shape.group(2)) == (repr(value), what), message
-    return shape
-
-
-VALUED = [o for o in OPTIONS if o.metavar and o.parse is not parse_path]  # paths: files.py
-
-
-@pytest.mark.parametrize("option", VALUED, ids=lambda o: o.name)
-def test_every_options_bad_value_is_one_line_of_one_shape(option):
-    """From the command line or the ini file: the value, where it came from, and what
-    is expected there (a path's are checked where it is written: test_security_misc)."""
-    for what in (option.cli, f"ini {option.name}"):
-        _bad(option.parse, "bogus", what)
-
-
-@pytest.mark.parametrize(
-    ("parse", "value", "forms"),
-    [
-        # gpu_memory accepts 25%, which its error did not name
-        (parse_memory, "lots", ["bytes", "12GiB", "512MiB", "1.5GB", "KiB", "TB", "25%"]),
-        (parse_memory, "150%", ["bytes", "12GiB", "25%", "more than 0%, at most 100%"]),
-        (parse_memory, "0", ["more than 0 bytes and less than 8 EiB", "25%"]),
-        (parse_size, "huge", ["bytes", "12GiB", "less than 8 EiB"]),
-        (parse_devices, "0,gpu", ["auto", "none", "indices or UUIDs", ":SIZE", "bad entry"]),
-        (parse_devices, "0,0", ["auto", "none", "each once", "device 0 is listed twice"]),
-        (parse_preload, "1bad", ["none", "names of installed modules", "'1bad' is not"]),
-        (parse_policy, "shm=loud", ["warn|fail|off", "kind=level", "gpu_memory", "bad part"]),
-        (parse_allowed, ["gpu"], ["a kind or a list of kinds", "gpu_memory", "all", "'gpu'"]),
-        (parse_allowed, 3, ["a kind or a list of kinds", "shm, process, gpu_memory", "all"]),
-        (parse_count, 1.5, ["an integer >= 0"]),
-        (parse_template_wait, "soon", ["from 0 to 240"]),
-        (parse_template_wait, "1e10", ["from 0 to 240"]),
-    ],
-)
-def test_a_bad_value_names_every_form_accepted_where_it_came_from(parse, value, forms):
-    for what in ("--gpu-isolate-x", "ini gpu_isolate_x", "gpu_isolated marker argument x"):
-        expected = _bad(parse, value, what).group(3)
-        assert [form for form in forms if form not in expected] == [], expected
-
-
-def test_a_long_bad_value_is_shown_by_its_start():
-    shape = _SHAPE.match(str(bad_value("9" * 400, "--x", "a size")))
-    assert shape and shape.group(1) == "'" + "9" * 35 + "...'"
 
 
 def _read_all(reader: frames.Reader) -> list:
@@ -250,34 +139,6 @@ class IntFlagLike(int):
 
 class FloatLike(float):
     pass
-
-
-def test_trim_stack_keeps_test_frames_and_folds_internals():
-    dump = "\n".join(
-        [
-            "Thread 0x1 (most recent call first):",
-            '  File "/usr/lib/python3/threading.py", line 320 in wait',
-            '  File "/x/site-packages/_pytest/runner.py", line 1 in a',
-            "",
-            "Current thread 0x2 (most recent call first):",
-            '  File "/src/test_x.py", line 5 in helper',
-            '  File "/src/test_x.py", line 9 in test_x',
-            '  File "/x/site-packages/_pytest/python.py", line 187 in pytest_pyfunc_call',
-            '  File "/x/site-packages/pluggy/_callers.py", line 1 in _multicall',
-            '  File "/x/site-packages/_pytest/runner.py", line 2 in b',
-        ]
-    )
-    trimmed = trim_stack(dump).splitlines()
-    assert trimmed == [
-        "Thread 0x1 (most recent call first):",
-        '  File "/usr/lib/python3/threading.py", line 320 in wait',
-        "  ... 1 frames of pytest and pytest-gpuiso internals",
-        "",
-        "Current thread 0x2 (most recent call first):",
-        '  File "/src/test_x.py", line 5 in helper',
-        '  File "/src/test_x.py", line 9 in test_x',
-        "  ... 3 frames of pytest and pytest-gpuiso internals",
-    ]
 
 
 def test_past_the_budget_only_the_frames_that_time_the_test_are_kept(tmp_path, monkeypatch):
@@ -410,65 +271,3 @@ def test_a_frame_cut_off_by_the_end_of_the_stream_is_an_error(tmp_path):
             "before it closed the pipe)",
         ),
     ]
-
-
-def test_the_preload_modules_a_test_needs_are_those_its_files_import(tmp_path):
-    (tmp_path / "conftest.py").write_text("import numpy as np\n")
-    (tmp_path / "sub").mkdir()
-    module = tmp_path / "sub" / "test_x.py"
-    module.write_text(
-        "import os, einops.layers as layers\n"
-        "from safetensors import numpy\n"
-        "def test_t():\n"
-        "    torch = pytest.importorskip('torch')\n"
-        '    jax = importlib.import_module("jax")\n'
-    )
-    preload = ("torch", "numpy", "einops", "cattrs", "safetensors.torch", "jax", "scipy")
-    assert imports.needed(preload, module) == (
-        "torch",
-        "numpy",
-        "einops",
-        "safetensors.torch",
-        "jax",
-    )
-    assert imports.needed(preload, tmp_path / "missing.py") == ("numpy",)  # the conftest's
-
-
-def test_a_frame_sent_in_time_is_read_by_a_reader_that_comes_past_the_deadline(tmp_path):
-    """pump reads what is in the pipe once more after the deadline: a BEGIN sent in time
-    but read late (the reader was prewarming) is not a start-up timeout; anything else
-    past the deadline is EXPIRED, however much more the sender writes."""
-    reader, writer = _pipe(tmp_path)
-    exited, _alive = multiprocessing.Pipe(duplex=False)  # a sentinel that never fires
-    prefix = str(tmp_path / "spill-t-")
-    past = time.monotonic() - 1
-    frames.send_frame(writer, frames.BEGIN, ("t", past), prefix)
-    received = watch.Received()
-    assert watch.pump(reader, exited, received, past, frames.BEGIN) == frames.BEGIN
-    frames.send_frame(writer, frames.PHASE, "still going", prefix)
-    assert watch.pump(reader, exited, received, past, frames.END) == watch.EXPIRED
-    assert [kind for kind, _ in received] == [frames.BEGIN, frames.PHASE]
-
-
-@pytest.mark.parametrize("offset", [0.0, 1000.0, -1000.0, math.nan, math.inf])
-def test_the_test_began_when_the_child_says_within_the_go_and_now(tmp_path, offset):
-    """Watch takes the child's own clock for when its test began (its start-up and its
-    timeout do not count the time the parent took to read BEGIN), but only between the
-    go and the moment it was read: a stamp from the future cannot buy the test time."""
-    reader, writer = _pipe(tmp_path)
-    exited, closer = multiprocessing.Pipe(duplex=False)
-    go_at = time.monotonic() - 10
-    prefix = str(tmp_path / "spill-t-")
-    frames.send_frame(writer, frames.BEGIN, ("t", go_at + 5 + offset), prefix)
-    frames.send_frame(writer, frames.END, None, prefix)
-    closer.close()  # the process has exited
-    bounds = watch.Bounds(timeout=60, startup=60, grace=1)
-    seen = watch.Watch(None, reader, exited, tmp_path / "stack", go_at, bounds)
-    before = time.monotonic()
-    assert seen.run() is False and seen.expired is None
-    if offset == 0.0:  # five seconds after its go, though read only now
-        assert seen.began == go_at + 5
-    elif offset < 0:  # before its go: at its go
-        assert seen.began == go_at
-    else:  # later than it was read, or no time at all: when it was read
-        assert before <= seen.began <= time.monotonic()
