@@ -269,7 +269,8 @@ def _finish(
     number = turn.port.port if turn.port is not None else None
     turn.release(state, worker)
     failure = start_failures.of(outcome)
-    start_error = _tell_start_problems(item, worker)
+    # what the test changed: taught modules, prewarming turned off; said as notices
+    start_error = _tell_start_problems(item, worker.changed())
     halt = start_failures.note(state, outcome, failure)
     leaks = outcome.leaks + [torch_check.leak(data) for data in outcome.torch_leaks]
     known = state.baseline.kinds(item.nodeid) if state.baseline is not None else frozenset()
@@ -359,11 +360,12 @@ def _prewarm(item: pytest.Item, nextitem: pytest.Item | None, state: State, work
     worker.prepare_next(jobs)
 
 
-def _tell_start_problems(item: pytest.Item, worker: Worker) -> list[dict]:
+def _tell_start_problems(item: pytest.Item, messages: list[str]) -> list[dict]:
     """Say once (as a warning of the session) that the fork server or prewarming is not
-    used, and why. A filter that makes ``GpuIsoStartWarning`` an error ends the session
-    after this test, as a usage error (returned as the stop of ``Ran``)."""
-    for text in worker.changed():  # the session's, not this test's: no test location
+    used, and why (``messages``: the worker's notices). A filter that makes
+    ``GpuIsoStartWarning`` an error ends the session after this test, as a usage error
+    (returned as the stop of ``Ran``)."""
+    for text in messages:  # the session's, not this test's: no test location
         if not warn_session(item.config, GpuIsoStartWarning(f"gpu-isolate: {text}")):
             message = f"gpu-isolate: {text} (GpuIsoStartWarning is an error by -W/filterwarnings)"
             return [dict(interrupt=False, message=message, returncode=pytest.ExitCode.USAGE_ERROR)]

@@ -125,8 +125,8 @@ class Worker:
         return self.prewarmer.depth
 
     def prepare_next(self, jobs: list[WarmJob]) -> None:
-        """Have the next tests' processes started (the first ``depth`` of ``jobs``)."""
-        self.prewarmer.refill(jobs[: self.prewarmer.depth])
+        """Have the next tests' processes started (the first ``ahead`` of ``jobs``)."""
+        self.prewarmer.refill(jobs)
 
     def changed(self) -> list[str]:
         """After a test: the waiting processes of a module that taught the fork server
