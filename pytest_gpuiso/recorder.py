@@ -9,6 +9,7 @@ report, the terminal summary and GitHub's annotations.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -46,14 +47,20 @@ class Recorder:
         self.running: dict[str, None] = {}  # tests begun and not finished, in their order
         self.unsaved = False  # records came since the report was last written
         self.saved_at = 0.0  # when the partial report may be written again (monotonic)
+        # A write held back by that pace is made when it has passed, by a timer: the test
+        # that runs now (and may hang until the session is killed) is named all the same.
+        self.lock = threading.Lock()  # the partial report's state, between the timer and us
+        self.later: threading.Timer | None = None
+        self.closed = False  # the final report is written: nothing partial after it
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         self.collected = time.monotonic()
 
     def pytest_runtest_logstart(self, nodeid: str) -> None:
-        self.running[nodeid] = None
-        self.unsaved = True  # the partial report names the tests running now
+        with self.lock:
+            self.running[nodeid] = None
+            self.unsaved = True  # the partial report names the tests running now
         self._save_partial()
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
@@ -64,11 +71,14 @@ class Recorder:
 
             findings.locate(record, self.config.rootpath)
             if self.controller is not None:
-                self.controller.records.append(record)
-                self.unsaved = True
+                with self.lock:
+                    self.controller.records.append(record)
+                    self.unsaved = True
 
     def pytest_runtest_logfinish(self, nodeid: str) -> None:
-        self.running.pop(nodeid, None)
+        with self.lock:
+            self.running.pop(nodeid, None)
+            self.unsaved = True  # it runs no longer
         self._save_partial()
 
     def _save_partial(self) -> None:
@@ -76,36 +86,49 @@ class Recorder:
         killed (a CI job's timeout, the OOM killer) leaves that much. Rewritten whole (never
         torn), at each test's start and end; a report so large that writing it takes over
         20 ms is written again only once ten times that has passed (its cost stays under a
-        tenth of the session's time)."""
+        tenth of the session's time), then by a timer if no test starts or ends before."""
         out = self.controller
-        if out is None or out.report_path is None or not self.unsaved:
+        if out is None or out.report_path is None:
             return
-        now = time.monotonic()
-        if now < self.saved_at:
-            return
-        from .reports import files, run_info
+        with self.lock:
+            if self.closed or not self.unsaved:
+                return
+            now = time.monotonic()
+            if now < self.saved_at:
+                if self.later is None:
+                    self.later = threading.Timer(self.saved_at - now, self._save_later)
+                    self.later.daemon = True
+                    self.later.start()
+                return
+            from .reports import files, run_info
 
-        session = run_info.session_block(
-            self.started,
-            time.time(),
-            None,
-            out.records,
-            list(self.config.invocation_params.args),
-            None,
-            running=list(self.running),
-        )
-        try:
-            files.write_json(out.report_path, out.records, None, session)
-        except OSError:
-            return  # said at the session's end, when the final report cannot be written
-        self.unsaved = False
-        took = time.monotonic() - now
-        self.saved_at = now + (10 * took if took > 0.02 else 1e-9)
+            records = list(out.records)
+            args = list(self.config.invocation_params.args)
+            running = list(self.running)
+            session = run_info.session_block(
+                self.started, time.time(), None, records, args, None, running=running
+            )
+            try:
+                files.write_json(out.report_path, records, None, session)
+            except OSError:
+                return  # said at the session's end, when the final report cannot be written
+            self.unsaved = False
+            took = time.monotonic() - now
+            self.saved_at = now + (10 * took if took > 0.02 else 1e-9)
+
+    def _save_later(self) -> None:
+        with self.lock:
+            self.later = None
+        self._save_partial()
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         state, out = self.state, self.controller
         if out is None:
             return  # the xdist controller writes the reports, from every worker's records
+        with self.lock:
+            self.closed = True
+            if self.later is not None:
+                self.later.cancel()
         from .reports import files, findings, report
 
         if state.baseline is not None:

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -192,6 +193,15 @@ def make_gpuiso(
     if start == "forkserver":  # every test's process from the collected template, if it can
         monkeypatch.setenv(TEMPLATE_WAIT_ENV, "120")
     return GpuIso(pytester, start=start, plugins=plugins)
+
+
+def wait_until(predicate: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    """Poll `predicate` every 5 ms; fail naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"gave up after {timeout} s waiting for {what}")
+        time.sleep(0.005)
 
 
 def wait_for_file(path: Path, timeout: float = 60) -> str:

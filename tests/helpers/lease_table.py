@@ -11,7 +11,6 @@ import os
 import resource
 import signal
 import time
-from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -23,6 +22,8 @@ from pytest_gpuiso._lease import (
     REGION_SIZE,
     Region,
 )
+
+from tests.helpers import wait_until  # noqa: F401 (used by the tests built on this)
 
 CONTEXTS = ["fork", "spawn"]
 GIB = 1 << 30
@@ -47,15 +48,6 @@ needs_layout = pytest.mark.skipif(
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def wait_until(predicate: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    """Poll `predicate` every 5 ms; fail naming `what` after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"gave up after {timeout} s waiting for {what}")
-        time.sleep(0.005)
 
 
 def waiting_pids(region: Region) -> set[int]:
