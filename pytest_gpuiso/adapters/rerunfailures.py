@@ -69,6 +69,10 @@ class RerunAdapter:
         noop = getattr(rf, "StatusDB", None)
         if noop is not None and hasattr(rf, "ServerStatusDB"):
             rf.ServerStatusDB = noop
+        if rf is not None:
+            # Its release read here, in the template, once: not by each test's process
+            # forked from it (reading a distribution's metadata takes milliseconds).
+            _version()
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_protocol(self, item: Any, nextitem: Any) -> bool | None:

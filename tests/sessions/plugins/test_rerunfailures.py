@@ -14,6 +14,7 @@ from importlib.metadata import PackageNotFoundError, version
 import pytest
 
 from pytest_gpuiso.reports import report
+from tests.helpers import make_gpuiso
 from tests.helpers.output import Terminal
 
 # Another plugin's API: the runs load it beside ours
@@ -178,3 +179,21 @@ def test_the_summaries_count_a_rerun_test_once() -> None:
     text = report.markdown(records)
     assert "**1 isolated tests** (1 passed, 1 rerun)" in text
     assert "| 3 in 1 tests |" in text
+
+
+@installed
+def test_the_template_reads_its_release_once_for_every_fork(pytester, monkeypatch) -> None:
+    """Reading a distribution's metadata takes milliseconds: the template reads
+    rerunfailures' release (for the payload's checks) before it forks, so no test's process
+    reads it again."""
+    gpuiso = make_gpuiso(pytester, monkeypatch, "forkserver", plugins=("rerunfailures",))
+    pytester.makepyfile(
+        test_release="""
+        from pytest_gpuiso.adapters import rerunfailures
+
+        def test_read_before_the_fork():
+            assert rerunfailures._version.cache_info().currsize == 1
+        """
+    )
+    result = gpuiso.run("--gpu-isolate", "test_release.py")
+    result.assert_outcomes(passed=1)
