@@ -255,7 +255,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if worker is not None:
         directories = {str(Path(module).parent) for module in modules}
         precollect = sorted(modules) if state.settings.precollect else []
-        worker.launcher.serving.collect(sorted(directories), precollect)
+        worker.precollect(sorted(directories), precollect)
 
 
 @pytest.hookimpl(trylast=True)

@@ -200,7 +200,7 @@ def settle(config: pytest.Config) -> None:
     own ``os.wait()`` could take."""
     state = config.stash.get(STATE, None)
     if state is not None and state.worker is not None:
-        state.worker.launcher.reap_ending()
+        state.worker.settle()
 
 
 def gpus_wanted(spec: IsolationSpec, state: State) -> int:
@@ -255,7 +255,7 @@ def start_server(config: pytest.Config, state: State) -> Worker | None:
 
     try:
         worker = start_worker(config, state)
-        worker.launcher.serving.start_server()
+        worker.start_server()
     except (workdir.WorkdirError, OSError):
         return None
     return worker

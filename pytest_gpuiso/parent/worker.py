@@ -111,6 +111,22 @@ class Worker:
         """Say ``text`` once, with the next test (a warning of the session)."""
         self.launcher.serving.notice(text)
 
+    # ------------------------------------------------ the session's side
+
+    def start_server(self) -> None:
+        """Start the fork server now (it loads while pytest collects), if the session forks."""
+        self.launcher.serving.start_server()
+
+    def precollect(self, directories: list[str], modules: list[str]) -> None:
+        """Have the fork server load the conftests of ``directories`` and its template
+        collect ``modules``, when there is a server."""
+        self.launcher.serving.collect(directories, modules)
+
+    def settle(self) -> None:
+        """Reap the tests' processes the kernel still tears down, before test code runs
+        in pytest's own process (its ``os.wait()`` could take them)."""
+        self.launcher.reap_ending()
+
     # ------------------------------------------------ while a test runs, and after
 
     def upcoming(self, items: list[Any], nextitem: Any, parallel: bool) -> list[Any]:
