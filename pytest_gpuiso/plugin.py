@@ -176,38 +176,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     from .parent import runner
 
     prepare(item.config, item.config.stash[STATE])
-    ihook = item.ihook
-    attempt = 1
-    while True:  # each attempt in a fresh process, while pytest_gpuiso_rerun says so
-        ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
-        ran = runner.run_item(item, nextitem)
-        again = None
-        if ran.stop is None:
-            again = item.config.hook.pytest_gpuiso_rerun(
-                item=item,
-                attempt=attempt,
-                reports=ran.reports,
-                payload=ran.payload,
-                complete=ran.complete,
-            )
-        if again is not None:  # a plugin counts this test's attempts (pytest-rerunfailures)
-            for rep in ran.reports:
-                rep.rerun = attempt - 1  # type: ignore[attr-defined] - as rerunfailures sets it
-        if not again:
-            break
-        runner.mark_rerun(item, ran, attempt)
-        for rep in ran.reports:
-            ihook.pytest_runtest_logreport(report=rep)
-        ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
-        attempt += 1
-    runner.finish_item(item, nextitem, ran, attempt)
-    for rep in ran.reports:
-        ihook.pytest_runtest_logreport(report=rep)
-    if ran.stop is not None:  # pytest.exit() or Ctrl-C in the test: end the session here too
-        runner.stop_session(ran.stop)
-    ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
-    if ran.halt is not None and not item.session.shouldstop:  # as -x stops it (and xdist's
-        item.session.shouldstop = ran.halt  # controller, told by the worker)
+    runner.protocol(item, nextitem)
     return True
 
 

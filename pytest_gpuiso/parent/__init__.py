@@ -4,7 +4,8 @@ Runs in pytest's process only. ``runner`` takes a test down one straight path: i
 (``plans``), its GPU lease, its process started (``launcher``, ``started``, ``prewarm``)
 and watched to its end (``supervisor``, ``watch``, ``leaving``) or counted among those
 that could not start (``start_failures``), what it sent decoded
-(``outcome``, ``results``) and replayed into pytest (``replay``); ``session`` holds the
+(``outcome``, ``results``) and replayed into pytest (``replay``), its verdict
+(``verdict``); ``session`` holds the
 session's side of isolation, ``worker`` what it isolates with (the door, the prewarmer,
 the GPUs' health: made once), and ``call`` runs a function isolated (``run_isolated``).
 Owns the tests' processes and the leases they hold; never creates a CUDA context.

@@ -39,7 +39,7 @@ def final_outcome(reports: list[pytest.TestReport]) -> str:
 
 
 class Run(Protocol):
-    """What a record is made of: one attempt of a test (``runner.Ran``)."""
+    """What a record is made of: one attempt of a test (``verdict.Ran``)."""
 
     reports: list[pytest.TestReport]
     spec: IsolationSpec | None

@@ -1,7 +1,8 @@
-"""One isolated test, parent side: its GPUs, its lease, its probes, its run, its verdict.
+"""One isolated test, parent side: its attempts, its GPUs, its lease, its probes, its run.
 
-``run_item`` runs one attempt, from the test's turn to its reports; ``finish_item``
-makes the last attempt's reports final (``mark_rerun`` an attempt run again):
+``protocol`` is pytest's runtest protocol for it: each attempt (``run_item``) in a fresh
+process while ``pytest_gpuiso_rerun`` says so (``mark_rerun`` an attempt run again), the
+last made final (``finish_item``), the reports logged. One attempt:
 
 1. take the test's plan (``plans``: its ``IsolationSpec``, its GPUs, its job; a bad
    marker is the test's setup error, missing GPUs its skip);
@@ -9,9 +10,10 @@ makes the last attempt's reports final (``mark_rerun`` an attempt run again):
    a GPU), and take its process from the worker's door: prewarmed, or started now;
 3. give it its go with the leak probes of the session's policy (``Worker.go``);
 4. while it runs, have the next tests' processes started (``Worker.prepare_next``);
-5. wait for its outcome (``Running.wait``), give back its lease and port, judge the
-   leaks, replay the child's warnings and junit properties, echo what it wrote
-   outside capture, and turn the ``Outcome`` into pytest reports (``results``);
+5. wait for its outcome (``Running.wait``; a fresh process where its own could not run
+   it), judge its GPUs, give back its lease and port; ``verdict.assemble`` turns the
+   ``Outcome`` into the test's ``Ran``: its leaks judged, what it sent replayed, its
+   reports;
 6. after the last attempt, tear down the parent's own fixtures that ``nextitem``
    no longer needs, as in-process; attach each attempt's JSON record to its last
    report.
@@ -24,74 +26,39 @@ the waiting is ``supervisor``'s. The session-wide side lives in ``session.State`
 
 from __future__ import annotations
 
-from dataclasses import KW_ONLY, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 
 from .. import _compat
 from ..gpu import pinning, ports
-from ..gpu.health import Checkup
 from ..gpu.leases import Lease, LeaseError
 from ..gpu.ports import PortLease
-from ..leaks import Probe, Verdict, judge
-from ..leaks import torch as torch_check
+from ..leaks import Probe
 from ..leaks.gpu_memory import GpuMemoryProbe
 from ..leaks.shm import ShmProbe
 from ..proc import workdir
 from ..settings import IsolationSpec
-from ..values import KINDS
 from ..warning_types import GpuIsoStartWarning, warn_session
 from ..wire.environment import MEMORY_ENV
-from . import replay, start_failures, supervisor
+from . import supervisor, verdict
 from .launcher import StartError
 from .outcome import Outcome
 from .plans import PLAN, Plan, plan_for
 from .prewarm import WarmJob
-from .recording import attach_record, build_record
+from .recording import attach_record
 from .results import (
     apply_xfail,
-    attach_xids,
-    item_reports,
     setup_error_reports,
     skip_reports,
 )
 from .session import STATE, State, isolated, settle, start_worker
-from .start_failures import StartFailure
 from .started import Started
 from .supervisor import Running
+from .verdict import Ran
 from .watch import Bounds
 from .worker import Worker
-
-
-@dataclass
-class Ran:
-    """What became of one isolated test: its reports and what its record is made of."""
-
-    reports: list[pytest.TestReport]
-    spec: IsolationSpec | None = None
-    _: KW_ONLY  # what follows is named where a Ran is made
-    outcome: Outcome | None = None  # None: no process ran
-    lease: Lease | None = None
-    verdict: Verdict | None = None
-    stop: dict[str, Any] | None = None  # pytest.exit() or Ctrl-C in the test: end the session
-    payload: dict[str, Any] = field(default_factory=dict)  # pytest_gpuiso_child_payload's
-    peak: int | None = None  # most GPU memory its processes held on one GPU (NVML)
-    port: int | None = None  # its MASTER_PORT (None: the user's own, or none leased)
-    health: Checkup | None = None  # its GPUs' probe after it (None: not probed)
-    leak_checks: tuple[str, ...] = ()  # the leak kinds checked after it
-    folded: int = 0  # its warnings an earlier test's process gave (not replayed again)
-    gpu_notes: tuple[str, ...] = ()  # GPU holders on its GPUs that were not its: not blamed
-    start_failure: StartFailure | None = None  # its process could not start (its words)
-    halt: str | None = None  # why the session stops after it (none of its processes can start)
-
-    @property
-    def complete(self) -> bool:
-        """No process ran, or it finished: it neither crashed nor timed out."""
-        return self.outcome is None or self.outcome.finished
-
-    def record(self, item: pytest.Item, attempt: int = 1, rerun: bool = False) -> dict[str, Any]:
-        return build_record(item.nodeid, item.location, self, attempt, rerun)
 
 
 @dataclass
@@ -127,6 +94,43 @@ class Turn:
         if self.port is not None:
             self.port.release()
             self.port = None
+
+
+def protocol(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """pytest's runtest protocol for an isolated test: each attempt in a fresh process
+    while ``pytest_gpuiso_rerun`` says so, its reports logged as pytest logs them."""
+    ihook = item.ihook
+    attempt = 1
+    while True:
+        ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+        ran = run_item(item, nextitem)
+        again = None
+        if ran.stop is None:
+            again = item.config.hook.pytest_gpuiso_rerun(
+                item=item,
+                attempt=attempt,
+                reports=ran.reports,
+                payload=ran.payload,
+                complete=ran.complete,
+            )
+        if again is not None:  # a plugin counts this test's attempts (pytest-rerunfailures)
+            for rep in ran.reports:
+                rep.rerun = attempt - 1  # type: ignore[attr-defined] - as rerunfailures sets it
+        if not again:
+            break
+        mark_rerun(item, ran, attempt)
+        for rep in ran.reports:
+            ihook.pytest_runtest_logreport(report=rep)
+        ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+        attempt += 1
+    finish_item(item, nextitem, ran, attempt)
+    for rep in ran.reports:
+        ihook.pytest_runtest_logreport(report=rep)
+    if ran.stop is not None:  # pytest.exit() or Ctrl-C in the test: end the session here too
+        stop_session(ran.stop)
+    ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+    if ran.halt is not None and not item.session.shouldstop:  # as -x stops it (and xdist's
+        item.session.shouldstop = ran.halt  # controller, told by the worker)
 
 
 def run_item(item: pytest.Item, nextitem: pytest.Item | None) -> Ran:
@@ -242,12 +246,30 @@ def _go(item: pytest.Item, plan: Plan, state: State, worker: Worker, turn: Turn)
 def _finish(
     item: pytest.Item, plan: Plan, state: State, worker: Worker, turn: Turn, running: Running
 ) -> Ran:
-    """Wait for the test's process, give back its lease and port, and judge what it did."""
-    spec = plan.spec
+    """Wait for the test's process, judge its GPUs before anyone else may lease them, give
+    back its lease and port; then its verdict (``verdict.assemble``)."""
+    outcome = _wait(plan, state, worker, turn, running)
+    checked = None
+    gpu = verdict.gpu_probe(turn.probes)
+    if turn.lease is not None and worker.health is not None:
+        others = gpu.others if gpu is not None else None  # NVML pids on its GPUs not its
+        shared = _shared(plan.spec, state)
+        checked = worker.health.after(item.nodeid, turn.lease, outcome, shared, others)
+    port = turn.port.port if turn.port is not None else None
+    held = verdict.Held(turn.lease, turn.probes, port, checked)
+    turn.release(state, worker)
+    # what the test changed: taught modules, prewarming turned off; said as notices
+    start_error = _tell_start_problems(item, worker.changed())
+    return verdict.assemble(item, plan.spec, state, outcome, held, start_error)
+
+
+def _wait(plan: Plan, state: State, worker: Worker, turn: Turn, running: Running) -> Outcome:
+    """The test's outcome. Its process initialised CUDA before it knew its GPUs, or died
+    before it read its go (killed by someone who cleans up processes): none of the test
+    ran there, a fresh one runs it (at most ``supervisor.REPLACEMENTS`` times for the
+    second)."""
     outcome = running.wait()
     replaced = 0
-    # It initialised CUDA before it knew its GPUs, or died before it read its go (killed
-    # by someone who cleans up processes): none of the test ran there, a fresh one runs it
     while outcome.stale is not None or running.unstarted is not None:
         if running.unstarted is not None:
             replaced += 1
@@ -255,62 +277,11 @@ def _finish(
                 raise StartError(supervisor.unstarted_error(running.unstarted, replaced))
         stale = outcome.stale if running.unstarted is None else None
         turn.started = worker.again(plan.job, dict(turn.env), stale)
-        turn.probes = _probes(spec, state, turn.lease)
+        turn.probes = _probes(plan.spec, state, turn.lease)
         running = turn.go(worker, running.bounds)
         outcome = running.wait()
         outcome.prewarmed = False
-    lease = turn.lease
-    checked = None  # its GPUs probed, before anyone else may lease them
-    checks = worker.health
-    gpu = next((p for p in turn.probes if isinstance(p, GpuMemoryProbe)), None)
-    if lease is not None and checks is not None:
-        others = gpu.others if gpu is not None else None  # NVML pids on its GPUs not its
-        checked = checks.after(item.nodeid, lease, outcome, _shared(spec, state), others)
-    number = turn.port.port if turn.port is not None else None
-    turn.release(state, worker)
-    failure = start_failures.of(outcome)
-    # what the test changed: taught modules, prewarming turned off; said as notices
-    start_error = _tell_start_problems(item, worker.changed())
-    halt = start_failures.note(state, outcome, failure)
-    leaks = outcome.leaks + [torch_check.leak(data) for data in outcome.torch_leaks]
-    known = state.baseline.kinds(item.nodeid) if state.baseline is not None else frozenset()
-    verdict = judge(leaks, dict(state.settings.leaks), spec.allow_leaks, known)
-    seen = state.warned if state.settings.warnings == "once" else None
-    folded = replay.replay_warnings(item.config, outcome.warnings, seen)
-    verdict = replay.warn_leaks(item, verdict)
-    replay.replay_junit(item.config, outcome.junit)
-    replay.warn_cuda_without_gpu(item, spec.gpus == 0, outcome.driver)
-    if outcome.finished and outcome.output and failure is None:  # not its start's noise
-        replay.echo(item.config, outcome.output)
-    stop = outcome.exits or start_error
-    reports = failure.reports(item) if failure else item_reports(item, spec, outcome, verdict)
-    attach_xids(item, reports, checked.xids if checked else [])
-    payload: dict[str, Any] = {}
-    for sent in outcome.payloads:  # one, unless a plugin misbehaved
-        payload.update(sent)
-        item.config.hook.pytest_gpuiso_parent_payload(item=item, payload=sent, reports=reports)
-    notes = tuple(gpu.notes) if gpu is not None else ()  # said in the session's summary
-    stopped = stop[0] if stop else None
-    kinds = {p.kind for p in turn.probes} | {"process"}  # the sweep always runs
-    ran = [k for k in KINDS if k in kinds and state.settings.leak_level(k) != "off"]
-    checks = () if outcome.interrupted else tuple(ran)
-    return Ran(
-        reports,
-        spec,
-        outcome=outcome,
-        lease=lease,
-        verdict=verdict,
-        stop=stopped,
-        payload=payload,
-        peak=gpu.peak if gpu is not None else None,
-        port=number,
-        health=checked,
-        leak_checks=checks,
-        folded=folded,
-        gpu_notes=notes,
-        start_failure=failure,
-        halt=halt,
-    )
+    return outcome
 
 
 def _probes(spec: IsolationSpec, state: State, lease: Lease | None) -> tuple[Probe, ...]:

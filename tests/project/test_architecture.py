@@ -516,8 +516,8 @@ def test_private_pytest_apis_are_used_in_compat_only() -> None:
 
 
 # ----------------------------------------------------------------- one test's run, parent side
-# runner.run_item -> launcher (start / take prewarmed) -> supervisor.go -> prewarm -> wait:
-# each entered downward, none calls back up (GUIDE.md, "The next shape").
+# runner.protocol -> run_item -> launcher (start / take prewarmed) -> supervisor.go ->
+# prewarm -> wait: each entered downward, none calls back up (GUIDE.md, "The next shape").
 
 LIFECYCLE = ("launcher", "supervisor", "prewarm", "watch")
 
