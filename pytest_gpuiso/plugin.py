@@ -22,6 +22,7 @@ _import_plainly()  # loaded once pytest marked us (in a process that imported th
 
 from . import native
 from .options import add_options
+from .parent import early
 from .parent.session import (
     CONTROLLER,
     STATE,
@@ -63,6 +64,13 @@ def _is_child(config: pytest.Config) -> bool:
     return config.pluginmanager.has_plugin(CHILD_PLUGIN)
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
+    """Start the fork server's interpreter before the conftests load where it will serve
+    every test (``parent.early``)."""
+    early.start(early_config)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", MARKER_DOC)
     if _is_child(config):
@@ -102,6 +110,7 @@ def _debugger(config: pytest.Config) -> str:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
+    early.discard(config)
     state = config.stash.get(STATE, None)
     if state is not None:
         close(state)
@@ -200,6 +209,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     state = session.config.stash.get(STATE, None)
     if _wants_server(session.config, state) and state.settings.mode == "all":
         start_server(session.config, state)
+    early.discard(session.config)  # the server did not take it: not needed after all
 
 
 @pytest.hookimpl(tryfirst=True)  # before the terminal asks for its lines

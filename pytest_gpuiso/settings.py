@@ -214,6 +214,30 @@ def read_settings(config: pytest.Config) -> Settings:
         raise pytest.UsageError(f"gpu-isolate: {exc}") from None
 
 
+def read_early(config: pytest.Config, known: Any) -> Settings | None:
+    """The settings as ``pytest_load_initial_conftests`` can know them (``known``: the
+    options parsed so far; the ini file); None when they are not valid (``read_settings``
+    says why, at ``pytest_configure``)."""
+    try:
+        return _read(_Early(config, known))  # type: ignore[arg-type] - what _read asks
+    except (SpecError, pytest.UsageError, ValueError, AttributeError):
+        return None
+
+
+class _Early:
+    """What ``_read`` asks of a config, before pytest has parsed the whole command line."""
+
+    def __init__(self, config: pytest.Config, known: Any) -> None:
+        self.config = config
+        self.known = known
+
+    def getoption(self, name: str) -> Any:
+        return getattr(self.known, name, None)
+
+    def getini(self, name: str) -> Any:
+        return self.config.getini(name)
+
+
 def _read(config: pytest.Config) -> Settings:
     fields: dict[str, Any] = {}
     for option in OPTIONS:

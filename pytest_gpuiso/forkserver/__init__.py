@@ -2,7 +2,8 @@
 
 Starting an interpreter and importing pytest, its plugins and torch costs seconds;
 forking a process that already did costs milliseconds. ``ForkServer`` is pytest's
-handle on it; the server process is ``server``, its pre-collected session (the
+handle on it (its interpreter may have been started early, ``prestart``, while pytest's
+process configured and collected); the server process is ``server``, its pre-collected session (the
 template) ``template``, and the fork mechanics and request wire ``fork``.
 
 Also here: ``audit`` (whether the template is fit to be forked), ``pools`` (threads
@@ -15,19 +16,97 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import sys
 from pathlib import Path
 from typing import Any
 
 from ..child import imports
 from ..proc._linux import wait_readable
-from ..proc.proctree import main_not_rerun, reap_or_kill, reap_pid, unlist
+from ..proc.proctree import exec_environment, main_not_rerun, reap_or_kill, reap_pid, unlist
 from ..wire import wire
 from .fork import close_quietly, send_request
-from .server import LEARN_WEIGHT, ServerBoot, Unavailable, main, module_of
+from .server import LEARN_WEIGHT, ServerBoot, Unavailable, main, module_of, prestarted
 
-__all__ = ["LEARN_WEIGHT", "ForkServer", "ServerBoot", "Unavailable", "module_of"]
+__all__ = [
+    "LEARN_WEIGHT",
+    "ForkServer",
+    "ServerBoot",
+    "Unavailable",
+    "discard_prestarted",
+    "module_of",
+    "prestart",
+]
 
 _ANSWER_BYTES = 1 << 16  # an answer of the server is a pid and a line or two
+
+# What an interpreter reads as it starts (itself, the dynamic linker, glibc, the .pth
+# files of site-packages: coverage's and pytest-cov's process hooks among them): a server
+# started before one of these changed is not the server pytest's process would start now.
+STARTUP_PREFIXES = ("PYTHON", "LD_", "COV_CORE_", "COVERAGE_", "MALLOC_", "GLIBC_", "LC_")
+STARTUP_NAMES = frozenset({"HOME", "PATH", "LANG", "SETUPTOOLS_USE_DISTUTILS"})
+
+
+def startup_environment(names: Any = ()) -> dict[str, str | None]:
+    """This process's variables that a new interpreter reads at its start, and ``names``."""
+    found: dict[str, str | None] = {name: os.environ.get(name) for name in names}
+    for name, value in os.environ.items():
+        if name.startswith(STARTUP_PREFIXES) or name in STARTUP_NAMES:
+            found[name] = value
+    return found
+
+
+class Prestart:
+    """A fork server's interpreter started before pytest's conftests load, importing pytest
+    and ours while pytest's process configures and collects; it waits for its boot
+    (``ForkServer`` takes it when its start-up environment is still this process's)."""
+
+    def __init__(self, ctx: Any, env: dict[str, str]) -> None:
+        self.conn, theirs = ctx.Pipe(duplex=True)
+        self.proc = ctx.Process(target=prestarted, args=(theirs, os.getpid()), daemon=False)
+        self.env = env
+        with exec_environment(env):
+            with main_not_rerun():
+                self.proc.start()
+            self.startup = startup_environment(env)
+        unlist(self.proc)
+        theirs.close()
+
+    def fits(self) -> bool:
+        """Whether it was exec'd as a server started now would be (asked within that
+        server's exec environment)."""
+        return startup_environment(self.env) == self.startup
+
+    def close(self) -> None:
+        """Discard it unused: it exits when its pipe closes; reaped (killed if it lingers)."""
+        close_quietly(self.conn)
+        reap_or_kill(self.proc, self.proc.sentinel, 1.0)  # no child of its own holds it
+
+
+_prestarted: dict[int, Prestart] = {}  # by the pid of the pytest process that started it
+
+
+def prestart(ctx: Any, env: dict[str, str]) -> None:
+    """Start this process's fork server's interpreter now, with ``env`` at its exec (the
+    shim's ``LD_PRELOAD``); ``ForkServer`` takes it, or ``discard_prestarted`` ends it."""
+    if os.getpid() not in _prestarted:
+        _prestarted[os.getpid()] = Prestart(ctx, env)
+
+
+def discard_prestarted() -> None:
+    """End this process's early interpreter if no ``ForkServer`` took it."""
+    early = _prestarted.pop(os.getpid(), None)
+    if early is not None:
+        early.close()
+
+
+def _take_prestarted() -> Prestart | None:
+    """This process's early interpreter, if its start-up environment is still this
+    process's (else it is discarded: a fresh one sees what changed)."""
+    early = _prestarted.pop(os.getpid(), None)
+    if early is not None and not early.fits():
+        early.close()
+        return None
+    return early
 
 
 class ForkServer:
@@ -35,14 +114,24 @@ class ForkServer:
 
     def __init__(self, ctx: Any, boot: ServerBoot) -> None:
         self.log = Path(boot.log)
-        self.conn, theirs = ctx.Pipe(duplex=True)  # a Unix socket pair
-        self.proc = ctx.Process(target=main, args=(boot, theirs), daemon=False)
-        with main_not_rerun():
-            self.proc.start()
-        unlist(self.proc)
+        early = _take_prestarted()
+        if early is not None:
+            try:  # what a fresh spawn would see now: this process's environment and path
+                early.conn.send((boot, dict(os.environ), list(sys.path)))
+            except OSError:  # it died waiting: start one now
+                early.close()
+                early = None
+        if early is not None:
+            self.conn, self.proc = early.conn, early.proc
+        else:
+            self.conn, theirs = ctx.Pipe(duplex=True)  # a Unix socket pair
+            self.proc = ctx.Process(target=main, args=(boot, theirs), daemon=False)
+            with main_not_rerun():
+                self.proc.start()
+            unlist(self.proc)
+            theirs.close()
         # Its exit, seen even while forked tests hold its sentinel pipe (they inherit it).
         self.pidfd = os.pidfd_open(self.proc.pid)
-        theirs.close()
         self.sock = socket.socket(fileno=os.dup(self.conn.fileno()))
         self.ready = False
         self.template_pid: int | None = None  # the server's template, when it is our child

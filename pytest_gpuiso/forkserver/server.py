@@ -15,6 +15,7 @@ import gc
 import os
 import signal
 import socket
+import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -116,6 +117,23 @@ def main(boot: ServerBoot, conn: Connection) -> None:
         server.stop_template()
         os._exit(0)
     test()
+
+
+def prestarted(conn: Connection, parent_pid: int) -> None:
+    """Entry point of a fork server started before pytest's conftests load
+    (``forkserver.Prestart``): unpickling this call imported pytest and ours while pytest's
+    process configured and collected. It waits for its boot, with pytest's environment and
+    ``sys.path`` as they are by then (a conftest may have changed them), and serves as
+    ``main`` does; closed unused, it exits."""
+    die_with_parent(parent_pid)
+    try:
+        boot, environ, path = conn.recv()
+    except (EOFError, OSError):
+        os._exit(0)
+    os.environ.clear()
+    os.environ.update(environ)
+    sys.path[:] = path
+    main(boot, conn)
 
 
 def _prepare(boot: ServerBoot) -> Any:

@@ -11,6 +11,7 @@ the GPUs' health: made once), and ``call`` runs a function isolated (``run_isola
 Owns the tests' processes and the leases they hold; never creates a CUDA context.
 
 Also here: ``recording`` (each test's JSON record, built once), ``serving`` (the
-session's use of the fork server) and ``standins`` (stand-in warning categories, for
+session's use of the fork server), ``early`` (its interpreter, started before the
+conftests load) and ``standins`` (stand-in warning categories, for
 xdist's controller).
 """

@@ -14,17 +14,40 @@ processes; nothing here starts a test's process.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import os
 from pathlib import Path
 from typing import Any
 
-from ..forkserver import LEARN_WEIGHT, ForkServer, ServerBoot, module_of
+from ..forkserver import LEARN_WEIGHT, ForkServer, ServerBoot, discard_prestarted, module_of
 from ..proc.proctree import ensure_resource_tracker, exec_environment
-from ..proc.workdir import private_file
+from ..proc.workdir import owner, private_file, process_dir
 
 _LOGS = itertools.count(1)  # unique log names within this process, whatever the Serving
+
+
+def prestart(shm_shim: bool) -> None:
+    """Start the fork server's interpreter now, before pytest's conftests load (best effort:
+    else it starts at ``pytest_sessionstart``), exec'd as ``start_server`` would exec it:
+    with the shim preloaded where the /dev/shm leak checks are on (``shm_shim``), and with
+    this session's owner mark (the next session finds what it and its forks left, from
+    the environment they were exec'd with)."""
+    import multiprocessing
+
+    from ..forkserver import prestart as start_early
+    from ..leaks.shm_log import preload_env
+    from ..wire.environment import OWNER_ENV
+
+    with contextlib.suppress(Exception):
+        env = {**(preload_env() if shm_shim else {}), OWNER_ENV: owner(process_dir())}
+        start_early(multiprocessing.get_context("spawn"), env)
+
+
+def discard_early() -> None:
+    """End the interpreter ``prestart`` started if no server took it (not needed after all)."""
+    discard_prestarted()
 
 
 class Serving:
