@@ -29,6 +29,21 @@ def signal_name(exitcode: int | None) -> str | None:
         return f"signal {-exitcode}"
 
 
+@dataclass(frozen=True)
+class SessionStop:
+    """The test's ``pytest.exit()`` or Ctrl-C (a ``KeyboardInterrupt``): pytest's session
+    ends after it too, as in-process (``runner.stop_session``)."""
+
+    interrupt: bool  # Ctrl-C, or a KeyboardInterrupt the test raised
+    message: str
+    returncode: int | None = None  # pytest.exit(returncode=...)
+
+    @classmethod
+    def of(cls, payload: dict[str, Any]) -> SessionStop:
+        """From an ``EXIT`` frame's payload (its shape checked by ``frames.check``)."""
+        return cls(bool(payload["interrupt"]), str(payload["message"]), payload["returncode"])
+
+
 @dataclass
 class Outcome:
     """What one isolated run produced and how the child ended (data only).
@@ -68,7 +83,7 @@ class Outcome:
     driver: list[str] = field(default_factory=list)  # CUDA libraries loaded with no GPU
     imported: list[dict[str, Any]] = field(default_factory=list)  # learnable imports
     fixtures: list[tuple[str, str]] = field(default_factory=list)  # broader than the test
-    exits: list[dict[str, Any]] = field(default_factory=list)  # pytest.exit() or Ctrl-C
+    exits: list[SessionStop] = field(default_factory=list)  # pytest.exit() or Ctrl-C
     errors: list[str] = field(default_factory=list)
     results: list[bytes] = field(default_factory=list)  # run_isolated: the value, pickled
     exceptions: list[dict[str, Any]] = field(default_factory=list)  # run_isolated's raise
@@ -121,7 +136,7 @@ class Outcome:
     @property
     def interrupted(self) -> bool:
         """Ctrl-C (or a ``KeyboardInterrupt`` the test raised) ended the session in this test."""
-        return any(stop.get("interrupt") for stop in self.exits)
+        return any(stop.interrupt for stop in self.exits)
 
 
 def _set(name: str, value: Any = None) -> Callable[[Outcome, Any], None]:
@@ -159,7 +174,7 @@ _HANDLERS: dict[str, tuple[bool, Callable[[Outcome, Any], None]]] = {
     frames.DRIVER: (False, _first("driver")),
     frames.IMPORTED: (False, _add("imported")),
     frames.FIXTURE: (False, _add("fixtures")),
-    frames.EXIT: (False, _add("exits")),
+    frames.EXIT: (False, lambda outcome, payload: outcome.exits.append(SessionStop.of(payload))),
     frames.ERROR: (False, _add("errors")),
     frames.RESULT: (False, _add("results")),
     frames.EXCEPTION: (False, _add("exceptions")),

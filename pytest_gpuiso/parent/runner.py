@@ -27,7 +27,6 @@ the waiting is ``supervisor``'s. The session-wide side lives in ``session.State`
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import pytest
 
@@ -44,7 +43,7 @@ from ..warning_types import GpuIsoStartWarning, warn_session
 from ..wire.environment import MEMORY_ENV
 from . import supervisor, verdict
 from .launcher import StartError
-from .outcome import Outcome
+from .outcome import Outcome, SessionStop
 from .plans import PLAN, Plan, plan_for
 from .prewarm import WarmJob
 from .recording import attach_record
@@ -197,11 +196,11 @@ def mark_rerun(item: pytest.Item, ran: Ran, attempt: int) -> None:
     attach_record(ran.reports, record)
 
 
-def stop_session(stop: dict[str, Any]) -> None:
+def stop_session(stop: SessionStop) -> None:
     """End the session as the test's ``pytest.exit()`` or Ctrl-C did in its process."""
-    if stop["interrupt"]:
-        raise KeyboardInterrupt(stop["message"])
-    pytest.exit(stop["message"], returncode=stop["returncode"])
+    if stop.interrupt:
+        raise KeyboardInterrupt(stop.message)
+    pytest.exit(stop.message, returncode=stop.returncode)
 
 
 def _go(item: pytest.Item, plan: Plan, state: State, worker: Worker, turn: Turn) -> Running | Ran:
@@ -331,7 +330,7 @@ def _prewarm(item: pytest.Item, nextitem: pytest.Item | None, state: State, work
     worker.prepare_next(jobs)
 
 
-def _tell_start_problems(item: pytest.Item, messages: list[str]) -> list[dict]:
+def _tell_start_problems(item: pytest.Item, messages: list[str]) -> list[SessionStop]:
     """Say once (as a warning of the session) that the fork server or prewarming is not
     used, and why (``messages``: the worker's notices). A filter that makes
     ``GpuIsoStartWarning`` an error ends the session after this test, as a usage error
@@ -339,7 +338,7 @@ def _tell_start_problems(item: pytest.Item, messages: list[str]) -> list[dict]:
     for text in messages:  # the session's, not this test's: no test location
         if not warn_session(item.config, GpuIsoStartWarning(f"gpu-isolate: {text}")):
             message = f"gpu-isolate: {text} (GpuIsoStartWarning is an error by -W/filterwarnings)"
-            return [dict(interrupt=False, message=message, returncode=pytest.ExitCode.USAGE_ERROR)]
+            return [SessionStop(False, message, pytest.ExitCode.USAGE_ERROR)]
     return []
 
 

@@ -41,7 +41,7 @@ from ..proc.workdir import remove
 from ..wire import jobs
 from . import leaving
 from .launcher import Launcher
-from .outcome import Outcome, captured_tail, read_output, signal_name
+from .outcome import Outcome, SessionStop, captured_tail, read_output, signal_name
 from .started import Started
 from .watch import Bounds, Watch
 
@@ -176,8 +176,7 @@ class Running:
         self.unstarted = died if not outcome.errors else None  # one that said why: its own
         if interrupted and watched.cutoff is None:  # a test's Ctrl-C (not past a bound):
             # its leaks are reported, then the session ends
-            stop = {"interrupt": True, "message": "KeyboardInterrupt", "returncode": None}
-            outcome.exits.append(stop)
+            outcome.exits.append(SessionStop(True, "KeyboardInterrupt"))
         if outcome.method == "forkserver":
             # the template imports them for the next ones
             launcher.serving.pass_on_imports(

@@ -25,7 +25,7 @@ from ..leaks.gpu_memory import GpuMemoryProbe
 from ..settings import IsolationSpec
 from ..values import KINDS
 from . import replay, start_failures
-from .outcome import Outcome
+from .outcome import Outcome, SessionStop
 from .recording import build_record
 from .results import attach_xids, item_reports
 from .session import State
@@ -42,7 +42,7 @@ class Ran:
     outcome: Outcome | None = None  # None: no process ran
     lease: Lease | None = None
     verdict: Verdict | None = None
-    stop: dict[str, Any] | None = None  # pytest.exit() or Ctrl-C in the test: end the session
+    stop: SessionStop | None = None  # pytest.exit() or Ctrl-C in the test: end the session
     payload: dict[str, Any] = field(default_factory=dict)  # pytest_gpuiso_child_payload's
     peak: int | None = None  # most GPU memory its processes held on one GPU (NVML)
     port: int | None = None  # its MASTER_PORT (None: the user's own, or none leased)
@@ -83,7 +83,7 @@ def assemble(
     state: State,
     outcome: Outcome,
     held: Held,
-    start_error: list[dict[str, Any]],
+    start_error: list[SessionStop],
 ) -> Ran:
     """The test's verdict from its ``outcome``; ``start_error``: a start notice that a
     warning filter made an error (the session stops after this test)."""
