@@ -1,6 +1,6 @@
 """The JSON record's schema is written once (``reports.record.Record``) and each of its
 fields is documented in docs/json-report.md; the records sessions write are checked
-against it in tests/sessions/test_report.py."""
+against it in tests/sessions/reports/test_report.py."""
 
 from __future__ import annotations
 
