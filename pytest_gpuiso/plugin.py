@@ -24,19 +24,17 @@ from . import native
 from .options import add_options
 from .parent import early
 from .parent.session import (
-    CONTROLLER,
     STATE,
     State,
     close,
     isolated,
-    load_baseline,
-    make_controller,
     prepare,
     settle,
     start_server,
     warn_start,
 )
 from .recorder import Recorder
+from .reports.controller import CONTROLLER, load_baseline, make_controller
 from .settings import MARKER, MARKER_DOC, read_settings
 from .values import DEFAULT_GRACE
 from .warning_types import GpuIsoLeakWarning, GpuIsoStartWarning

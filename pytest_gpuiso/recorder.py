@@ -18,7 +18,8 @@ import pytest
 from .reports.record import record_of
 
 if TYPE_CHECKING:
-    from .parent.session import Controller, State
+    from .parent.session import State
+    from .reports.controller import Controller
     from .reports.findings import Finding
 
 # The reports' modules are imported at the session's end, where there is something to

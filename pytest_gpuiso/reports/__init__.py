@@ -6,7 +6,9 @@ one test; ``report`` writes the JSON report, the Markdown summary and the termin
 summary; ``findings`` (annotations, GitLab), ``baseline`` (known leaks), ``shards``,
 ``compare`` and ``mdtext``. Never imports ``parent``, ``child`` or ``forkserver``.
 
-Also here: ``files`` (where reports are written: whole or not at all), ``fixtures``
+Also here: ``controller`` (the reports' side of a session: their paths, the records, the
+leak baseline, in the process that writes them), ``files`` (where reports are written:
+whole or not at all), ``fixtures``
 (broad-scoped fixtures each process set up anew), ``gpu_tables`` (the Markdown sections
 about GPUs) and ``run_info`` (a report's ``session`` and ``environment`` blocks).
 """
