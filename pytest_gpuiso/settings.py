@@ -220,7 +220,7 @@ def read_early(config: pytest.Config, known: Any) -> Settings | None:
     says why, at ``pytest_configure``)."""
     try:
         return _read(_Early(config, known))  # type: ignore[arg-type] - what _read asks
-    except (SpecError, pytest.UsageError, ValueError, AttributeError):
+    except Exception:  # noqa: BLE001 - best effort: read_settings says what is wrong
         return None
 
 
