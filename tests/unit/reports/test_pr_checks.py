@@ -715,13 +715,15 @@ def test_the_ci_recipes_commands_on_a_pull_request(tmp_path, monkeypatch):
     (tmp_path / "report.json").rename(tmp_path / "base" / "report.json")  # the artifact
 
     # The pull request's run splits by the durations the base's isolated runs measured:
-    # each group's estimate is what the file says of its tests, and the groups differ by
-    # no more than one test's time (least duration first).
+    # each group's estimate is what the file says of its tests. pytest-split's default
+    # (duration_based_chunks) cuts the tests, in order, into runs of about half the total:
+    # the first overshoots it by at most one test, so the groups differ by at most two
+    # tests' time (each estimate is printed to 0.01 s).
     head = shards("head")
     for _code, estimate, tests in head.values():
         assert estimate == pytest.approx(sum(durations[t] for t in tests), abs=0.011)
     one, two = (estimate for _, estimate, _ in head.values())
-    assert abs(one - two) <= max(durations.values()) + 0.011
+    assert abs(one - two) <= 2 * max(durations.values()) + 0.011
     [leaking] = [g for g, (_, _, tests) in head.items() if any("test_new" in t for t in tests)]
     assert head[leaking][0] == 1  # the new leak fails its shard; the known one not
     unit = json.loads((tmp_path / f"shard-{leaking}.json").read_text())
