@@ -61,15 +61,10 @@ class Prestart:
     (``ForkServer`` takes it when its start-up environment is still this process's)."""
 
     def __init__(self, ctx: Any, env: dict[str, str]) -> None:
-        self.conn, theirs = ctx.Pipe(duplex=True)
-        self.proc = ctx.Process(target=prestarted, args=(theirs, os.getpid()), daemon=False)
         self.env = env
         with exec_environment(env):
-            with main_not_rerun():
-                self.proc.start()
+            self.conn, self.proc = _spawn(ctx, prestarted, os.getpid())
             self.startup = startup_environment(env)
-        unlist(self.proc)
-        theirs.close()
 
     def fits(self) -> bool:
         """Whether it was exec'd as a server started now would be (asked within that
@@ -80,6 +75,18 @@ class Prestart:
         """Discard it unused: it exits when its pipe closes; reaped (killed if it lingers)."""
         close_quietly(self.conn)
         reap_or_kill(self.proc, self.proc.sentinel, 1.0)  # no child of its own holds it
+
+
+def _spawn(ctx: Any, target: Any, arg: Any) -> tuple[Any, Any]:
+    """A server's process, spawned to run ``target(arg, conn)`` (``conn``: its end of a
+    Unix socket pair); our end and the process."""
+    ours, theirs = ctx.Pipe(duplex=True)
+    proc = ctx.Process(target=target, args=(arg, theirs), daemon=False)
+    with main_not_rerun():
+        proc.start()
+    unlist(proc)
+    theirs.close()
+    return ours, proc
 
 
 _prestarted: dict[int, Prestart] = {}  # by the pid of the pytest process that started it
@@ -124,12 +131,7 @@ class ForkServer:
         if early is not None:
             self.conn, self.proc = early.conn, early.proc
         else:
-            self.conn, theirs = ctx.Pipe(duplex=True)  # a Unix socket pair
-            self.proc = ctx.Process(target=main, args=(boot, theirs), daemon=False)
-            with main_not_rerun():
-                self.proc.start()
-            unlist(self.proc)
-            theirs.close()
+            self.conn, self.proc = _spawn(ctx, main, boot)
         # Its exit, seen even while forked tests hold its sentinel pipe (they inherit it).
         self.pidfd = os.pidfd_open(self.proc.pid)
         self.sock = socket.socket(fileno=os.dup(self.conn.fileno()))

@@ -119,7 +119,7 @@ def main(boot: ServerBoot, conn: Connection) -> None:
     test()
 
 
-def prestarted(conn: Connection, parent_pid: int) -> None:
+def prestarted(parent_pid: int, conn: Connection) -> None:
     """Entry point of a fork server started before pytest's conftests load
     (``forkserver.Prestart``): unpickling this call imported pytest and ours while pytest's
     process configured and collected. It waits for its boot, with pytest's environment and

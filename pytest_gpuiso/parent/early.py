@@ -36,10 +36,10 @@ def start(config: pytest.Config) -> None:
 def discard(config: pytest.Config) -> None:
     """End the interpreter ``start`` started, if no server took it."""
     if config.stash.get(STARTED, False):
-        from . import serving
+        from ..forkserver import discard_prestarted
 
         config.stash[STARTED] = False
-        serving.discard_early()
+        discard_prestarted()
 
 
 def wanted(config: pytest.Config) -> Settings | None:

@@ -21,7 +21,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..forkserver import LEARN_WEIGHT, ForkServer, ServerBoot, discard_prestarted, module_of
+from ..forkserver import LEARN_WEIGHT, ForkServer, ServerBoot, module_of
 from ..proc.proctree import ensure_resource_tracker, exec_environment
 from ..proc.workdir import owner, private_file, process_dir
 
@@ -43,11 +43,6 @@ def prestart(shm_shim: bool) -> None:
     with contextlib.suppress(Exception):
         env = {**(preload_env() if shm_shim else {}), OWNER_ENV: owner(process_dir())}
         start_early(multiprocessing.get_context("spawn"), env)
-
-
-def discard_early() -> None:
-    """End the interpreter ``prestart`` started if no server took it (not needed after all)."""
-    discard_prestarted()
 
 
 class Serving:
