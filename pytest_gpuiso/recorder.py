@@ -94,15 +94,15 @@ class Recorder:
         with self.lock:
             if self.closed or not self.unsaved:
                 return
-            now = time.monotonic()
+            from .reports import files, run_info  # before the clock: a first write's imports
+
+            now = time.monotonic()  # are no measure of what writing the report costs
             if now < self.saved_at:
                 if self.later is None:
                     self.later = threading.Timer(self.saved_at - now, self._save_later)
                     self.later.daemon = True
                     self.later.start()
                 return
-            from .reports import files, run_info
-
             records = list(out.records)
             args = list(self.config.invocation_params.args)
             running = list(self.running)

@@ -14,7 +14,7 @@ import pytest
 import pytest_gpuiso
 from pytest_gpuiso.reports.record import Exit, Record, Start
 from pytest_gpuiso.reports.report import cost_line, wall_line
-from tests.helpers import REPORT, command, kill_quietly, wait_for_file
+from tests.helpers import REPORT, command, kill_quietly, wait_for_file, wait_until
 
 # pytest's report formats, hooks and internals: CI's lowest-versions stage runs them all
 pytestmark = pytest.mark.versions
@@ -253,6 +253,17 @@ def test_how_a_process_ended_is_read_once_for_every_report(
     assert baseline._ran_through(record) is through
 
 
+KILLED = "test_killed_session.py::test_killed_with_pytest"
+
+
+def _running(gpuiso) -> list[str] | None:
+    """The tests the (partial) report names as running; None while it is not there."""
+    try:
+        return gpuiso.report()["session"]["running"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
 @pytest.mark.parametrize("kill", ["pytest", "group"])
 def test_a_killed_session_leaves_its_partial_report(gpuiso, tmp_path, kill, lease_region):
     """pytest SIGKILLed (alone, or with its whole process group) during an isolated test
@@ -272,6 +283,9 @@ def test_a_killed_session_leaves_its_partial_report(gpuiso, tmp_path, kill, leas
     child = None
     try:
         child = int(wait_for_file(running, timeout=120))
+        # The partial report names a running test at its start, or (where writing it
+        # took over 20 ms, as on a loaded machine) by a timer soon after: wait for it.
+        wait_until(lambda: _running(gpuiso) == [KILLED], "the partial report", timeout=30)
         if kill == "group":
             os.killpg(proc.pid, signal.SIGKILL)
         else:
@@ -282,7 +296,7 @@ def test_a_killed_session_leaves_its_partial_report(gpuiso, tmp_path, kill, leas
     document = gpuiso.report()
     session = document["session"]
     assert (session["partial"], session["exitstatus"]) == (True, None)
-    assert session["running"] == ["test_killed_session.py::test_killed_with_pytest"]
+    assert session["running"] == [KILLED]
     assert sorted(r["nodeid"] for r in document["tests"]) == [
         f"test_killed_session.py::test_quick[{n}]" for n in range(3)
     ]
