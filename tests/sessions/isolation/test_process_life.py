@@ -55,11 +55,14 @@ def test_a_spawned_process_preloads_only_what_its_test_imports(gpuiso_spawn: Gpu
         "-v",
         "-p",
         "no:randomly",
+        # test_plain[0] again after test_uses: a process prewarmed for a plain test once
+        # the heavy module was preloaded (pytest 9 drops the repeat without the flag; 8.0 not)
+        "--keep-duplicates",
         "preload_used/test_plain.py",
         "preload_used/test_uses.py",
         "preload_used/test_plain.py::test_plain[0]",
     )
-    result.assert_outcomes(passed=6)
+    result.assert_outcomes(passed=7)
     assert "prewarmed" in result.stdout.str()
 
 

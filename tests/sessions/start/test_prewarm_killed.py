@@ -11,11 +11,14 @@ from __future__ import annotations
 import array
 import contextlib
 import fcntl
+import inspect
 import os
 import signal
 import termios
 import time
 from pathlib import Path
+
+import _pytest.terminal
 
 from tests.helpers import GpuIso, kill_quietly, program, wait_for_file
 
@@ -94,10 +97,18 @@ def test_a_test_whose_every_process_is_killed_errors_in_one_line(gpuiso: GpuIso)
             "SIGKILL), and so did the 2 started to replace it: another process kills this "
             "session's waiting processes (a test or a tool that kills its user's processes*",
             "PASSED test_after.py::test_after",
-            f"ERROR {NEXT} - *",
+            f"ERROR {NEXT} - *" if _SUMMARY_SAYS_TEXT_REPORTS else f"ERROR {NEXT}",
         ]
     )
     assert "Crashed" not in result.stdout.str() and "Traceback" not in result.stdout.str()
+
+
+# The short summary's line of an error whose report is text (a test whose process never
+# started) says that text in the pytest of the development venv; pytest 8.0 (the lowest
+# supported) names the test alone, as it does for any plugin's text report.
+_SUMMARY_SAYS_TEXT_REPORTS = "isinstance(rep.longrepr, str)" in inspect.getsource(
+    _pytest.terminal._get_line_with_reprcrash_message
+)
 
 
 def _kill_once_its_go_is_sent(pid: int) -> None:
