@@ -48,7 +48,7 @@ from ..wire.jobs import Bootstrap, CallJob, ItemJob
 from . import cuda_state
 from .env_reads import EnvReads
 from .exiting import flush_and_exit, mark_exit_handlers
-from .options import override_options
+from .overrides import override_options
 from .relay import (
     ChildPlugin,
     after_the_test,

@@ -29,7 +29,7 @@ from ..wire import frames, wire
 from ..wire.environment import LEASED_ENV
 from ..wire.plugin_names import CHILD_PLUGIN
 from . import cuda_state, imports, memory_cap
-from .options import override_again
+from .overrides import override_again
 
 
 def freeze() -> None:

@@ -22,8 +22,7 @@ import pytest
 
 from .. import _compat
 from ..child import bootstrap as child
-from ..child import exiting, relay
-from ..child import options as child_options
+from ..child import exiting, overrides, relay
 from ..wire import frames, jobs
 
 # A test's process forked from the template: its bootstrap, job and pipe ends.
@@ -66,7 +65,7 @@ class TemplatePlugin(relay.ChildPlugin):
         self._record_junit(config)
         with relay.named_capture_files(boot.capture_prefix):
             relay.restart_capture(config)  # the session's one, with files of its own
-        child_options.override_options(config.option, job.basetemp, job.options)
+        overrides.override_options(config.option, job.basetemp, job.options)
         # The session's factory was made in the template: this test's basetemp instead.
         _compat.retarget_basetemp(config, job.basetemp)
         _restore_random_states(self.seeded)
@@ -93,7 +92,7 @@ def run_session(
     plugin = TemplatePlugin(modules, await_fork)
     config.pluginmanager.register(plugin, relay.CHILD_PLUGIN)
     relay.restart_capture(config)
-    child_options.override_options(config.option, config.option.basetemp, options)
+    overrides.override_options(config.option, config.option.basetemp, options)
     try:
         status = relay.after_the_test(
             plugin, lambda: config.hook.pytest_cmdline_main(config=config)
