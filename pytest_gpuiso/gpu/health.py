@@ -49,7 +49,7 @@ import sys
 import time
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from ..values import GpuMemory
 from . import rocm, xids
@@ -92,22 +92,16 @@ class Checkup:
         return record | {part: getattr(self, part) for part in parts if getattr(self, part)}
 
 
-class RunEnd(Protocol):
-    """How a test's run ended, as the health probe reads it (``parent.outcome.Outcome``)."""
+@dataclass(frozen=True)
+class RunEnd:
+    """How a test's run ended, as the health probe reads it (pytest's side makes it from
+    the run's outcome: ``parent.outcome.Outcome.run_end``)."""
 
-    @property
-    def timed_out(self) -> bool: ...
-
-    @property
-    def signal_name(self) -> str | None: ...
-
+    timed_out: bool  # a bound ran out and its process was stopped
+    signal_name: str | None  # the signal that ended its process, if one did
     errors: list[str]  # what its process said went wrong
     reports: list[dict[str, Any]]  # its serialized pytest reports
-
-    @property
-    def gpu_left(self) -> Mapping[str, list[str]]:
-        """Device -> what the GPU memory leak check found still on it after the run."""
-        ...
+    gpu_left: Mapping[str, list[str]]  # device -> what the GPU memory check found on it
 
 
 def why_probe(outcome: RunEnd) -> str | None:

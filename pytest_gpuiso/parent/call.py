@@ -148,7 +148,7 @@ def call_isolated(
     finally:
         if lease is not None and checks is not None and leases is not None:
             if outcome is not None:  # its GPUs judged before anyone else may lease them
-                checked = checks.after(label, lease, outcome, leases.slots > 1)
+                checked = checks.after(label, lease, outcome.run_end(), leases.slots > 1)
             leases.release(lease)
             checks.nvml.close()
     return _result(func, outcome, timeout, checked)
@@ -177,7 +177,7 @@ def _label(func: Callable[..., Any]) -> str:
 
 def _unwrap(func: Callable[..., Any], outcome: Outcome, timeout: float | None) -> Any:
     __tracebackhide__ = True
-    results = outcome.results
+    results = outcome.sent.results
     if results:  # the value the caller asked for, pickled by the function's process
         try:
             return pickle.loads(results[0])
@@ -187,7 +187,7 @@ def _unwrap(func: Callable[..., Any], outcome: Outcome, timeout: float | None) -
                 f"process: {exc!r}",
                 outcome,
             ) from None
-    exceptions = outcome.exceptions
+    exceptions = outcome.sent.exceptions
     if exceptions:
         info = exceptions[0]
         exc = None
@@ -198,31 +198,31 @@ def _unwrap(func: Callable[..., Any], outcome: Outcome, timeout: float | None) -
                 exc = None
         if isinstance(exc, BaseException):
             if hasattr(exc, "add_note"):
-                exc.add_note(f"(raised in an isolated process, pid {outcome.pid})")
+                exc.add_note(f"(raised in an isolated process, pid {outcome.end.pid})")
             raise exc from RemoteTraceback(info["traceback"])
         raise RemoteError(info["type"], info["message"], info["traceback"])
     name = _label(func)
     detail = "\n\n".join(
         part
         for part in (
-            "\n".join(outcome.errors),
-            f"Stack at the timeout:\n{trim_stack(outcome.stack)}" if outcome.stack else "",
-            f"Last output:\n{outcome.output_tail}" if outcome.output_tail else "",
+            "\n".join(outcome.sent.errors),
+            f"Stack at the timeout:\n{trim_stack(outcome.end.stack)}" if outcome.end.stack else "",
+            f"Last output:\n{outcome.end.output_tail}" if outcome.end.output_tail else "",
         )
         if part
     )
     suffix = f"\n\n{detail}" if detail else ""
-    if outcome.timed_out:
+    if outcome.end.timed_out:
         raise IsolatedTimeout(
             f"run_isolated({name}) timed out after {timeout:g} s{suffix}", outcome
         )
     how = (
-        f"crashed with {outcome.signal_name}"
-        if outcome.signal_name
-        else f"exited with code {outcome.exitcode}"
+        f"crashed with {outcome.end.signal_name}"
+        if outcome.end.signal_name
+        else f"exited with code {outcome.end.exitcode}"
     )
     raise IsolationError(
-        f"run_isolated({name}): the isolated process {how} (exit code {outcome.exitcode}) "
+        f"run_isolated({name}): the isolated process {how} (exit code {outcome.end.exitcode}) "
         f"without returning{suffix}",
         outcome,
     )

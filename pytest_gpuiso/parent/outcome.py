@@ -1,4 +1,5 @@
-"""What one isolated run produced: the frames, how the process ended, what it left."""
+"""What one isolated run produced: how its process started, how it ended and what it
+left, and what it sent (its frames, decoded once)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..gpu.health import RunEnd
 from ..leaks import Leak
 from ..leaks.gpu_memory import left_on_gpus
 from ..proc.workdir import read_end
@@ -45,13 +47,22 @@ class SessionStop:
 
 
 @dataclass
-class Outcome:
-    """What one isolated run produced and how the child ended (data only).
+class Launch:
+    """How the test's process started, and how far its start-up got."""
 
-    The frames the process sent are decoded once, by ``decode``, into the fields
-    below; nothing else reads frames. After a timeout only what arrived before the
-    deadline counts (``cutoff``), except what says how far its start-up got.
-    """
+    method: str = "spawn"  # how the process was started: spawn or forkserver
+    prewarmed: bool = False  # started ahead of its turn (prewarm)
+    collected: bool = False  # forked from the fork server's collected session
+    uncollected: str | None = None  # why the fork server had no collected session to fork
+    # From its frames, at any time (after a deadline too):
+    bootstrapped: bool = False  # it finished its bootstrap (and could answer a stack-dump request)
+    phase: str = ""  # what it said it was doing last while it started
+    ahead: bool = False  # it collected its test's module before its go
+
+
+@dataclass
+class End:
+    """How the test's process ended, and what it left (seen from pytest's side)."""
 
     pid: int
     exitcode: int | None
@@ -65,45 +76,10 @@ class Outcome:
     output: str = ""  # what the child wrote to fds 1/2 outside pytest's capture
     leaks: list[Leak] = field(default_factory=list)  # process leaks first, then the probes'
     captured: list[str] = field(default_factory=list)  # tails of the test's captured output
-    method: str = "spawn"  # how the process was started: spawn or forkserver
-    prewarmed: bool = False  # started ahead of its turn (prewarm)
-    collected: bool = False  # forked from the fork server's collected session
-    uncollected: str | None = None  # why the fork server had no collected session to fork
-    # Decoded from its frames (``decode``): at any time ...
-    bootstrapped: bool = False  # it finished its bootstrap (and could answer a stack-dump request)
-    phase: str = ""  # what it said it was doing last while it started
-    ahead: bool = False  # it collected its test's module before its go
-    # ... and before the deadline
-    done: bool = False  # it said its job finished
-    stale: dict[str, Any] | None = None  # it could not take its GPUs (``child.Channel``)
-    reports: list[dict[str, Any]] = field(default_factory=list)  # serialized pytest reports
-    warnings: list[dict[str, Any]] = field(default_factory=list)
-    junit: list[tuple[str, str | None, str, str]] = field(default_factory=list)
-    torch_leaks: list[dict[str, Any]] = field(default_factory=list)
-    driver: list[str] = field(default_factory=list)  # CUDA libraries loaded with no GPU
-    imported: list[dict[str, Any]] = field(default_factory=list)  # learnable imports
-    fixtures: list[tuple[str, str]] = field(default_factory=list)  # broader than the test
-    exits: list[SessionStop] = field(default_factory=list)  # pytest.exit() or Ctrl-C
-    errors: list[str] = field(default_factory=list)
-    results: list[bytes] = field(default_factory=list)  # run_isolated: the value, pickled
-    exceptions: list[dict[str, Any]] = field(default_factory=list)  # run_isolated's raise
-    payloads: list[dict[str, Any]] = field(default_factory=list)  # other plugins' data
-
-    def decode(self, received: list[tuple[str, Any]], cutoff: int | None = None) -> Outcome:
-        """Take in the frames the process sent (``cutoff``: how many had arrived by the
-        deadline); every kind has its handler here, and a kind without one is an error."""
-        for at, (kind, payload) in enumerate(received):
-            handler = _HANDLERS.get(kind)
-            if handler is None:
-                raise frames.FrameError(f"unknown frame kind {kind!r}")
-            always, take = handler
-            if always or cutoff is None or at < cutoff:
-                take(self, payload)
-        return self
 
     @property
     def gpu_left(self) -> dict[str, list[str]]:
-        """Device -> what the GPU memory check found still on it (``gpu.health.RunEnd``)."""
+        """Device -> what the GPU memory check found still on it."""
         return left_on_gpus(self.leaks)
 
     @property
@@ -125,13 +101,28 @@ class Outcome:
         return "\n".join(self.output.splitlines()[-OUTPUT_TAIL_LINES:])
 
     @property
-    def finished(self) -> bool:
-        """The child said it was done, in time, and exited normally."""
-        return not self.timed_out and self.exitcode == 0 and self.done
-
-    @property
     def signal_name(self) -> str | None:
         return signal_name(self.exitcode)
+
+
+@dataclass
+class Sent:
+    """What the test's process sent, before the deadline where one ran out."""
+
+    done: bool = False  # it said its job finished
+    stale: dict[str, Any] | None = None  # it could not take its GPUs (``child.Channel``)
+    reports: list[dict[str, Any]] = field(default_factory=list)  # serialized pytest reports
+    warnings: list[dict[str, Any]] = field(default_factory=list)
+    junit: list[tuple[str, str | None, str, str]] = field(default_factory=list)
+    torch_leaks: list[dict[str, Any]] = field(default_factory=list)
+    driver: list[str] = field(default_factory=list)  # CUDA libraries loaded with no GPU
+    imported: list[dict[str, Any]] = field(default_factory=list)  # learnable imports
+    fixtures: list[tuple[str, str]] = field(default_factory=list)  # broader than the test
+    exits: list[SessionStop] = field(default_factory=list)  # pytest.exit() or Ctrl-C
+    errors: list[str] = field(default_factory=list)
+    results: list[bytes] = field(default_factory=list)  # run_isolated: the value, pickled
+    exceptions: list[dict[str, Any]] = field(default_factory=list)  # run_isolated's raise
+    payloads: list[dict[str, Any]] = field(default_factory=list)  # other plugins' data
 
     @property
     def interrupted(self) -> bool:
@@ -139,18 +130,67 @@ class Outcome:
         return any(stop.interrupt for stop in self.exits)
 
 
-def _set(name: str, value: Any = None) -> Callable[[Outcome, Any], None]:
-    """A handler that sets a field: to ``value``, or to the payload."""
-    return lambda outcome, payload: setattr(outcome, name, payload if value is None else value)
+@dataclass
+class Outcome:
+    """What one isolated run produced (data only): how its process started (``launch``),
+    how it ended (``end``) and what it sent (``sent``).
+
+    The frames the process sent are decoded once, by ``decode``, into ``sent`` and the
+    start-up marks of ``launch``; nothing else reads frames. After a timeout only what
+    arrived before the deadline counts (``cutoff``), except what says how far its
+    start-up got.
+    """
+
+    end: End
+    launch: Launch = field(default_factory=Launch)
+    sent: Sent = field(default_factory=Sent)
+
+    def decode(self, received: list[tuple[str, Any]], cutoff: int | None = None) -> Outcome:
+        """Take in the frames the process sent (``cutoff``: how many had arrived by the
+        deadline); every kind has its handler here, and a kind without one is an error."""
+        for at, (kind, payload) in enumerate(received):
+            handler = _HANDLERS.get(kind)
+            if handler is None:
+                raise frames.FrameError(f"unknown frame kind {kind!r}")
+            always, take = handler
+            if always or cutoff is None or at < cutoff:
+                take(self, payload)
+        return self
+
+    @property
+    def finished(self) -> bool:
+        """The child said it was done, in time, and exited normally."""
+        return not self.end.timed_out and self.end.exitcode == 0 and self.sent.done
+
+    def run_end(self) -> RunEnd:
+        """How the run ended, as the GPU health probe reads it: plain data."""
+        end = self.end
+        return RunEnd(
+            end.timed_out, end.signal_name, self.sent.errors, self.sent.reports, end.gpu_left
+        )
+
+
+def _started(name: str) -> Callable[[Outcome, Any], None]:
+    """A handler that marks how far the start-up got: sets a field of ``launch`` (to True,
+    or to the payload for the phase)."""
+    if name == "phase":
+        return lambda outcome, payload: setattr(outcome.launch, name, payload)
+    return lambda outcome, payload: setattr(outcome.launch, name, True)
 
 
 def _first(name: str) -> Callable[[Outcome, Any], None]:
     """A handler that keeps the first payload of its kind."""
-    return lambda outcome, payload: getattr(outcome, name) or setattr(outcome, name, payload)
+    return lambda outcome, payload: (
+        getattr(outcome.sent, name) or setattr(outcome.sent, name, payload)
+    )
 
 
 def _add(name: str) -> Callable[[Outcome, Any], None]:
-    return lambda outcome, payload: getattr(outcome, name).append(payload)
+    return lambda outcome, payload: getattr(outcome.sent, name).append(payload)
+
+
+def _done(outcome: Outcome, payload: Any) -> None:
+    outcome.sent.done = True
 
 
 def _ignore(outcome: Outcome, payload: Any) -> None:
@@ -159,13 +199,13 @@ def _ignore(outcome: Outcome, payload: Any) -> None:
 
 # kind -> (taken after the deadline too, handler): the one dispatcher of the parent side
 _HANDLERS: dict[str, tuple[bool, Callable[[Outcome, Any], None]]] = {
-    frames.READY: (True, _set("bootstrapped", True)),
-    frames.PHASE: (True, _set("phase")),
-    frames.AHEAD: (True, _set("ahead", True)),
+    frames.READY: (True, _started("bootstrapped")),
+    frames.PHASE: (True, _started("phase")),
+    frames.AHEAD: (True, _started("ahead")),
     frames.BEGIN: (True, _ignore),
     frames.END: (True, _ignore),
     frames.EXITING: (True, _ignore),
-    frames.DONE: (False, _set("done", True)),
+    frames.DONE: (False, _done),
     frames.STALE: (False, _first("stale")),
     frames.REPORT: (False, _add("reports")),
     frames.WARNING: (False, _add("warnings")),
@@ -174,7 +214,10 @@ _HANDLERS: dict[str, tuple[bool, Callable[[Outcome, Any], None]]] = {
     frames.DRIVER: (False, _first("driver")),
     frames.IMPORTED: (False, _add("imported")),
     frames.FIXTURE: (False, _add("fixtures")),
-    frames.EXIT: (False, lambda outcome, payload: outcome.exits.append(SessionStop.of(payload))),
+    frames.EXIT: (
+        False,
+        lambda outcome, payload: outcome.sent.exits.append(SessionStop.of(payload)),
+    ),
     frames.ERROR: (False, _add("errors")),
     frames.RESULT: (False, _add("results")),
     frames.EXCEPTION: (False, _add("exceptions")),

@@ -69,7 +69,9 @@ def build_record(
     """
     reports, outcome, verdict = run.reports, run.outcome, run.verdict
     # Interrupted before its call was reported: it neither passed nor failed.
-    stopped = outcome is not None and outcome.interrupted and all(r.when != "call" for r in reports)
+    stopped = (
+        outcome is not None and outcome.sent.interrupted and all(r.when != "call" for r in reports)
+    )
     result = "rerun" if rerun else "interrupted" if stopped else final_outcome(reports)
     record: Record = {
         "nodeid": nodeid,
@@ -82,10 +84,10 @@ def build_record(
         "leaks": verdict.records if verdict is not None else [],
         "leak_checks": list(run.leak_checks),  # the kinds checked after it (none: no check ran)
         "start": {
-            "method": outcome.method if outcome else None,
-            "prewarmed": outcome.prewarmed if outcome else False,
-            "collected": outcome.collected if outcome else False,
-            "uncollected": outcome.uncollected if outcome else None,
+            "method": outcome.launch.method if outcome else None,
+            "prewarmed": outcome.launch.prewarmed if outcome else False,
+            "collected": outcome.launch.collected if outcome else False,
+            "uncollected": outcome.launch.uncollected if outcome else None,
         },
     }
     failure = run.start_failure
@@ -99,22 +101,33 @@ def build_record(
 
 def _process_fields(outcome: Outcome | None, spec: IsolationSpec | None) -> Record:
     """How the test's process ran and ended (none: it never ran)."""
+    if outcome is None:
+        return {
+            "startup": None,
+            "wall": 0.0,
+            "pid": None,
+            "timeout": None,
+            "startup_timeout": None,
+            "exit": {"code": None, "signal": None, "timed_out": False, "expired": None},
+            "escaped": [],
+        }
+    ended = outcome.end
     return {
         # Seconds from the test's turn until its protocol began (start-up; None: never),
         # and until its process had ended.
-        "startup": None if outcome is None or outcome.began is None else round(outcome.began, 6),
-        "wall": round(outcome.duration, 6) if outcome else 0.0,
-        "pid": outcome.pid if outcome else None,
-        "timeout": spec.timeout if spec and outcome else None,
-        "startup_timeout": spec.startup_timeout if spec and outcome else None,
+        "startup": None if ended.began is None else round(ended.began, 6),
+        "wall": round(ended.duration, 6),
+        "pid": ended.pid,
+        "timeout": spec.timeout if spec else None,
+        "startup_timeout": spec.startup_timeout if spec else None,
         "exit": {
-            "code": outcome.exitcode if outcome else None,
-            "signal": outcome.signal_name if outcome else None,
-            "timed_out": outcome.timed_out if outcome else False,
+            "code": ended.exitcode,
+            "signal": ended.signal_name,
+            "timed_out": ended.timed_out,
             # which bound stopped it: "startup", "test" (its timeout) or "exit"; None
-            "expired": outcome.expired if outcome else None,
+            "expired": ended.expired,
         },
-        "escaped": list(outcome.escaped) if outcome else [],
+        "escaped": list(ended.escaped),
     }
 
 
@@ -123,12 +136,12 @@ def _optional_fields(run: Run) -> Record:
     without a GPU, its port, its GPUs and their health, warnings folded, GPU notes."""
     outcome, lease = run.outcome, run.lease
     fields: Record = {}
-    if outcome is not None and outcome.fixtures:  # set up anew in its process
+    if outcome is not None and outcome.sent.fixtures:  # set up anew in its process
         fields["fixtures"] = [
-            {"name": name, "scope": scope} for name, scope in dict.fromkeys(outcome.fixtures)
+            {"name": name, "scope": scope} for name, scope in dict.fromkeys(outcome.sent.fixtures)
         ]
-    if outcome is not None and outcome.driver:  # it leased no GPU (there were GPUs)
-        fields["cuda_without_gpu"] = outcome.driver  # and loaded CUDA's driver or NVML
+    if outcome is not None and outcome.sent.driver:  # it leased no GPU (there were GPUs)
+        fields["cuda_without_gpu"] = outcome.sent.driver  # and loaded CUDA's driver or NVML
     if run.port is not None:
         fields["master_port"] = run.port  # leased for the test (MASTER_ADDR=127.0.0.1)
     if lease is not None:

@@ -35,7 +35,7 @@ def item_reports(
     config = item.config
     reports: list[pytest.TestReport] = []
     unreadable: list[str] = []  # reports pytest could not rebuild: the test's error
-    for data in outcome.reports:
+    for data in outcome.sent.reports:
         problem = report_problem(data, item.nodeid)
         try:
             if problem is not None:
@@ -52,12 +52,12 @@ def item_reports(
             continue
         if isinstance(rep, pytest.TestReport):
             reports.append(rep)
-    stopped = bool(outcome.exits)  # pytest.exit(): reported as in-process, no more
+    stopped = bool(outcome.sent.exits)  # pytest.exit(): reported as in-process, no more
     complete = outcome.finished and any(r.when == "teardown" for r in reports)
     if (not complete or unreadable) and not stopped:
         # The time the child's reports do not account for (up to the kill, or the crash)
         # goes to the failure, so that junit and --durations show what it took.
-        ran = outcome.duration - (outcome.began or 0.0)
+        ran = outcome.end.duration - (outcome.end.began or 0.0)
         unreported = max(0.0, ran - sum(r.duration for r in reports))
 
         def problem(phase: str) -> str:
@@ -297,14 +297,14 @@ def describe_problem(
 ) -> str:
     """What went wrong in ``phase``, for its failure report (``unreadable``: the reports
     the test's process sent that pytest could not rebuild)."""
-    code = outcome.exitcode
-    errors = [*outcome.errors, *(unreadable or ())]
-    if outcome.timed_out:
-        ended = f"; it was ended by {outcome.signal_name}" if outcome.signal_name else ""
+    code = outcome.end.exitcode
+    errors = [*outcome.sent.errors, *(unreadable or ())]
+    if outcome.end.timed_out:
+        ended = f"; it was ended by {outcome.end.signal_name}" if outcome.end.signal_name else ""
         escalation = f"(escalation: stack dump, SIGTERM, {spec.grace:g} s grace, SIGKILL)"
-        if outcome.expired == "startup":
-            doing = outcome.phase or (
-                "bootstrapping" if outcome.bootstrapped else "starting the interpreter"
+        if outcome.end.expired == "startup":
+            doing = outcome.launch.phase or (
+                "bootstrapping" if outcome.launch.bootstrapped else "starting the interpreter"
             )
             head = (
                 f"Start-up timeout: the test process did not finish starting ({doing}) "
@@ -312,7 +312,7 @@ def describe_problem(
                 "(to allow more: --gpu-isolate-startup-timeout, or startup_timeout= in the "
                 "test's gpu_isolated marker)"
             )
-        elif outcome.expired == "exit":
+        elif outcome.end.expired == "exit":
             head = (
                 f"Exit timeout: the test process did not exit within "
                 f"{spec.startup_timeout:g} s after its test ended{ended} {escalation}"
@@ -324,9 +324,9 @@ def describe_problem(
                 "to fix: its stack below shows where it waited; to allow more: timeout= in "
                 "the test's gpu_isolated marker, or --gpu-isolate-timeout"
             )
-    elif outcome.signal_name:
+    elif outcome.end.signal_name:
         head = (
-            f"Crashed: the isolated test process crashed with {outcome.signal_name} "
+            f"Crashed: the isolated test process crashed with {outcome.end.signal_name} "
             f"(exit code {code}) during {phase}"
         )
     elif any(error.startswith(frames.UNREADABLE) for error in errors):
@@ -334,7 +334,7 @@ def describe_problem(
             f"The isolated test process sent pytest a message it cannot take during {phase} "
             f"(exit code {code}); what it sent after it was not read, so its result is unknown"
         )
-    elif outcome.errors and not outcome.reports:
+    elif outcome.sent.errors and not outcome.sent.reports:
         head = f"The isolated test process could not run the test (exit code {code})"
     else:
         head = (
@@ -342,21 +342,21 @@ def describe_problem(
             "before reporting a complete result"
         )
     parts = [head, *errors]
-    if outcome.timed_out:
-        if not outcome.bootstrapped:
+    if outcome.end.timed_out:
+        if not outcome.launch.bootstrapped:
             missing = "(no stack dump: the process was still starting up)"
         else:
             missing = "(no stack dump: the process did not answer)"
         parts.append(
-            f"Stack of the test process (pid {outcome.pid}) at the timeout:\n"
-            + (trim_stack(outcome.stack) or missing)
+            f"Stack of the test process (pid {outcome.end.pid}) at the timeout:\n"
+            + (trim_stack(outcome.end.stack) or missing)
         )
-    for n, text in enumerate(outcome.captured, 1):
+    for n, text in enumerate(outcome.end.captured, 1):
         parts.append(f"Output the test wrote before it ended (captured stream {n}):\n{text}")
-    if outcome.output_tail:
+    if outcome.end.output_tail:
         parts.append(
-            f"Last output of the test process (pid {outcome.pid}):\n"
-            + trim_stack(outcome.output_tail)
+            f"Last output of the test process (pid {outcome.end.pid}):\n"
+            + trim_stack(outcome.end.output_tail)
         )
     return "\n\n".join(parts)
 

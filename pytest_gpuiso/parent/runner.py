@@ -253,7 +253,7 @@ def _finish(
     if turn.lease is not None and worker.health is not None:
         others = gpu.others if gpu is not None else None  # NVML pids on its GPUs not its
         shared = _shared(plan.spec, state)
-        checked = worker.health.after(item.nodeid, turn.lease, outcome, shared, others)
+        checked = worker.health.after(item.nodeid, turn.lease, outcome.run_end(), shared, others)
     port = turn.port.port if turn.port is not None else None
     held = verdict.Held(turn.lease, turn.probes, port, checked)
     turn.release(state, worker)
@@ -269,17 +269,17 @@ def _wait(plan: Plan, state: State, worker: Worker, turn: Turn, running: Running
     second)."""
     outcome = running.wait()
     replaced = 0
-    while outcome.stale is not None or running.unstarted is not None:
+    while outcome.sent.stale is not None or running.unstarted is not None:
         if running.unstarted is not None:
             replaced += 1
             if replaced > supervisor.REPLACEMENTS:
                 raise StartError(supervisor.unstarted_error(running.unstarted, replaced))
-        stale = outcome.stale if running.unstarted is None else None
+        stale = outcome.sent.stale if running.unstarted is None else None
         turn.started = worker.again(plan.job, dict(turn.env), stale)
         turn.probes = _probes(plan.spec, state, turn.lease)
         running = turn.go(worker, running.bounds)
         outcome = running.wait()
-        outcome.prewarmed = False
+        outcome.launch.prewarmed = False
     return outcome
 
 

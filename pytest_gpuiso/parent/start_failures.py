@@ -42,13 +42,13 @@ class StartFailure:
 def of(outcome: Outcome) -> StartFailure | None:
     """The process's own error when it ended, unkilled and in time, before its test began
     and before it reported anything; None otherwise (the test's outcome is its own)."""
-    if outcome.began is not None or outcome.timed_out or outcome.signal_name:
+    if outcome.end.began is not None or outcome.end.timed_out or outcome.end.signal_name:
         return None
-    if outcome.reports or not outcome.errors:
+    if outcome.sent.reports or not outcome.sent.errors:
         return None
-    if any(error.startswith(frames.UNCOLLECTED) for error in outcome.errors):
+    if any(error.startswith(frames.UNCOLLECTED) for error in outcome.sent.errors):
         return None  # it started, and could not collect its test: the test's own error
-    text = "\n\n".join(outcome.errors)
+    text = "\n\n".join(outcome.sent.errors)
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     if not lines:
         return StartFailure("(it said nothing more)", text)
@@ -70,7 +70,7 @@ def note(count: Count, outcome: Outcome, failure: StartFailure | None) -> str | 
     """Count one test's process (``failure``: ``of(outcome)``). Returns why the session
     stops after this test (no test's process can start), or None."""
     if failure is None:
-        count.began = count.began or outcome.began is not None
+        count.began = count.began or outcome.end.began is not None
         count.start_failed = None
         return None
     again = count.start_failed is not None and count.start_failed.line == failure.line

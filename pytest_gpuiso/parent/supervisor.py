@@ -41,7 +41,15 @@ from ..proc.workdir import remove
 from ..wire import jobs
 from . import leaving
 from .launcher import Launcher
-from .outcome import Outcome, SessionStop, captured_tail, read_output, signal_name
+from .outcome import (
+    End,
+    Launch,
+    Outcome,
+    SessionStop,
+    captured_tail,
+    read_output,
+    signal_name,
+)
 from .started import Started
 from .watch import Bounds, Watch
 
@@ -157,7 +165,7 @@ class Running:
             captures = started.capture_files()
             captured = [text for text in map(captured_tail, captures) if text.strip()]
             remove(started.output, started.stack_file, *captures)
-        outcome = Outcome(
+        end = End(
             pid=proc.pid,
             exitcode=proc.exitcode,
             expired=watched.expired,
@@ -167,20 +175,18 @@ class Running:
             output=written,
             leaks=leaks,
             captured=captured,
-            method=started.method,
-            prewarmed=started.warm,
-            collected=started.collected,
-            uncollected=started.uncollected,
-        ).decode(watched.received, watched.cutoff)
-        outcome.collected = outcome.collected or outcome.ahead
-        self.unstarted = died if not outcome.errors else None  # one that said why: its own
+        )
+        launch = Launch(started.method, started.warm, started.collected, started.uncollected)
+        outcome = Outcome(end, launch).decode(watched.received, watched.cutoff)
+        outcome.launch.collected = outcome.launch.collected or outcome.launch.ahead
+        self.unstarted = died if not outcome.sent.errors else None  # one that said why: its own
         if interrupted and watched.cutoff is None:  # a test's Ctrl-C (not past a bound):
             # its leaks are reported, then the session ends
-            outcome.exits.append(SessionStop(True, "KeyboardInterrupt"))
-        if outcome.method == "forkserver":
+            outcome.sent.exits.append(SessionStop(True, "KeyboardInterrupt"))
+        if outcome.launch.method == "forkserver":
             # the template imports them for the next ones
             launcher.serving.pass_on_imports(
-                outcome.imported, getattr(started.job, "nodeid", ""), duration
+                outcome.sent.imported, getattr(started.job, "nodeid", ""), duration
             )
         return outcome
 

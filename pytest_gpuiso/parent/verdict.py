@@ -89,22 +89,22 @@ def assemble(
     warning filter made an error (the session stops after this test)."""
     failure = start_failures.of(outcome)
     halt = start_failures.note(state, outcome, failure)
-    leaks = outcome.leaks + [torch_check.leak(data) for data in outcome.torch_leaks]
+    leaks = outcome.end.leaks + [torch_check.leak(data) for data in outcome.sent.torch_leaks]
     known = state.baseline.kinds(item.nodeid) if state.baseline is not None else frozenset()
     verdict = judge(leaks, dict(state.settings.leaks), spec.allow_leaks, known)
     seen = state.warned if state.settings.warnings == "once" else None
-    folded = replay.replay_warnings(item.config, outcome.warnings, seen)
+    folded = replay.replay_warnings(item.config, outcome.sent.warnings, seen)
     verdict = replay.warn_leaks(item, verdict)
-    replay.replay_junit(item.config, outcome.junit)
-    replay.warn_cuda_without_gpu(item, spec.gpus == 0, outcome.driver)
-    if outcome.finished and outcome.output and failure is None:  # not its start's noise
-        replay.echo(item.config, outcome.output)
-    stop = outcome.exits or start_error
+    replay.replay_junit(item.config, outcome.sent.junit)
+    replay.warn_cuda_without_gpu(item, spec.gpus == 0, outcome.sent.driver)
+    if outcome.finished and outcome.end.output and failure is None:  # not its start's noise
+        replay.echo(item.config, outcome.end.output)
+    stop = outcome.sent.exits or start_error
     reports = failure.reports(item) if failure else item_reports(item, spec, outcome, verdict)
     checked = held.health
     attach_xids(item, reports, checked.xids if checked else [])
     payload: dict[str, Any] = {}
-    for sent in outcome.payloads:  # one, unless a plugin misbehaved
+    for sent in outcome.sent.payloads:  # one, unless a plugin misbehaved
         payload.update(sent)
         item.config.hook.pytest_gpuiso_parent_payload(item=item, payload=sent, reports=reports)
     gpu = gpu_probe(held.probes)
@@ -121,7 +121,7 @@ def assemble(
         peak=gpu.peak if gpu is not None else None,
         port=held.port,
         health=checked,
-        leak_checks=() if outcome.interrupted else tuple(ran),
+        leak_checks=() if outcome.sent.interrupted else tuple(ran),
         folded=folded,
         gpu_notes=tuple(gpu.notes) if gpu is not None else (),  # said in the summary
         start_failure=failure,

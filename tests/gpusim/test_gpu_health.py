@@ -184,12 +184,11 @@ def test_a_rerun_after_the_test_broke_its_gpu_leases_a_healthy_one(
 # ----------------------------------------------------------------------------- units
 
 
-class _Outcome:
-    """What ``why_probe`` reads of a run's outcome."""
+def _outcome(signal=None, timed_out=False, reports=(), errors=()):
+    """How a run ended, as ``why_probe`` reads it."""
+    from pytest_gpuiso.gpu.health import RunEnd
 
-    def __init__(self, signal=None, timed_out=False, reports=(), errors=()):
-        self.signal_name, self.timed_out = signal, timed_out
-        self.reports, self.errors, self.gpu_left = list(reports), list(errors), {}
+    return RunEnd(timed_out, signal, list(errors), list(reports), {})
 
 
 def _failed(message: str, source: str = "") -> dict:
@@ -205,20 +204,20 @@ def _failed(message: str, source: str = "") -> dict:
 @pytest.mark.parametrize(
     ("outcome", "why"),
     [
-        (_Outcome(signal="SIGSEGV"), "it crashed with SIGSEGV"),
-        (_Outcome(signal="SIGKILL", timed_out=True), "it timed out"),
+        (_outcome(signal="SIGSEGV"), "it crashed with SIGSEGV"),
+        (_outcome(signal="SIGKILL", timed_out=True), "it timed out"),
         (
-            _Outcome(reports=[_failed("RuntimeError: CUDA error: unspecified launch failure")]),
+            _outcome(reports=[_failed("RuntimeError: CUDA error: unspecified launch failure")]),
             "a sticky CUDA error (unspecified launch failure)",
         ),
         (
-            _Outcome(errors=["cuCtxSynchronize: CUDA_ERROR_ILLEGAL_ADDRESS"]),
+            _outcome(errors=["cuCtxSynchronize: CUDA_ERROR_ILLEGAL_ADDRESS"]),
             "a sticky CUDA error (CUDA_ERROR_ILLEGAL_ADDRESS)",
         ),
-        (_Outcome(reports=[_failed("assert 2 == 3", "check(xid=79)  # after an Xid")]), None),
-        (_Outcome(reports=[{"outcome": "passed", "sections": [["out", "ECC errors: 0"]]}]), None),
-        (_Outcome(reports=[_failed("RuntimeError: CUDA error: out of memory")]), None),
-        (_Outcome(reports=[{"outcome": "failed", "longrepr": "  \n "}]), None),
+        (_outcome(reports=[_failed("assert 2 == 3", "check(xid=79)  # after an Xid")]), None),
+        (_outcome(reports=[{"outcome": "passed", "sections": [["out", "ECC errors: 0"]]}]), None),
+        (_outcome(reports=[_failed("RuntimeError: CUDA error: out of memory")]), None),
+        (_outcome(reports=[{"outcome": "failed", "longrepr": "  \n "}]), None),
     ],
 )
 def test_only_a_timeout_a_crash_or_a_sticky_cuda_error_puts_a_gpu_in_doubt(outcome, why) -> None:

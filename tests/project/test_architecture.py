@@ -657,7 +657,7 @@ def test_frames_are_decoded_by_one_dispatcher() -> None:
     assert len(names) == len(frames.KINDS)
     assert set(outcome._HANDLERS) == frames.KINDS
     with pytest.raises(frames.FrameError, match="unknown frame kind 'gossip'"):
-        outcome.Outcome(pid=1, exitcode=0, expired=None, duration=0.0).decode([("gossip", 1)])
+        outcome.Outcome(outcome.End(1, 0, None, 0.0)).decode([("gossip", 1)])
     readers = {}
     for name, path in _modules().items():
         if path.suffix != ".py" or name in (

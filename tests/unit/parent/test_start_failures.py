@@ -9,12 +9,13 @@ from types import SimpleNamespace
 import pytest
 
 from pytest_gpuiso.parent import start_failures
-from pytest_gpuiso.parent.outcome import Outcome
+from pytest_gpuiso.parent.outcome import End, Outcome, Sent
 from pytest_gpuiso.wire import frames
 
 
-def _outcome(**fields) -> Outcome:
-    return Outcome(pid=4242, exitcode=1, expired=None, duration=0.2, **fields)
+def _outcome(expired: str | None = None, began: float | None = None, **sent) -> Outcome:
+    """A process (exit status 1) that sent ``sent`` (``Sent``'s fields)."""
+    return Outcome(End(4242, 1, expired, 0.2, began), sent=Sent(**sent))
 
 
 def test_the_processs_first_line_is_the_failure():
@@ -45,9 +46,7 @@ def test_a_heading_gives_way_to_pytests_last_internalerror_line():
     ids=["began", "timed-out", "silent", "uncollected", "reported"],
 )
 def test_only_a_process_that_ended_by_itself_before_its_test_failed_to_start(fields):
-    expired = fields.pop("expired", None)
-    outcome = Outcome(pid=1, exitcode=1, expired=expired, duration=0.1, **fields)
-    assert start_failures.of(outcome) is None
+    assert start_failures.of(_outcome(**fields)) is None
 
 
 def _count() -> SimpleNamespace:

@@ -70,7 +70,7 @@ def test_a_group_of_processes_starts_together_each_with_its_environment(tmp_path
         seen = []
         for started in group:
             outcome = worker.go(started, {}, (), Bounds(30, 60, 1)).wait()
-            seen.append(pickle.loads(outcome.results[0]))
+            seen.append(pickle.loads(outcome.sent.results[0]))
         assert [rank for _, rank in seen] == ["0", "1", "2"]
         assert [pid for pid, _ in seen] == [s.pid for s in group]
     finally:
