@@ -19,8 +19,10 @@ from .reports.record import record_of
 
 if TYPE_CHECKING:
     from .parent.session import State
+    from .reports.baseline import Summary
     from .reports.controller import Controller
     from .reports.findings import Finding
+    from .reports.run_info import Session
 
 # The reports' modules are imported at the session's end, where there is something to
 # write: a session that isolates nothing never needs them.
@@ -40,7 +42,7 @@ class Recorder:
         self.controller = controller
         self.summaries: list[str] = []  # where the Markdown summary went
         self.unwritten: list[str] = []  # reports that could not be written, and why
-        self.baseline: dict[str, Any] | None = None  # what became of the leak baseline
+        self.baseline: Summary | None = None  # what became of the leak baseline
         self.found: list[Finding] = []  # its findings, for annotations and GitLab
         self.started = time.time()  # the session's start, for the JSON report
         self.collected: float | None = None  # when collection ended (time.monotonic)
@@ -188,7 +190,7 @@ class Recorder:
             for line in findings.workflow_commands(self.found):
                 terminalreporter.write_line(line)
 
-    def _run(self, session: pytest.Session) -> dict[str, Any]:
+    def _run(self, session: pytest.Session) -> Session:
         """The JSON report's ``session``: this run, where and how it ended."""
         from .reports import run_info
 

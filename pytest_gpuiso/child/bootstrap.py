@@ -45,6 +45,7 @@ from ..proc._linux import die_with_parent, set_child_subreaper
 from ..wire import frames
 from ..wire.frames import send_frame
 from ..wire.jobs import Bootstrap, CallJob, ItemJob
+from ..wire.payloads import ExceptionData
 from . import cuda_state
 from .env_reads import EnvReads
 from .exiting import flush_and_exit, mark_exit_handlers
@@ -302,7 +303,7 @@ def run_call(job: CallJob, channel: Channel) -> None:
     channel.send(frames.DONE, 0)
 
 
-def describe_exception(exc: BaseException) -> dict[str, Any]:
+def describe_exception(exc: BaseException) -> ExceptionData:
     """An exception as data: always its text, and the object itself when it pickles."""
     try:
         message = str(exc)

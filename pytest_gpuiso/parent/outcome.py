@@ -13,7 +13,9 @@ from ..gpu.health import RunEnd
 from ..leaks import Leak
 from ..leaks.gpu_memory import left_on_gpus
 from ..proc.workdir import read_end
+from ..reports.record import Escaped
 from ..wire import frames
+from ..wire.payloads import ExceptionData, ExitData, Imported, Stale, TorchLeak, WarningData
 
 OUTPUT_TAIL_LINES = 60  # lines of the process's own output shown with a failure
 OUTPUT_TAIL_BYTES = 8192  # of a captured output file, read after a crash
@@ -41,7 +43,7 @@ class SessionStop:
     returncode: int | None = None  # pytest.exit(returncode=...)
 
     @classmethod
-    def of(cls, payload: dict[str, Any]) -> SessionStop:
+    def of(cls, payload: ExitData) -> SessionStop:
         """From an ``EXIT`` frame's payload (its shape checked by ``frames.check``)."""
         return cls(bool(payload["interrupt"]), str(payload["message"]), payload["returncode"])
 
@@ -88,10 +90,10 @@ class End:
         return self.expired is not None
 
     @property
-    def escaped(self) -> list[dict[str, Any]]:
+    def escaped(self) -> list[Escaped]:
         """Descendants still running after the test's process ended (then killed)."""
         return [
-            {"pid": leak.fields["pid"], "cmdline": leak.fields["cmdline"]}
+            Escaped(pid=leak.fields["pid"], cmdline=leak.fields["cmdline"])
             for leak in self.leaks
             if leak.kind == "process"
         ]
@@ -110,18 +112,18 @@ class Sent:
     """What the test's process sent, before the deadline where one ran out."""
 
     done: bool = False  # it said its job finished
-    stale: dict[str, Any] | None = None  # it could not take its GPUs (``child.Channel``)
+    stale: Stale | None = None  # it could not take its GPUs (``child.Channel``)
     reports: list[dict[str, Any]] = field(default_factory=list)  # serialized pytest reports
-    warnings: list[dict[str, Any]] = field(default_factory=list)
+    warnings: list[WarningData] = field(default_factory=list)
     junit: list[tuple[str, str | None, str, str]] = field(default_factory=list)
-    torch_leaks: list[dict[str, Any]] = field(default_factory=list)
+    torch_leaks: list[TorchLeak] = field(default_factory=list)
     driver: list[str] = field(default_factory=list)  # CUDA libraries loaded with no GPU
-    imported: list[dict[str, Any]] = field(default_factory=list)  # learnable imports
+    imported: list[Imported] = field(default_factory=list)  # learnable imports
     fixtures: list[tuple[str, str]] = field(default_factory=list)  # broader than the test
     exits: list[SessionStop] = field(default_factory=list)  # pytest.exit() or Ctrl-C
     errors: list[str] = field(default_factory=list)
     results: list[bytes] = field(default_factory=list)  # run_isolated: the value, pickled
-    exceptions: list[dict[str, Any]] = field(default_factory=list)  # run_isolated's raise
+    exceptions: list[ExceptionData] = field(default_factory=list)  # run_isolated's raise
     payloads: list[dict[str, Any]] = field(default_factory=list)  # other plugins' data
 
     @property

@@ -28,12 +28,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..child import bootstrap as child
 from ..forkserver import module_of
 from .launcher import Launcher, StartError
 from .started import Started
+
+if TYPE_CHECKING:
+    from ..wire.payloads import Stale
 
 HIDDEN_GPUS = {"CUDA_VISIBLE_DEVICES": ""}  # until the go, a prewarmed process sees no GPU
 LOOKAHEAD = 64  # items scanned past nextitem for the next isolated ones
@@ -77,7 +80,7 @@ class Prewarmer:
                 return list(items[at : at + LOOKAHEAD])
         return [nextitem]
 
-    def replaced(self, why: dict[str, Any]) -> None:
+    def replaced(self, why: Stale) -> None:
         """A prewarmed process could not take its GPUs (``why``: ``child.Channel._stale``):
         say so once, and stop prewarming (plugins, conftests) or collecting ahead."""
         if why["module"] is None:

@@ -21,6 +21,7 @@ from ..leaks import ADVICE, Verdict
 from ..termtext import inert
 from ..warning_types import GpuIsoLeakWarning, GpuIsoStartWarning, issue_for_test, warn_for_test
 from ..wire import frames
+from ..wire.payloads import WarningData
 from . import standins
 
 # How a project whose warnings are errors keeps leaks warnings (the last filter wins).
@@ -128,7 +129,7 @@ def replay_warnings(
     return folded
 
 
-def decode_warning(data: dict[str, Any]) -> tuple[Warning, type[Warning]]:
+def decode_warning(data: WarningData) -> tuple[Warning, type[Warning]]:
     """The warning of a ``frames.WARNING`` frame and its category, importing nothing: the
     frame names the category's module, which is the test's to choose (importing it here
     would run the test's code in pytest, or load torch and its CUDA driver). The category

@@ -19,11 +19,14 @@ import dataclasses
 import itertools
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..forkserver import LEARN_WEIGHT, ForkServer, ServerBoot, module_of
 from ..proc.proctree import ensure_resource_tracker, exec_environment
 from ..proc.workdir import owner, private_file, process_dir
+
+if TYPE_CHECKING:
+    from ..wire.payloads import Imported
 
 _LOGS = itertools.count(1)  # unique log names within this process, whatever the Serving
 
@@ -123,7 +126,7 @@ class Serving:
         fresh, self._told = self.notices[self._told :], len(self.notices)
         return fresh
 
-    def pass_on_imports(self, imported: list[dict[str, Any]], nodeid: str, took: float) -> None:
+    def pass_on_imports(self, imported: list[Imported], nodeid: str, took: float) -> None:
         """What a forked test (``nodeid``, its process ran ``took`` seconds) imported: the
         template imports it for the next ones; once that is worth a successor of its own,
         the module's next tests are forked from that successor (``taught``)."""

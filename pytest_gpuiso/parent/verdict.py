@@ -22,6 +22,7 @@ from ..gpu.leases import Lease
 from ..leaks import Probe, Verdict, judge
 from ..leaks import torch as torch_check
 from ..leaks.gpu_memory import GpuMemoryProbe
+from ..reports.record import Record
 from ..settings import IsolationSpec
 from ..values import KINDS
 from . import replay, start_failures
@@ -58,7 +59,7 @@ class Ran:
         """No process ran, or it finished: it neither crashed nor timed out."""
         return self.outcome is None or self.outcome.finished
 
-    def record(self, item: pytest.Item, attempt: int = 1, rerun: bool = False) -> dict[str, Any]:
+    def record(self, item: pytest.Item, attempt: int = 1, rerun: bool = False) -> Record:
         return build_record(item.nodeid, item.location, self, attempt, rerun)
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -41,6 +41,9 @@ from .prewarm import Prewarmer, WarmJob
 from .started import Started
 from .supervisor import Running
 from .watch import Bounds
+
+if TYPE_CHECKING:
+    from ..wire.payloads import Stale
 
 PREWARM_OFF = "prewarming is off (--gpu-isolate-prewarm=0)"
 
@@ -86,7 +89,7 @@ class Worker:
             raise
         return started
 
-    def again(self, job: Any, env: dict[str, str], stale: dict[str, Any] | None) -> Started:
+    def again(self, job: Any, env: dict[str, str], stale: Stale | None) -> Started:
         """A fresh process for ``job``: its process could not take its GPUs (``stale``:
         what it said; the prewarmer's policy learns from it) or died before its go."""
         if stale is not None:

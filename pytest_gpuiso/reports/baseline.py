@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TypedDict
 
 from ..values import KINDS
 from .mdtext import code_cell, kind_cell
@@ -30,6 +30,26 @@ from .shards import ReportError, read_json, records_of
 
 FORMAT = "pytest-gpuiso leak baseline"
 VERSION = 1
+
+
+class Entry(TypedDict, total=False):
+    """A leak the baseline knows: a test and a leak kind (``detail``: what it was, where
+    the baseline was made from a report)."""
+
+    nodeid: str
+    kind: str
+    detail: str
+
+
+class Summary(TypedDict):
+    """What a session made of its baseline (the JSON report's ``baseline``)."""
+
+    path: str
+    missing: bool  # nothing was at the path: read as empty
+    entries: int  # the leaks it knew of, test by test and kind by kind
+    known: int  # the reported leaks it knew (not counted)
+    fixed: list[Entry]  # its entries that the session found fixed (nodeid, kind)
+    not_run: list[str]  # the tests it names that did not run isolated
 
 
 @dataclass(frozen=True)
@@ -66,7 +86,7 @@ class Baseline:
         ran = {r["nodeid"] for r in records}
         return sorted(set(self.known) - ran)
 
-    def summary(self, records: list[Record]) -> dict[str, Any]:
+    def summary(self, records: list[Record]) -> Summary:
         """What the session made of the baseline, for the reports: its file (and whether
         it was missing), the leaks it knew, its entries now fixed, the tests it names that
         did not run."""
@@ -75,7 +95,7 @@ class Baseline:
             "missing": self.missing,
             "entries": self.entries,
             "known": known_count(records),
-            "fixed": [{"nodeid": n, "kind": k} for n, k in self.fixed(records)],
+            "fixed": [Entry(nodeid=n, kind=k) for n, k in self.fixed(records)],
             "not_run": self.not_run(records),
         }
 
@@ -114,30 +134,30 @@ def load(path: str) -> Baseline:
     return Baseline(path, _known(leaks))
 
 
-def _known(leaks: list[dict[str, Any]]) -> dict[str, frozenset[str]]:
+def _known(leaks: list[Entry]) -> dict[str, frozenset[str]]:
     known: dict[str, set[str]] = {}
     for entry in leaks:
         known.setdefault(entry["nodeid"], set()).add(entry["kind"])
     return {nodeid: frozenset(kinds) for nodeid, kinds in known.items()}
 
 
-def entries(records: list[Record]) -> list[dict[str, Any]]:
+def entries(records: list[Record]) -> list[Entry]:
     """A baseline's entries from a report's records: each test's last attempt, each leak
     kind it reported once (known ones too; not those its marker allows)."""
-    found = []
+    found: list[Entry] = []
     for nodeid, record in sorted(last_attempts(records).items()):
         kinds = sorted(leak_kinds(record).items())
-        found += [{"nodeid": nodeid, "kind": k, "detail": d} for k, d in kinds]
+        found += [Entry(nodeid=nodeid, kind=k, detail=d) for k, d in kinds]
     return found
 
 
-def text(leaks: list[dict[str, Any]]) -> str:
+def text(leaks: list[Entry]) -> str:
     """The baseline file of its entries (``entries``)."""
     document = {"format": FORMAT, "version": VERSION, "leaks": leaks}
     return json.dumps(document, indent=2, ensure_ascii=False) + "\n"
 
 
-def baseline_lines(summary: dict[str, Any], most: int) -> list[str]:
+def baseline_lines(summary: Summary, most: int) -> list[str]:
     """The terminal's lines on what became of the baseline (``Baseline.summary``): known
     leaks, fixed entries (at most ``most`` named), tests not run."""
     fixed, not_run = summary["fixed"], summary["not_run"]
@@ -169,7 +189,7 @@ def baseline_lines(summary: dict[str, Any], most: int) -> list[str]:
     return lines
 
 
-def fixed_table(summary: dict[str, Any] | None, rows: int) -> list[str]:
+def fixed_table(summary: Summary | None, rows: int) -> list[str]:
     """The Markdown's "Fixed since the leak baseline" part (at most ``rows`` rows)."""
     if not summary or not summary["fixed"]:
         return []

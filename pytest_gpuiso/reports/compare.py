@@ -50,7 +50,7 @@ def _ended(record: Record) -> str | None:
     return ended.kind if ended.abnormal else None
 
 
-def _new_test(old: dict[str, Any]) -> str:
+def _new_test(old: Record | None) -> str:
     return "" if old else " (a test only in head)"
 
 
@@ -59,8 +59,8 @@ def _grew(base: Any, head: Any, by: float) -> bool:
 
 
 def compare(
-    base: list[dict[str, Any]],
-    head: list[dict[str, Any]],
+    base: list[Record],
+    head: list[Record],
     startup_growth: float = STARTUP_GROWTH,
     peak_growth: int = PEAK_GROWTH,
 ) -> Comparison:

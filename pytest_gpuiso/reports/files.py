@@ -16,10 +16,16 @@ import re
 import stat
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..values import SpecError, bad_value
 from .record import SCHEMA_VERSION
+
+if TYPE_CHECKING:
+    from .baseline import Summary
+    from .record import Record
+    from .run_info import Session
+    from .shards import Shard
 
 STEP_SUMMARY_ENV = "GITHUB_STEP_SUMMARY"  # GitHub Actions' file for a step's Markdown
 # A name that is not UTF-8 (a /dev/shm entry's) is a lone surrogate in our text: written
@@ -29,10 +35,10 @@ UNENCODABLE = "backslashreplace"
 
 def write_json(
     path: Path,
-    records: list[dict[str, Any]],
-    baseline: dict[str, Any] | None = None,
-    session: dict[str, Any] | None = None,
-    shards: list[dict[str, Any]] | None = None,
+    records: list[Record],
+    baseline: Summary | None = None,
+    session: Session | None = None,
+    shards: list[Shard] | None = None,
 ) -> None:
     """Write the report atomically (a reader never sees half a file); ``baseline``: what
     the session made of its leak baseline (``Baseline.summary``); ``session``: what run it

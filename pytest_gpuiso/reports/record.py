@@ -24,6 +24,13 @@ class Exit(TypedDict):
     expired: str | None  # the bound that ran out: "test", "startup" or "exit"
 
 
+class Escaped(TypedDict):
+    """A descendant still running after the test's process ended (then killed)."""
+
+    pid: int
+    cmdline: str
+
+
 class _Started(TypedDict):
     method: str | None  # "spawn" or "forkserver"
     prewarmed: bool
@@ -63,7 +70,7 @@ class _Always(TypedDict):
     timeout: float | None
     startup_timeout: float | None
     exit: Exit
-    escaped: list[dict[str, Any]]
+    escaped: list[Escaped]
     leaks: list[dict[str, Any]]
     leak_checks: list[str]
     start: Start
@@ -91,9 +98,9 @@ def is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def last_attempts(records: list[Record]) -> dict[str, dict[str, Any]]:
+def last_attempts(records: list[Record]) -> dict[str, Record]:
     """Each test's last attempt (pytest-rerunfailures: a record per attempt), by node id."""
-    found: dict[str, dict[str, Any]] = {}
+    found: dict[str, Record] = {}
     for record in records:
         attempt = record.get("attempt") if is_number(record.get("attempt")) else 1
         kept = found.get(record["nodeid"])
@@ -160,7 +167,7 @@ def leak_kinds(record: Record) -> dict[str, str]:
     return kinds
 
 
-def record_of(report: Any) -> dict[str, Any] | None:
+def record_of(report: Any) -> Record | None:
     """The record a report carries, if it is a test's last report."""
     record = getattr(report, RECORD_ATTR, None)
     return record if isinstance(record, dict) else None

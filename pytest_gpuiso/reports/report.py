@@ -14,7 +14,7 @@ from typing import Any
 from ..termtext import inert
 from ..values import KINDS, count_text
 from . import fixtures, mdtext
-from .baseline import baseline_lines, fixed_table
+from .baseline import Summary, baseline_lines, fixed_table
 from .files import STEP_SUMMARY_ENV, append_step_summary, step_summary_path, write_text
 from .gpu_tables import MARKDOWN_ROWS, health, quarantines, right_size, unassessed
 from .mdtext import cell as _cell
@@ -75,7 +75,7 @@ def terminal_summary(
     tr: Any,
     records: list[Record],
     path: Path | None,
-    baseline: dict[str, Any] | None = None,
+    baseline: Summary | None = None,
     clock: tuple[float, float] | None = None,
 ) -> None:
     """``clock``: the session's wall time after collection and every test's own time
@@ -271,7 +271,7 @@ def leak_summary(tr: Any, records: list[Record]) -> None:
 def markdown(
     records: list[Record],
     title: str = "pytest-gpuiso",
-    baseline: dict[str, Any] | None = None,
+    baseline: Summary | None = None,
     where: str = "the JSON report",
 ) -> str:
     """A summary for PR checks: totals, a test x kind x detail table, timeouts and crashes.
@@ -353,7 +353,7 @@ def _failure(record: Record) -> str:
 def write_markdown(
     path: Path | None,
     records: list[Record],
-    baseline: dict[str, Any] | None = None,
+    baseline: Summary | None = None,
     report: Path | None = None,
 ) -> list[str]:
     """Write the Markdown summary to ``path`` and append it to ``$GITHUB_STEP_SUMMARY``.

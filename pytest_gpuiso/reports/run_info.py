@@ -9,14 +9,28 @@ import importlib.metadata
 import platform
 import time
 from collections import Counter
-from typing import Any
+from typing import Any, TypedDict
 
 import pytest
 
 from ..values import VERSION
-from .record import last_attempts
+from .record import Record, last_attempts
 
 PACKAGES = ("pytest-xdist", "torch", "nvidia-ml-py")  # their versions, when installed
+
+
+class Session(TypedDict, total=False):
+    """A report's ``session`` block (docs/json-report.md); as read back from a report
+    (``session_of``), only the fields of their type, the environment's as text."""
+
+    started: str  # ISO 8601 UTC
+    finished: str
+    exitstatus: int | None  # None: the session has not ended (a partial report)
+    outcomes: dict[str, int]  # each test's last attempt's outcome, counted
+    args: list[str]  # pytest's arguments
+    environment: dict[str, Any]  # versions, platform; the CUDA driver and GPUs from NVML
+    partial: bool  # its session never ended (killed): what finished before
+    running: list[str]  # the tests that ran when it was written
 
 
 def iso(seconds: float) -> str:
@@ -28,17 +42,17 @@ def session_block(
     started: float,
     finished: float,
     exitstatus: int | None,
-    records: list[dict[str, Any]],
+    records: list[Record],
     args: list[str],
     gpus: dict[str, Any] | None,
     running: list[str] | None = None,
-) -> dict[str, Any]:
+) -> Session:
     """The report's ``session``; ``gpus``: the CUDA driver and the GPUs NVML found
     (``NvmlReader.inventory``), None without NVML. ``running``: the session has not ended
     (a partial report, written after each test: ``exitstatus`` None), and these tests
     were running when it was written."""
     outcomes = Counter(r["outcome"] for r in last_attempts(records).values())
-    block: dict[str, Any] = {
+    block: Session = {
         "started": iso(started),
         "finished": iso(finished),
         "exitstatus": None if exitstatus is None else int(exitstatus),
@@ -66,7 +80,7 @@ def environment(gpus: dict[str, Any] | None = None) -> dict[str, Any]:
     return {**found, **(gpus or {})}
 
 
-def session_of(document: Any) -> dict[str, Any] | None:
+def session_of(document: Any) -> Session | None:
     """A report's ``session`` as far as it has the shape this module writes (a report is
     input: each field is kept only when it is of its type), else None; a merged report's
     first shard's."""
@@ -77,9 +91,10 @@ def session_of(document: Any) -> dict[str, Any] | None:
         found = next((s.get("session") for s in document["shards"] if isinstance(s, dict)), None)
     if not isinstance(found, dict):
         return None
-    kept: dict[str, Any] = {
-        k: found[k] for k in ("started", "finished") if isinstance(found.get(k), str)
-    }
+    kept = Session()
+    for key in ("started", "finished"):
+        if isinstance(found.get(key), str):
+            kept[key] = found[key]
     if found.get("partial") is True:  # its session never ended (killed): what finished
         running = found.get("running")
         kept["partial"] = True
@@ -99,7 +114,7 @@ def session_of(document: Any) -> dict[str, Any] | None:
 MATTERS = (("gpus", "GPUs"), ("cuda_driver", "CUDA driver"), ("torch", "torch"))
 
 
-def line(session: dict[str, Any] | None) -> str:
+def line(session: Session | None) -> str:
     """One line saying what run a report is of."""
     if session is None:
         return "unknown (a report without its session)"
@@ -110,7 +125,7 @@ def line(session: dict[str, Any] | None) -> str:
     return f"started {when}" + (f": {', '.join(said)}" if said else "") + partial(session)
 
 
-def partial(session: dict[str, Any] | None) -> str:
+def partial(session: Session | None) -> str:
     """ "" for a report of a session that ended; else what it says of its end."""
     if session is None or not session.get("partial"):
         return ""
@@ -121,7 +136,7 @@ def partial(session: dict[str, Any] | None) -> str:
     return f" (PARTIAL: its session never ended{during}; the tests that finished before)"
 
 
-def differences(base: dict[str, Any] | None, head: dict[str, Any] | None) -> list[str]:
+def differences(base: Session | None, head: Session | None) -> list[str]:
     """What differs between the runs of two reports that can make a finding the runner's."""
     if base is None or head is None:
         return []

@@ -13,11 +13,14 @@ import math
 import os
 import stat
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from ..termtext import inert
 from ..values import KINDS
-from .record import SCHEMA_VERSION, is_number, last_attempts
+from .record import SCHEMA_VERSION, Record, is_number, last_attempts
+
+if TYPE_CHECKING:
+    from .run_info import Session
 
 # The largest report ``merge`` reads: a record is about 1 KiB, so a million tests.
 MAX_REPORT_BYTES = 1 << 30
@@ -116,7 +119,7 @@ def _read_report(path: str) -> bytes:
     return data
 
 
-def load(path: str) -> list[dict[str, Any]]:
+def load(path: str) -> list[Record]:
     """The records of one JSON report; ``ReportError`` names the file and the problem."""
     return records_of(path, document(path))
 
@@ -140,7 +143,7 @@ def read_json(path: str) -> Any:
         raise ReportError(f"{path}: not JSON (truncated?): {exc}") from None
 
 
-def records_of(path: str, document: dict[str, Any]) -> list[dict[str, Any]]:
+def records_of(path: str, document: dict[str, Any]) -> list[Record]:
     """The checked records of a report's document (``{"version": 1, "tests": [...]}``)."""
     version = document.get("version")
     if not is_number(version) or version != SCHEMA_VERSION:
@@ -152,6 +155,14 @@ def records_of(path: str, document: dict[str, Any]) -> list[dict[str, Any]]:
     return document["tests"]
 
 
+class Shard(TypedDict):
+    """One shard a merged report is made of: where it was read from, and its session
+    (as that report had it, unchecked; None where it had none)."""
+
+    path: str
+    session: Session | None
+
+
 OVERLAP_NAMED = 3  # tests named in merge's one line on overlapping shards
 
 
@@ -159,8 +170,8 @@ OVERLAP_NAMED = 3  # tests named in merge's one line on overlapping shards
 class Merged:
     """What ``merge`` made of several shard reports."""
 
-    records: list[dict[str, Any]]  # each test from one report, each naming its shard
-    runs: list[dict[str, Any]]  # each shard's path and session (a merged one's shards)
+    records: list[Record]  # each test from one report, each naming its shard
+    runs: list[Shard]  # each shard's path and session (a merged one's shards)
     overlapping: dict[str, list[str]]  # a test found in several reports -> those reports
 
 
@@ -171,8 +182,8 @@ def merge(paths: list[str]) -> Merged:
     A test found in more than one report (shards that overlap) is kept from one, so that
     it counts once, as in one session: every attempt of it in the report that holds its
     last attempt (the later report where they tie), as ``last_attempts`` would choose."""
-    found: list[list[dict[str, Any]]] = []  # each report's records
-    runs: list[dict[str, Any]] = []
+    found: list[list[Record]] = []  # each report's records
+    runs: list[Shard] = []
     for path in paths:
         read = document(path)
         records = records_of(path, read)
@@ -220,9 +231,7 @@ def overlap_line(overlapping: dict[str, list[str]]) -> str | None:
     )
 
 
-def durations(
-    records: list[dict[str, Any]], kept: dict[str, float] | None = None
-) -> dict[str, float]:
+def durations(records: list[Record], kept: dict[str, float] | None = None) -> dict[str, float]:
     """pytest-split's durations ({nodeid: seconds}): each test's wall time in its own
     process, start-up included (its last attempt; its duration where no wall time), over
     ``kept`` (the file's entries so far: tests this run did not run keep theirs)."""

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from . import wire
+from .payloads import WarningData
 
 READY = "ready"  # the bootstrap is done: the process can answer a stack-dump request (pid)
 PHASE = "phase"  # what the process is doing while it starts: "importing test_x.py" (text)
@@ -63,6 +64,7 @@ _ASTRAL = re.compile(rb"\\u[dD][89abAB]|[\xf0-\xf4]")
 _SPILL = "spill"  # a frame in a file: its payload is the file's number
 _HEADER = struct.Struct("!i")  # multiprocessing's framing of send_bytes
 _READ = 1 << 16
+
 
 # The warning categories every process has without importing anything, by name
 BUILTIN_WARNINGS = {
@@ -379,7 +381,7 @@ def decoding(data: bytes) -> int:
     return len(data) * (1 + width(data))
 
 
-def encode_warning(message: warnings.WarningMessage, nodeid: str) -> dict[str, Any]:
+def encode_warning(message: warnings.WarningMessage, nodeid: str) -> WarningData:
     """A warning of the test as plain data: its category by name, and by the name of its
     nearest builtin base, which pytest's process can rebuild without importing anything."""
     category = message.category
