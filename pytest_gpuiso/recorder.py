@@ -96,9 +96,11 @@ class Recorder:
         with self.lock:
             if self.closed or not self.unsaved:
                 return
-            from .reports import files, run_info  # before the clock: a first write's imports
+            # Imported before the clock: a first write's imports are no measure of what
+            # writing the report costs (they would hold the next write back).
+            from .reports import files, run_info
 
-            now = time.monotonic()  # are no measure of what writing the report costs
+            now = time.monotonic()
             if now < self.saved_at:
                 if self.later is None:
                     self.later = threading.Timer(self.saved_at - now, self._save_later)

@@ -3,9 +3,9 @@
 Runs in the test's process only (spawned, or forked by the fork server). ``bootstrap``
 starts it (dies with pytest, rebuilds pytest's configuration, exits through pytest's
 exit hooks) with pytest's options as ``overrides`` sets them, ``relay`` is its pytest
-plugin (runs the one test, sends its reports), and ``cuda_state``, ``memory_cap``, ``imports`` and
-``env_reads`` watch CUDA, cap GPU memory and note what the test imported and which
-environment variables were read before its go. Knows nothing of pytest's side: it
+plugin (runs the one test, sends its reports), and ``cuda_state``, ``memory_cap``,
+``imports`` and ``env_reads`` watch CUDA, cap GPU memory and note what the test imported
+and which environment variables were read before its go. Knows nothing of pytest's side: it
 imports neither ``parent``, nor ``forkserver``, ``gpu`` or ``reports``; what it needs
 crosses in ``wire``.
 

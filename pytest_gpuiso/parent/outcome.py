@@ -172,12 +172,12 @@ class Outcome:
         )
 
 
-def _started(name: str) -> Callable[[Outcome, Any], None]:
-    """A handler that marks how far the start-up got: sets a field of ``launch`` (to True,
-    or to the payload for the phase)."""
-    if name == "phase":
-        return lambda outcome, payload: setattr(outcome.launch, name, payload)
-    return lambda outcome, payload: setattr(outcome.launch, name, True)
+def _set(part: str, name: str, value: Any = None) -> Callable[[Outcome, Any], None]:
+    """A handler that sets a field of ``part`` (``launch`` or ``sent``): to ``value``, or
+    to the payload."""
+    return lambda outcome, payload: setattr(
+        getattr(outcome, part), name, payload if value is None else value
+    )
 
 
 def _first(name: str) -> Callable[[Outcome, Any], None]:
@@ -191,23 +191,19 @@ def _add(name: str) -> Callable[[Outcome, Any], None]:
     return lambda outcome, payload: getattr(outcome.sent, name).append(payload)
 
 
-def _done(outcome: Outcome, payload: Any) -> None:
-    outcome.sent.done = True
-
-
 def _ignore(outcome: Outcome, payload: Any) -> None:
     """Heeded while the process runs (``watch``): its bounds' marks."""
 
 
 # kind -> (taken after the deadline too, handler): the one dispatcher of the parent side
 _HANDLERS: dict[str, tuple[bool, Callable[[Outcome, Any], None]]] = {
-    frames.READY: (True, _started("bootstrapped")),
-    frames.PHASE: (True, _started("phase")),
-    frames.AHEAD: (True, _started("ahead")),
+    frames.READY: (True, _set("launch", "bootstrapped", True)),
+    frames.PHASE: (True, _set("launch", "phase")),
+    frames.AHEAD: (True, _set("launch", "ahead", True)),
     frames.BEGIN: (True, _ignore),
     frames.END: (True, _ignore),
     frames.EXITING: (True, _ignore),
-    frames.DONE: (False, _done),
+    frames.DONE: (False, _set("sent", "done", True)),
     frames.STALE: (False, _first("stale")),
     frames.REPORT: (False, _add("reports")),
     frames.WARNING: (False, _add("warnings")),
