@@ -13,7 +13,7 @@ import os
 import pytest
 
 from .gpu import ports, workers
-from .parent.session import State, default_gpus
+from .parent.session import State
 from .settings import MARKER, Settings, pytest_timeout
 from .values import DEFAULT_TIMEOUT, count_text
 
@@ -40,7 +40,7 @@ def lines(config: pytest.Config, state: State, debugger: str, marked: int = 0) -
         f"start-up bound {s.startup_timeout:g} s",
         _start_header(s),
     ]
-    d = state.devices
+    d = state.gpus.devices
     if d.names:
         lines.append(f"gpu-isolate: GPUs {d.describe()} (from {d.source}), {_packing(s)}")
     else:
@@ -57,12 +57,12 @@ def lines(config: pytest.Config, state: State, debugger: str, marked: int = 0) -
 
 def _brief(config: pytest.Config, state: State, scope: str, timeout: str) -> list[str]:
     """The header at pytest's default verbosity: three lines."""
-    s, d = state.settings, state.devices
+    s, d = state.settings, state.gpus.devices
     first = f"gpu-isolate: {scope} in a fresh process ({s.start}), timeout {timeout}"
     if s.pin_workers:
         gpus = _pin_header(config, s, state)
     elif d.names:
-        n = default_gpus(s, d)
+        n = state.gpus.default_gpus(s.gpus)
         each = "none" if n == 0 else count_text(n, "GPU")
         gpus = f"gpu-isolate: GPUs {d.describe()} (from {d.source}), {_packing(s)}; "
         gpus += f"each test leases {each}"
@@ -76,10 +76,10 @@ def _brief(config: pytest.Config, state: State, scope: str, timeout: str) -> lis
 
 def _each_test_leases(s: Settings, state: State) -> str:
     """What an isolated test leases unless its marker says gpus=, and why."""
-    n = default_gpus(s, state.devices)
+    n = state.gpus.default_gpus(s.gpus)
     why = f"({s.gpus_source})" if s.gpus is not None else "(default where there are GPUs)"
     what = "no GPU: it sees none" if n == 0 else f"{n} GPU{'s' if n != 1 else ''}"
-    if s.gpus is None and not state.devices.names:
+    if s.gpus is None and not state.gpus.devices.names:
         what, why = "no GPU", "(no GPUs to lease)"
     return f"gpu-isolate: each isolated test leases {what} {why}, unless marked gpus="
 
@@ -87,12 +87,12 @@ def _each_test_leases(s: Settings, state: State) -> str:
 def _pin_header(config: pytest.Config, s: Settings, state: State) -> str:
     line = "gpu-isolate: pinned workers (--gpu-isolate-pin-workers): "
     n = s.gpus or 1
-    if state.pin is not None:
-        names = ", ".join(state.pin.devices)
+    if state.gpus.pin is not None:
+        names = ", ".join(state.gpus.pin.devices)
         return line + f"this process holds GPU {names} for its whole life; its tests see only that"
-    if not state.devices.names:
+    if not state.gpus.devices.names:
         return line + "no GPUs to pin"
-    slots = workers.gpu_slots(s, state.devices)
+    slots = workers.gpu_slots(s, state.gpus.devices)
     count = len(config.getoption("tx", None) or [])
     return line + (
         f"each of the {count} xdist workers holds {n} GPU{'s' if n != 1 else ''} for its "
@@ -134,10 +134,10 @@ def _leak_header(s: Settings, state: State) -> str:
     if s.cleanup:
         line += ", leaked /dev/shm entries deleted"
     if s.leak_level("gpu_memory") != "off":
-        if not state.devices.names:
+        if not state.gpus.devices.names:
             line += " (gpu_memory: no GPUs to check)"
-        elif not state.nvml.available():
-            line += f" (gpu_memory unavailable: {state.nvml.error})"
+        elif not state.gpus.nvml.available():
+            line += f" (gpu_memory unavailable: {state.gpus.nvml.error})"
         else:
             line += f" (gpu_memory tolerance {s.gpu_tolerance_mib:g} MiB)"
     return line

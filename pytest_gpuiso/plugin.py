@@ -23,16 +23,7 @@ _import_plainly()  # loaded once pytest marked us (in a process that imported th
 from . import native
 from .options import add_options
 from .parent import early
-from .parent.session import (
-    STATE,
-    State,
-    close,
-    isolated,
-    prepare,
-    settle,
-    start_server,
-    warn_start,
-)
+from .parent.session import STATE, State, close, isolated, settle, warn_start
 from .recorder import Recorder
 from .reports.controller import CONTROLLER, load_baseline, make_controller
 from .settings import MARKER, MARKER_DOC, read_settings
@@ -41,8 +32,8 @@ from .warning_types import GpuIsoLeakWarning, GpuIsoStartWarning
 from .wire.plugin_names import CHILD_PLUGIN
 
 # What runs isolated tests (the runner, the launcher, the fork server, the lease
-# table) is imported when the first one runs: a session that isolates nothing pays
-# for the options and the configuration only.
+# table) is imported when isolating is first needed, behind ``parent.worker``: a
+# session that isolates nothing pays for the options and the configuration only.
 
 __all__ = ["GpuIsoLeakWarning", "GpuIsoStartWarning"]
 
@@ -95,6 +86,8 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     config.stash[STATE] = state
     if settings.mode == "all" or settings.pin_workers:  # wanted before collection
+        from .parent.worker import prepare
+
         prepare(config, state)
     config.pluginmanager.register(Recorder(config, state, controller), "gpuiso-recorder")
 
@@ -151,10 +144,10 @@ def pytest_configure_node(node: Any) -> None:
     """xdist's controller, before starting a worker: hand it its pinned GPUs."""
     state = node.config.stash.get(STATE, None)
     controller = node.config.stash.get(CONTROLLER, None)
-    if state is not None and controller is not None and state.pins:
+    if state is not None and controller is not None and state.gpus.pins:
         from .gpu import pinning
 
-        given = pinning.assign(state.pins, controller.pinned_to, node.gateway.id)
+        given = pinning.assign(state.gpus.pins, controller.pinned_to, node.gateway.id)
         if given is not None:
             node.workerinput[pinning.WORKERINPUT] = given
 
@@ -181,9 +174,10 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         settle(item.config)
         return None
     from .parent import runner
+    from .parent.worker import start_worker
 
-    prepare(item.config, item.config.stash[STATE])
-    runner.protocol(item, nextitem)
+    state = item.config.stash[STATE]
+    runner.protocol(item, nextitem, start_worker(item.config, state))  # made once
     return True
 
 
@@ -206,6 +200,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     ``pytest_configure`` ran (pytest-cov's adapter starts the resource tracker unmeasured)."""
     state = session.config.stash.get(STATE, None)
     if _wants_server(session.config, state) and state.settings.mode == "all":
+        from .parent.worker import start_server
+
         start_server(session.config, state)
     early.discard(session.config)  # the server did not take it: not needed after all
 
@@ -225,6 +221,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     modules = {str(item.path) for item in session.items if isolated(item)}
     if not modules:
         return
+    from .parent.worker import prepare, start_server
+
     prepare(session.config, state)
     if not _wants_server(session.config, state):
         return
@@ -263,9 +261,11 @@ def gpu_isolated_run(request: pytest.FixtureRequest):
 
     state = request.config.stash.get(STATE, None)
     if state is not None:
+        from .parent.worker import prepare
+
         prepare(request.config, state)
     grace = state.settings.grace if state is not None else DEFAULT_GRACE
-    leases = state.leases if state is not None else None
+    leases = state.gpus.leases if state is not None else None
     health = state.settings.health if state is not None else "after-failure"
 
     def run(func, *args, timeout=None, gpus=0, **kwargs):

@@ -197,7 +197,7 @@ class Recorder:
         from .reports import run_info
 
         args = list(self.config.invocation_params.args)
-        gpus = self.state.nvml.inventory()  # None without NVML
+        gpus = self.state.gpus.nvml.inventory()  # None without NVML
         status = session.exitstatus
         return run_info.session_block(
             self.started, time.time(), status, self.controller.records, args, gpus

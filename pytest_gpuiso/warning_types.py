@@ -1,4 +1,5 @@
-"""pytest-gpuiso's warning categories, and how its own warnings are issued.
+"""pytest-gpuiso's warning categories, and how the session's own warnings are issued
+(a test's are replayed with the test, by ``parent.replay``).
 
 They go through Python's ``warnings`` machinery with pytest's filters in force, so
 ``-W``, ini ``filterwarnings`` and ``@pytest.mark.filterwarnings`` treat them as any
@@ -28,36 +29,10 @@ class GpuIsoStartWarning(pytest.PytestWarning):
     what a dead session's tests left running was ended."""
 
 
-def _inert(warning: Warning) -> Warning:
+def inert_warning(warning: Warning) -> Warning:
     """The warning with its text inert (``termtext.inert``): it may quote what a test's
     process or a dead session chose (a command line, a /dev/shm name, a library's name)."""
     return type(warning)(inert(str(warning)))
-
-
-def warn_for_test(warning: Warning, filename: str, lineno: int) -> bool:
-    """Issue a warning of the running test; False when a filter made it an error."""
-    return issue_for_test(warning, filename, lineno) != "error"
-
-
-def issue_for_test(warning: Warning, filename: str, lineno: int) -> str:
-    """Issue a warning of the running test through its filters: "shown" (pytest records
-    it), "ignored" (a filter dropped it) or "error" (a filter made it an exception).
-
-    Called inside pytest's ``pytest_runtest_protocol`` wrapper, which applies the
-    item's filters (ini, ``-W``, its ``filterwarnings`` marks) and records what passes.
-    The filters are applied here, in a catcher of our own that sees which it was; what
-    passes them is handed on to pytest's catcher with ``warnings.showwarning``, which
-    applies no filter again.
-    """
-    warning = _inert(warning)
-    with warnings.catch_warnings(record=True) as passed:
-        try:
-            warnings.warn_explicit(warning, type(warning), filename, lineno)
-        except type(warning):
-            return "error"
-    for shown in passed:
-        warnings.showwarning(shown.message, shown.category, shown.filename, shown.lineno)
-    return "shown" if passed else "ignored"
 
 
 def _named_error(warning: Warning, filename: str, line: int) -> bool:
@@ -93,7 +68,7 @@ def warn_session(
     ``filterwarnings = error`` (or ``error::pytest.PytestWarning``) shows it and ends
     nothing; only a filter that names ``GpuIsoStartWarning`` (or a subclass) makes it an
     error."""
-    warning = _inert(warning)
+    warning = inert_warning(warning)
     caller = sys._getframe(stacklevel)
     where = (caller.f_code.co_filename, caller.f_lineno)
     with warnings.catch_warnings(record=True) as log:

@@ -27,6 +27,7 @@ from .. import _compat
 from ..leaks import torch as torch_check
 from ..wire import frames, wire
 from ..wire.environment import LEASED_ENV
+from ..wire.payloads import encode_warning
 from ..wire.plugin_names import CHILD_PLUGIN
 from . import cuda_state, imports, memory_cap
 from .overrides import override_again
@@ -268,7 +269,7 @@ class ChildPlugin:
         message = warnings.WarningMessage(
             pytest.PytestWarning(text), pytest.PytestWarning, str(item.path), 0
         )
-        self.channel.send(frames.WARNING, frames.encode_warning(message, item.nodeid))
+        self.channel.send(frames.WARNING, encode_warning(message, item.nodeid))
 
     @pytest.hookimpl(wrapper=True)
     def pytest_fixture_setup(self, fixturedef: Any, request: Any) -> Any:
@@ -304,7 +305,7 @@ class ChildPlugin:
         self, warning_message: Any, when: str, nodeid: str, location: Any
     ) -> None:
         if when == "runtest":
-            self.channel.send(frames.WARNING, frames.encode_warning(warning_message, nodeid))
+            self.channel.send(frames.WARNING, encode_warning(warning_message, nodeid))
 
     @pytest.hookimpl(optionalhook=True, tryfirst=True)
     def pytest_timeout_set_timer(self, item: Any, settings: Any) -> bool:

@@ -7,6 +7,7 @@ catalog), NVML (``nvml``) and ROCm (``rocm``), pinned xdist workers (``pinning``
 ``workers``) and ``MASTER_PORT`` leases (``ports``). Never imports ``parent`` or ``child``.
 
 Also here: ``devices`` (the GPUs a session may lease and their memory, found without a
-CUDA context) and ``identity`` (which GPU each device name is: its UUID, its lease-table
+CUDA context), ``pool`` (one pytest process's GPUs together: its devices, lease table,
+NVML reader and pins) and ``identity`` (which GPU each device name is: its UUID, its lease-table
 row).
 """

@@ -10,6 +10,7 @@ from __future__ import annotations
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -19,7 +20,9 @@ from ..values import SpecError
 from ..wire.jobs import ItemJob
 from . import replay
 from .prewarm import HIDDEN_GPUS
-from .session import STATE, State, child_options, gpus_wanted
+
+if TYPE_CHECKING:
+    from .worker import Worker
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,9 @@ class Plan:
     spec: IsolationSpec | None
     error: str | None = None  # a bad marker: the test's setup error
     gpus: int = 0
+    # others may use its GPUs beside it (slots, memory leases): what is seen on them
+    # then cannot be pinned on it
+    shared: bool = False
     missing: str | None = None  # what it needs that there is not: it is skipped
     job: ItemJob | None = None
     warm_env: dict[str, str] = field(default_factory=dict)  # its process's, ahead of its turn
@@ -43,30 +49,33 @@ class Plan:
 PLAN = pytest.StashKey[Plan]()
 
 
-def plan_for(item: pytest.Item, state: State) -> Plan:
+def plan_for(item: pytest.Item, worker: Worker) -> Plan:
     """The test's plan, made once: by its prewarming, or by its run."""
     plan = item.stash.get(PLAN, None)
     if plan is None:
-        plan = item.stash[PLAN] = _plan(item, state)
+        plan = item.stash[PLAN] = _plan(item, worker)
     return plan
 
 
-def _plan(item: pytest.Item, state: State) -> Plan:
+def _plan(item: pytest.Item, worker: Worker) -> Plan:
+    settings, gpus = worker.settings, worker.gpus
     try:
-        spec = spec_for_item(item, state.settings)
+        spec = spec_for_item(item, settings)
     except SpecError as exc:
         return Plan(None, error=str(exc))
-    n = gpus_wanted(spec, state)
-    missing = state.devices.shortfall(n, spec.gpu_memory)
+    n = spec.gpus if spec.gpus is not None else gpus.default_gpus(settings.gpus)
+    missing = gpus.devices.shortfall(n, spec.gpu_memory)
     if missing is not None:
         return Plan(spec, gpus=n, missing=missing)
-    env: dict[str, str] = {}
-    if state.leases is not None:
-        env = state.leases.child_env(None) if n == 0 else dict(HIDDEN_GPUS)
-    return Plan(spec, gpus=n, job=item_job(item, state.settings), warm_env=env)
+    env = gpus.env(None) if n == 0 or gpus.leases is None else dict(HIDDEN_GPUS)
+    job = item_job(item, settings, worker.options)
+    shared = settings.slots > 1 or spec.gpu_memory is not None
+    return Plan(spec, gpus=n, shared=shared, job=job, warm_env=env)
 
 
-def item_job(item: pytest.Item, settings: Settings) -> ItemJob:
+def item_job(
+    item: pytest.Item, settings: Settings, options: tuple[tuple[str, Any], ...]
+) -> ItemJob:
     config = item.config
     parent = _compat.basetemp(config) or Path(tempfile.gettempdir())
     xml = replay.junit_xml(config)
@@ -78,7 +87,7 @@ def item_job(item: pytest.Item, settings: Settings) -> ItemJob:
         basetemp=tempfile.mkdtemp(prefix="isolated-", dir=parent),
         junit_family=getattr(xml, "family", None),
         torch_check=settings.torch_check,
-        options=child_options(config, config.stash[STATE]),
+        options=options,
         location=item.location,
     )
 

@@ -1,7 +1,8 @@
 """What an isolated test's process did that pytest must see in this process, replayed:
 its warnings (their categories rebuilt importing nothing), junit records and uncaptured
 output, its leaks as warnings, and a test that loaded CUDA while it leased no GPU
-(``warn_cuda_without_gpu``).
+(``warn_cuda_without_gpu``). A warning of the test is issued through the test's own
+filters (``issue_for_test``).
 """
 
 from __future__ import annotations
@@ -19,9 +20,8 @@ import pytest
 from .. import _compat
 from ..leaks import ADVICE, Verdict
 from ..termtext import inert
-from ..warning_types import GpuIsoLeakWarning, GpuIsoStartWarning, issue_for_test, warn_for_test
-from ..wire import frames
-from ..wire.payloads import WarningData
+from ..warning_types import GpuIsoLeakWarning, GpuIsoStartWarning, inert_warning
+from ..wire.payloads import BUILTIN_WARNINGS, WarningData
 from . import standins
 
 # How a project whose warnings are errors keeps leaks warnings (the last filter wins).
@@ -137,7 +137,7 @@ def decode_warning(data: WarningData) -> tuple[Warning, type[Warning]]:
     ``UserWarning`` for the message when the category will not take it."""
     category = _imported(data["category_module"], data["category_name"])
     if category is None:
-        base = frames.BUILTIN_WARNINGS.get(data["category_base"], UserWarning)
+        base = BUILTIN_WARNINGS.get(data["category_base"], UserWarning)
         category = stand_in(data["category_module"], data["category_name"], base)
     try:
         message: Warning = category(data["message"])
@@ -204,3 +204,29 @@ def warn_cuda_without_gpu(item: pytest.Item, explicit: bool, loaded: list[str]) 
 def _line(item: pytest.Item) -> int:
     """The 1-based line of the test's definition, where its warnings point."""
     return (item.location[1] or 0) + 1
+
+
+def warn_for_test(warning: Warning, filename: str, lineno: int) -> bool:
+    """Issue a warning of the running test; False when a filter made it an error."""
+    return issue_for_test(warning, filename, lineno) != "error"
+
+
+def issue_for_test(warning: Warning, filename: str, lineno: int) -> str:
+    """Issue a warning of the running test through its filters: "shown" (pytest records
+    it), "ignored" (a filter dropped it) or "error" (a filter made it an exception).
+
+    Called inside pytest's ``pytest_runtest_protocol`` wrapper, which applies the
+    item's filters (ini, ``-W``, its ``filterwarnings`` marks) and records what passes.
+    The filters are applied here, in a catcher of our own that sees which it was; what
+    passes them is handed on to pytest's catcher with ``warnings.showwarning``, which
+    applies no filter again.
+    """
+    warning = inert_warning(warning)
+    with warnings.catch_warnings(record=True) as passed:
+        try:
+            warnings.warn_explicit(warning, type(warning), filename, lineno)
+        except type(warning):
+            return "error"
+    for shown in passed:
+        warnings.showwarning(shown.message, shown.category, shown.filename, shown.lineno)
+    return "shown" if passed else "ignored"

@@ -18,10 +18,12 @@ last made final (``finish_item``), the reports logged. One attempt:
    no longer needs, as in-process; attach each attempt's JSON record to its last
    report.
 
-A test's processes come and go through one door, the session's ``worker.Worker``
-(its verbs: ``take``, ``waiting``, ``ready``, ``again``, ``go``, ``prepare_next``,
-``changed``, ``discard``), which is called from here, downward, and never calls back;
-the waiting is ``supervisor``'s. The session-wide side lives in ``session.State``.
+A test's processes come and go through one door, the session's ``worker.Worker``,
+made once and handed in by the hook (its verbs: ``take``, ``waiting``, ``ready``,
+``again``, ``go``, ``prepare_next``, ``changed``, ``discard``; its settings and GPUs),
+which is called from here, downward, and never calls back; the waiting is
+``supervisor``'s. The session's flags live in ``session.State``. A test that cannot run
+(a bad marker, a lease refused, no process) fails its setup with why (``CannotRun``).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from ..leaks import Probe
 from ..leaks.gpu_memory import GpuMemoryProbe
 from ..leaks.shm import ShmProbe
 from ..proc import workdir
-from ..settings import IsolationSpec
+from ..settings import wants_isolation
 from ..warning_types import GpuIsoStartWarning, warn_session
 from ..wire.environment import MEMORY_ENV
 from . import supervisor, verdict
@@ -52,7 +54,7 @@ from .results import (
     setup_error_reports,
     skip_reports,
 )
-from .session import STATE, State, isolated, settle, start_worker
+from .session import STATE, State, settle
 from .started import Started
 from .supervisor import Running
 from .verdict import Ran
@@ -80,7 +82,7 @@ class Turn:
         self.started = None
         return self.running
 
-    def release(self, state: State, worker: Worker) -> None:
+    def release(self, worker: Worker) -> None:
         if self.running is not None and not self.running.waited:
             worker.discard(self.running.started)  # before its lease goes
         self.running = None
@@ -88,21 +90,22 @@ class Turn:
             worker.discard(self.started)
             self.started = None
         if self.lease is not None and self.owned:
-            state.leases.release(self.lease)
+            worker.gpus.leases.release(self.lease)
             self.owned = False
         if self.port is not None:
             self.port.release()
             self.port = None
 
 
-def protocol(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+def protocol(item: pytest.Item, nextitem: pytest.Item | None, worker: Worker | None) -> None:
     """pytest's runtest protocol for an isolated test: each attempt in a fresh process
-    while ``pytest_gpuiso_rerun`` says so, its reports logged as pytest logs them."""
+    while ``pytest_gpuiso_rerun`` says so, its reports logged as pytest logs them.
+    ``worker``: the session's (``worker.start_worker``); None where it could not be made."""
     ihook = item.ihook
     attempt = 1
     while True:
         ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
-        ran = run_item(item, nextitem)
+        ran = run_item(item, nextitem, worker)
         again = None
         if ran.stop is None:
             again = item.config.hook.pytest_gpuiso_rerun(
@@ -132,50 +135,54 @@ def protocol(item: pytest.Item, nextitem: pytest.Item | None) -> None:
         item.session.shouldstop = ran.halt  # controller, told by the worker)
 
 
-def run_item(item: pytest.Item, nextitem: pytest.Item | None) -> Ran:
+def run_item(item: pytest.Item, nextitem: pytest.Item | None, worker: Worker | None) -> Ran:
     """Run one attempt of an isolated test (its turn has come); ``finish_item`` or
     ``mark_rerun`` then make its reports final.
 
     In one line: its plan, its lease, its process (prewarmed, or started now), the go,
     the next tests' processes started while it runs, the wait, the verdict."""
     state = item.config.stash[STATE]
-    try:  # the first isolated test of a session whose fork server did not start
-        worker = start_worker(item.config, state)
-    except workdir.WorkdirError as exc:  # each test says why
-        return Ran(setup_error_reports(item, str(exc)))
-    turn = Turn(worker.take(item.nodeid))
-    warmed = False
-    spec = None
+    turn, spec, warmed = Turn(), None, False
     try:
-        plan = plan_for(item, state)  # its temporary directory may fail to be made
+        if worker is None:  # its work directory could not be made: each test says why
+            raise CannotRun(state.no_worker)
+        turn.started = worker.take(item.nodeid)
+        plan = plan_for(item, worker)  # its temporary directory may fail to be made
         del item.stash[PLAN]  # another attempt plans afresh (a new basetemp)
         spec = plan.spec
-        if plan.error is not None:
-            ran = Ran(setup_error_reports(item, plan.error))
-        elif plan.missing is not None:
+        if plan.error is not None:  # a bad marker
+            raise CannotRun(plan.error)
+        if plan.missing is not None:
             ran = Ran(skip_reports(item, f"gpu-isolate: test needs {plan.missing}"))
         elif state.cannot_start is not None:  # no process of this session can start
             ran = Ran(state.cannot_start.reports(item), spec, start_failure=state.cannot_start)
         else:
             running = _go(item, plan, state, worker, turn)
-            if isinstance(running, Ran):
-                ran = running
-            else:
-                _prewarm_safely(item, nextitem, state, worker)
-                warmed = True
-                ran = _finish(item, plan, state, worker, turn, running)
-    except (StartError, workdir.WorkdirError) as exc:  # out of processes, files: this
-        ran = Ran(setup_error_reports(item, str(exc)), spec)  # test fails, the session
-    except OSError as exc:  # goes on
-        if exc.errno not in workdir.EXHAUSTED:
-            raise
-        why = f"could not watch the isolated process: {workdir.describe(exc)}"
-        ran = Ran(setup_error_reports(item, why), spec)
-    finally:
-        turn.release(state, worker)
-    if ran.stop is None and not warmed:
+            _prewarm_safely(item, nextitem, state, worker)
+            warmed = True
+            ran = _finish(item, plan, state, worker, turn, running)
+    except (CannotRun, StartError, workdir.WorkdirError, OSError) as exc:  # out of
+        ran = Ran(setup_error_reports(item, _why(exc)), spec)  # processes, files, GPUs:
+    finally:  # this test fails, the session goes on
+        if worker is not None:
+            turn.release(worker)
+    if ran.stop is None and not warmed and worker is not None:
         _prewarm(item, nextitem, state, worker)
     return ran
+
+
+class CannotRun(Exception):
+    """Why a test's process cannot run: its setup error (a bad marker, a lease refused)."""
+
+
+def _why(exc: Exception) -> str:
+    """The setup error of a test that could not run for ``exc``; an ``OSError`` other
+    than running out of processes or descriptors is raised again."""
+    if not isinstance(exc, OSError):
+        return str(exc)
+    if exc.errno not in workdir.EXHAUSTED:
+        raise exc
+    return f"could not watch the isolated process: {workdir.describe(exc)}"
 
 
 def finish_item(item: pytest.Item, nextitem: pytest.Item | None, ran: Ran, attempt: int) -> None:
@@ -203,27 +210,27 @@ def stop_session(stop: SessionStop) -> None:
     pytest.exit(stop.message, returncode=stop.returncode)
 
 
-def _go(item: pytest.Item, plan: Plan, state: State, worker: Worker, turn: Turn) -> Running | Ran:
+def _go(item: pytest.Item, plan: Plan, state: State, worker: Worker, turn: Turn) -> Running:
     """Lease the test's GPUs (in this process) and port, and give its process its go;
-    the ``Ran`` of a test that cannot get them."""
-    spec = plan.spec
+    ``CannotRun`` where it cannot get them."""
+    spec, gpus = plan.spec, worker.gpus
     n = plan.gpus
     checks = worker.health  # there with the lease table: there are GPUs to lease
-    if n > 0 and state.leases is not None and checks is not None:
-        pinned = pinning.within(state.pin, n, spec.gpu_memory, state.devices)
+    if n > 0 and gpus.leases is not None and checks is not None:
+        pinned = pinning.within(gpus.pin, n, spec.gpu_memory, gpus.devices)
         turn.owned = pinned is None
-        never = pinning.never_granted(state.leases, state.pin, n) if turn.owned else None
+        never = pinning.never_granted(gpus.leases, gpus.pin, n) if turn.owned else None
         if never is not None:
-            return Ran(setup_error_reports(item, never), spec)
+            raise CannotRun(never)
         if turn.started is None and turn.owned:  # start its process while it waits: the
             turn.started = worker.waiting(plan.job)  # the lease is used from its first ms
         try:
             turn.lease = turn.lease or checks.lease(
-                n, item.nodeid, state.settings.lease_timeout, spec.gpu_memory, pinned
+                n, item.nodeid, worker.settings.lease_timeout, spec.gpu_memory, pinned
             )
         except LeaseError as exc:  # a timeout, a slot-count conflict, a stuck table
-            return Ran(setup_error_reports(item, str(exc)))
-    env = state.leases.child_env(turn.lease) if state.leases is not None else {}
+            raise CannotRun(str(exc)) from None
+    env = gpus.env(turn.lease)
     env.setdefault(MEMORY_ENV, "")  # no lease of memory: never one inherited from our env
     if state.master_port:
         try:
@@ -238,7 +245,7 @@ def _go(item: pytest.Item, plan: Plan, state: State, worker: Worker, turn: Turn)
             env.update(turn.port.env())
     turn.env = env
     turn.started = worker.ready(turn.started, plan.job, env)
-    turn.probes = _probes(spec, state, turn.lease)
+    turn.probes = _probes(plan, state, worker, turn.lease)
     return turn.go(worker, Bounds(spec.timeout, spec.startup_timeout, spec.grace))
 
 
@@ -252,11 +259,11 @@ def _finish(
     gpu = verdict.gpu_probe(turn.probes)
     if turn.lease is not None and worker.health is not None:
         others = gpu.others if gpu is not None else None  # NVML pids on its GPUs not its
-        shared = _shared(plan.spec, state)
-        checked = worker.health.after(item.nodeid, turn.lease, outcome.run_end(), shared, others)
+        run_end = outcome.run_end()
+        checked = worker.health.after(item.nodeid, turn.lease, run_end, plan.shared, others)
     port = turn.port.port if turn.port is not None else None
     held = verdict.Held(turn.lease, turn.probes, port, checked)
-    turn.release(state, worker)
+    turn.release(worker)
     # what the test changed: taught modules, prewarming turned off; said as notices
     start_error = _tell_start_problems(item, worker.changed())
     return verdict.assemble(item, plan.spec, state, outcome, held, start_error)
@@ -276,30 +283,24 @@ def _wait(plan: Plan, state: State, worker: Worker, turn: Turn, running: Running
                 raise StartError(supervisor.unstarted_error(running.unstarted, replaced))
         stale = outcome.sent.stale if running.unstarted is None else None
         turn.started = worker.again(plan.job, dict(turn.env), stale)
-        turn.probes = _probes(plan.spec, state, turn.lease)
+        turn.probes = _probes(plan, state, worker, turn.lease)
         running = turn.go(worker, running.bounds)
         outcome = running.wait()
         outcome.launch.prewarmed = False
     return outcome
 
 
-def _probes(spec: IsolationSpec, state: State, lease: Lease | None) -> tuple[Probe, ...]:
+def _probes(plan: Plan, state: State, worker: Worker, lease: Lease | None) -> tuple[Probe, ...]:
     """The leak probes of one test, besides the process sweep (which always runs)."""
-    s = state.settings
+    s, nvml, spec = worker.settings, worker.gpus.nvml, plan.spec
     probes: list[Probe] = []
     if s.leak_level("shm") != "off":
         cleanup = s.cleanup and "shm" not in spec.allow_leaks
         probes.append(ShmProbe(s.shm_ignore, cleanup=cleanup, alone=not state.parallel))
-    if lease is not None and s.leak_level("gpu_memory") != "off" and state.nvml.available():
-        shared = _shared(spec, state)
-        probes.append(GpuMemoryProbe(state.nvml, lease.devices, s.gpu_tolerance_mib, shared=shared))
+    if lease is not None and s.leak_level("gpu_memory") != "off" and nvml.available():
+        tolerance = s.gpu_tolerance_mib
+        probes.append(GpuMemoryProbe(nvml, lease.devices, tolerance, shared=plan.shared))
     return tuple(probes)
-
-
-def _shared(spec: IsolationSpec, state: State) -> bool:
-    """Whether other tests may use the test's GPUs beside it (slots, memory leases): what
-    is seen on them then cannot be pinned on it."""
-    return state.settings.slots > 1 or spec.gpu_memory is not None
 
 
 def _prewarm_safely(
@@ -318,11 +319,12 @@ def _prewarm(item: pytest.Item, nextitem: pytest.Item | None, state: State, work
     candidates = worker.upcoming(item.session.items, nextitem, state.parallel)
     if not candidates:
         return
-    upcoming = list({c.nodeid: c for c in candidates if isolated(c)}.values())
+    wanted = worker.settings
+    upcoming = list({c.nodeid: c for c in candidates if wants_isolation(c, wanted)}.values())
     jobs = []
     for candidate in upcoming[: worker.ahead]:
         try:
-            plan = plan_for(candidate, state)
+            plan = plan_for(candidate, worker)
         except OSError:  # its temporary directory: its own run says why
             continue
         if plan.runs:

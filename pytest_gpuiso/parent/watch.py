@@ -24,6 +24,7 @@ import contextlib
 import math
 import signal
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 from pathlib import Path
@@ -129,7 +130,7 @@ class Watch:
     def leave(self) -> None:
         """Go on without waiting for the exit of a process past it (``leaving``)."""
         self.left = True
-        drain(self.reader, self.received)  # what a test sent after it
+        self.received.extend(self.reader.drain(_DRAIN))  # what a test sent after it
 
     def escalate(self, grace: float) -> None:
         """SIGTERM the tree, wait ``grace`` (draining the pipe), then SIGKILL what is left."""
@@ -159,6 +160,10 @@ class Received(list):
     def append(self, frame: tuple[str, Any]) -> None:
         super().append(frame)
         self.kinds.add(frame[0])
+
+    def extend(self, frames: Iterable[tuple[str, Any]]) -> None:
+        for frame in frames:
+            self.append(frame)
 
 
 EXITED = "exited"  # pump: the sender exited (all it sent is read)
@@ -199,15 +204,5 @@ def pump(
         if reader in ready:
             reader.fill()
         if sentinel in ready:
-            drain(reader, received)
+            received.extend(reader.drain(_DRAIN))
             return EXITED
-
-
-def drain(reader: frames.Reader, received: Received) -> None:
-    """Collect the frames already in the pipe into ``received``, without waiting for more
-    (a descendant that holds the pipe open and keeps writing gets ``_DRAIN`` seconds)."""
-    stop = time.monotonic() + _DRAIN
-    while not reader.eof and time.monotonic() < stop and wait([reader], 0):
-        reader.fill()
-    while (frame := reader.next()) is not None:
-        received.append(frame)

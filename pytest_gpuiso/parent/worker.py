@@ -1,15 +1,19 @@
-"""What one pytest process isolates tests with, made together once (``make_worker``),
-and the one door its tests' processes go through.
+"""What one pytest process isolates tests with, made together once, and the one door its
+tests' processes go through. Imported when isolating is first needed: the lazy boundary.
 
-The ``Worker`` holds the process door (``Launcher``: spawn or the fork server, each
-process until its run), its ``Prewarmer`` (always there: depth 0 is prewarming off) and
-the GPUs' ``Health`` (there where this session has GPUs to lease). It is made when
-isolating first needs it: at the session's start where every test is isolated (the fork
-server starts then), when collection found isolated tests, or at the first isolated
-test; never in a process that isolates nothing (xdist's controller, a session whose
-tests all run in-process). What it is made from is known before: the settings and the
-GPUs, their lease table and pins (``session.prepare``, at configure where pins are
-taken before collection).
+``prepare`` finds the session's GPUs once (``gpu.pool.GpuPool``: the devices, the lease
+table, NVML, pinned workers' GPUs), ends what dead sessions left, at configure where
+workers are pinned (their GPUs are taken before collection), else when the first
+isolated test shows up (xdist's controller prepares for its pins, and makes no worker).
+``start_worker`` makes the session's ``Worker`` once, every part present: the settings,
+the GPUs, what plugins want set in the tests' processes (``child_options``), the process
+door (``Launcher``: spawn or the fork server, each process until its run), its
+``Prewarmer`` (always there: depth 0 is prewarming off) and the GPUs' ``Health`` (there
+where this session has GPUs to lease). It is made at the session's start where every
+test is isolated (the fork server starts then), when collection found isolated tests,
+or by the hook that runs the first isolated test, which hands it to the runner; never in
+a process that isolates nothing (xdist's controller, a session whose tests all run
+in-process).
 
 The runner asks the worker, never its parts, in a few verbs: for a test's plan, its
 process (``take`` the prewarmed one, ``waiting`` while its lease is awaited, ``ready``
@@ -28,16 +32,25 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from .._lease import RegionError
 from ..child import imports
 from ..forkserver import ServerBoot
+from ..gpu import pinning
+from ..gpu.devices import discover
 from ..gpu.health import Health
+from ..gpu.leases import Leases
+from ..gpu.pool import GpuPool
 from ..leaks import Probe
+from ..leaks.shm import DeadSessionShm
 from ..leaks.shm_log import preload_env, preloadable
-from ..proc import workdir
+from ..proc import dead_sessions, workdir
 from ..proc._linux import set_child_subreaper
+from ..settings import Settings
+from ..values import SpecError
 from . import supervisor
 from .launcher import Launcher
 from .prewarm import Prewarmer, WarmJob
+from .session import State, warn_start
 from .started import Started
 from .supervisor import Running
 from .watch import Bounds
@@ -52,6 +65,9 @@ PREWARM_OFF = "prewarming is off (--gpu-isolate-prewarm=0)"
 class Worker:
     """The means of isolating tests in one pytest process, every part present."""
 
+    settings: Settings
+    gpus: GpuPool  # the session's GPUs: what its tests lease, from which table, NVML, pins
+    options: tuple[tuple[str, Any], ...]  # what plugins want set in the tests' processes
     launcher: Launcher  # the door: every test's process starts and ends its run here
     prewarmer: Prewarmer  # the next tests' processes, started while one runs
     health: Health | None  # the leased GPUs' health (None: no GPUs to lease here)
@@ -169,9 +185,89 @@ class Worker:
         self.launcher.close()
 
 
-def make_worker(config: pytest.Config, state: Any, options: tuple[tuple[str, Any], ...]) -> Worker:
-    """The worker of ``state`` (``session.State``). Raises ``workdir.WorkdirError`` when
-    this process's work directory cannot be made: each isolated test then says why.
+def prepare(config: pytest.Config, state: State) -> None:
+    """What isolating needs before its first test, done once: the work directory,
+    what dead sessions' tests left running, the GPUs and their lease table, pinned
+    workers' GPUs (``state.gpus``). At configure when every test is isolated or workers
+    are pinned; otherwise when the first isolated test (or ``gpu_isolated_run``) shows
+    up, so that a session that isolates nothing does no NVML or ``/dev/shm`` work."""
+    if state.prepared or state.settings.mode == "off":
+        return
+    state.prepared = True
+    settings = state.settings
+    if settings.mode == "all":  # every test needs it: a taken name is the session's error
+        try:
+            workdir.root()
+        except workdir.WorkdirError as exc:
+            raise pytest.UsageError(f"gpu-isolate: {exc}") from None
+    # and what the tests of dead sessions left running, and in /dev/shm
+    dead_shm = DeadSessionShm(settings.shm_ignore, settings.cleanup)
+    ended = workdir.clean_stale(on_dead=dead_shm.take)
+    if ended:
+        warn_start(config, dead_sessions.describe(ended))
+    left = dead_shm.dispose()
+    if left:
+        warn_start(config, left)
+    gpus = state.gpus
+    try:
+        sizes = dict(settings.device_sizes)
+        gpus.devices = discover(settings.devices, settings.devices_source, sizes, gpus.nvml)
+        if gpus.devices.names:
+            gpus.leases = Leases(gpus.devices, settings.slots)
+    except (RegionError, SpecError) as exc:  # a bad device list, a table not ours
+        raise pytest.UsageError(f"gpu-isolate: {exc}") from None
+    died = gpus.leases.died_text() if gpus.leases is not None and not state.parallel else ""
+    if died:  # what the lease table says of a session killed with a test on its GPUs
+        warn_start(config, died)
+    problem = pinning.problem(config, settings, gpus.devices)
+    if problem is not None:
+        raise pytest.UsageError(f"gpu-isolate: {problem}")
+    # before any test module is collected; the controller's, before it starts workers
+    gpus.pins = pinning.pin(config, settings, gpus.leases)
+    gpus.pin = pinning.own(config, settings, gpus.pins, gpus.leases)
+
+
+def start_worker(config: pytest.Config, state: State) -> Worker | None:
+    """The session's worker, made once (``prepare`` first); None when this process's
+    work directory cannot be made (``state.no_worker`` says why: each isolated test
+    then fails with it; the next one tries again)."""
+    if state.worker is None:
+        prepare(config, state)
+        try:
+            state.worker = make_worker(config, state, child_options(config))
+        except workdir.WorkdirError as exc:
+            state.no_worker = str(exc)
+    return state.worker
+
+
+def start_server(config: pytest.Config, state: State) -> Worker | None:
+    """Make the worker and start the fork server; None when the work directory or a
+    resource it needs is missing (each isolated test then says why, as the failure of
+    its own start)."""
+    worker = start_worker(config, state)
+    if worker is None:
+        return None
+    try:
+        worker.start_server()
+    except OSError:
+        return None
+    return worker
+
+
+def child_options(config: pytest.Config) -> tuple[tuple[str, Any], ...]:
+    """What plugins want set in the tests' processes (``pytest_gpuiso_child_options``),
+    asked once a session, when its worker is made."""
+    merged: dict[str, Any] = {}
+    for answer in config.hook.pytest_gpuiso_child_options(config=config):
+        merged.update(answer or {})  # in call order: a later answer wins
+    return tuple(merged.items())
+
+
+def make_worker(
+    config: pytest.Config, state: State, options: tuple[tuple[str, Any], ...]
+) -> Worker:
+    """The worker of ``state``. Raises ``workdir.WorkdirError`` when this process's
+    work directory cannot be made.
 
     ``options``: what plugins want set in the tests' processes."""
     s = state.settings
@@ -207,7 +303,8 @@ def make_worker(config: pytest.Config, state: Any, options: tuple[tuple[str, Any
             f"the /dev/shm shim cannot be preloaded ({unloadable}): a leaked /dev/shm "
             "entry is told by what /dev/shm held before and after the test alone"
         )
+    gpus = state.gpus
     health = None
-    if state.leases is not None:
-        health = Health(state.leases, state.nvml, s.health, s.reprobe)
-    return Worker(launcher, prewarmer, health)
+    if gpus.leases is not None:
+        health = Health(gpus.leases, gpus.nvml, s.health, s.reprobe)
+    return Worker(s, gpus, options, launcher, prewarmer, health)

@@ -14,20 +14,18 @@ counted as what they cost decoded, judged before a large one is decoded).
 
 from __future__ import annotations
 
-import builtins
 import contextlib
 import itertools
 import os
 import re
 import stat
 import struct
-import warnings
-from multiprocessing.connection import Connection
+import time
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
 from . import wire
-from .payloads import WarningData
 
 READY = "ready"  # the bootstrap is done: the process can answer a stack-dump request (pid)
 PHASE = "phase"  # what the process is doing while it starts: "importing test_x.py" (text)
@@ -66,12 +64,6 @@ _HEADER = struct.Struct("!i")  # multiprocessing's framing of send_bytes
 _READ = 1 << 16
 
 
-# The warning categories every process has without importing anything, by name
-BUILTIN_WARNINGS = {
-    name: value
-    for name, value in vars(builtins).items()
-    if isinstance(value, type) and issubclass(value, Warning)
-}
 _TEXT = (str,)
 _MAYBE_TEXT = (str, type(None))
 _INT = (int,)
@@ -193,11 +185,11 @@ class Reader:
     """pytest's end of a test process's pipe: frames read without ever blocking.
 
     ``fill()`` reads what the pipe holds; ``next()`` gives the frames read so far, one
-    at a time. A frame the process never finishes, a spill file that is not one of
-    ours (a link, a FIFO, too large), a frame of the wrong shape: each becomes an
-    ``ERROR`` frame saying so, and the rest of the stream is read and dropped (it can
-    no longer be trusted). Past ``KEEP_BYTES`` of frames, only the small ones that
-    time the test are kept.
+    at a time; ``drain()`` both, for what the pipe holds now. A frame the process never
+    finishes, a spill file that is not one of ours (a link, a FIFO, too large), a frame
+    of the wrong shape: each becomes an ``ERROR`` frame saying so, and the rest of the
+    stream is read and dropped (it can no longer be trusted). Past ``KEEP_BYTES`` of
+    frames, only the small ones that time the test are kept.
     """
 
     def __init__(self, conn: Connection, directory: Path, spill_name: str) -> None:
@@ -245,6 +237,17 @@ class Reader:
                 return
             if not self.broken:
                 self.buffer += chunk
+
+    def drain(self, seconds: float) -> list[tuple[str, Any]]:
+        """The frames the pipe holds now, without waiting for more (a writer that keeps
+        the pipe open and keeps writing gets ``seconds``)."""
+        stop = time.monotonic() + seconds
+        while not self.eof and time.monotonic() < stop and wait([self], 0):
+            self.fill()
+        found = []
+        while (frame := self.next()) is not None:
+            found.append(frame)
+        return found
 
     def next(self) -> tuple[str, Any] | None:
         """The next frame read, or None until more arrives."""
@@ -379,22 +382,3 @@ def decoding(data: bytes) -> int:
     """What decoding the frame ``data`` needs beside what it keeps (``cost``), until it is
     decoded: its bytes and their text (``wire.decode`` parses a str of them)."""
     return len(data) * (1 + width(data))
-
-
-def encode_warning(message: warnings.WarningMessage, nodeid: str) -> WarningData:
-    """A warning of the test as plain data: its category by name, and by the name of its
-    nearest builtin base, which pytest's process can rebuild without importing anything."""
-    category = message.category
-    base = next(
-        (c.__name__ for c in category.__mro__ if BUILTIN_WARNINGS.get(c.__name__) is c),
-        "UserWarning",
-    )
-    return {
-        "message": str(message.message),
-        "category_module": category.__module__,
-        "category_name": category.__qualname__,
-        "category_base": base,
-        "filename": message.filename,
-        "lineno": message.lineno,
-        "nodeid": nodeid,
-    }

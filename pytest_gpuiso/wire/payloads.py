@@ -1,9 +1,19 @@
 """The payloads of the frame kinds whose payload is an object (``frames.SHAPES`` checks
-each frame against its kind's shape; these name the fields for the code on both ends)."""
+each frame against its kind's shape; these name the fields for the code on both ends),
+and a warning's encoding as its payload (``encode_warning``)."""
 
 from __future__ import annotations
 
+import builtins
+import warnings
 from typing import TypedDict
+
+# The warning categories every process has without importing anything, by name
+BUILTIN_WARNINGS = {
+    name: value
+    for name, value in vars(builtins).items()
+    if isinstance(value, type) and issubclass(value, Warning)
+}
 
 
 class Stale(TypedDict):
@@ -56,3 +66,22 @@ class ExceptionData(TypedDict):
     message: str
     traceback: str
     pickled: bytes | None  # the exception itself, where it pickles
+
+
+def encode_warning(message: warnings.WarningMessage, nodeid: str) -> WarningData:
+    """A warning of the test as plain data: its category by name, and by the name of its
+    nearest builtin base, which pytest's process can rebuild without importing anything."""
+    category = message.category
+    base = next(
+        (c.__name__ for c in category.__mro__ if BUILTIN_WARNINGS.get(c.__name__) is c),
+        "UserWarning",
+    )
+    return {
+        "message": str(message.message),
+        "category_module": category.__module__,
+        "category_name": category.__qualname__,
+        "category_base": base,
+        "filename": message.filename,
+        "lineno": message.lineno,
+        "nodeid": nodeid,
+    }

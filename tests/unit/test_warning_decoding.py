@@ -11,7 +11,7 @@ import warnings
 import pytest
 
 from pytest_gpuiso.parent import replay, standins
-from pytest_gpuiso.wire import frames
+from pytest_gpuiso.wire import frames, payloads
 
 
 class Outer:
@@ -160,7 +160,7 @@ def test_what_the_test_process_sends_rebuilds_to_the_same_name_and_base():
         pass
 
     record = warnings.WarningMessage(LocalWarning("closed"), LocalWarning, "test_x.py", 3)
-    payload = frames.encode_warning(record, "test_x.py::test_x")
+    payload = payloads.encode_warning(record, "test_x.py::test_x")
     assert payload["category_base"] == "ResourceWarning"
     message, category = replay.decode_warning(frames.check((frames.WARNING, payload))[1])
     assert category is not LocalWarning

@@ -11,10 +11,12 @@ from types import SimpleNamespace
 
 import pytest
 
+from pytest_gpuiso.gpu.pool import GpuPool
 from pytest_gpuiso.parent.launcher import Launcher, StartError
 from pytest_gpuiso.parent.prewarm import Prewarmer
 from pytest_gpuiso.parent.watch import Bounds
 from pytest_gpuiso.parent.worker import PREWARM_OFF, Worker
+from pytest_gpuiso.settings import Settings
 from pytest_gpuiso.wire.jobs import CallJob
 
 
@@ -23,7 +25,8 @@ def _worker(tmp_path, depth: int) -> Worker:
     prewarmer = Prewarmer(launcher, depth)
     if not depth:
         prewarmer.disabled = PREWARM_OFF
-    return Worker(launcher, prewarmer, None)
+    settings = Settings("all", 900.0, "", 5.0, None, start="spawn", prewarm=depth)
+    return Worker(settings, GpuPool(), (), launcher, prewarmer, None)
 
 
 def test_with_prewarming_off_nothing_starts_ahead(tmp_path):

@@ -271,3 +271,20 @@ def test_a_frame_cut_off_by_the_end_of_the_stream_is_an_error(tmp_path):
             "before it closed the pipe)",
         ),
     ]
+
+
+def test_drain_takes_what_the_pipe_holds_in_order_and_waits_for_nothing_more(tmp_path):
+    reader, writer = _pipe(tmp_path)
+    assert reader.drain(5.0) == []  # nothing sent, the writer still open: no wait
+    _raw(writer, (frames.PHASE, "importing test_x.py"))
+    _raw(writer, (frames.BEGIN, ("t.py::t", 1.0)))
+    assert reader.drain(5.0) == [
+        (frames.PHASE, "importing test_x.py"),
+        (frames.BEGIN, ("t.py::t", 1.0)),
+    ]
+    assert not reader.eof
+    _raw(writer, (frames.END, None))
+    writer.close()
+    assert reader.drain(5.0) == [(frames.END, None)]
+    assert reader.eof
+    reader.close()
