@@ -69,8 +69,8 @@ class End:
     pid: int
     exitcode: int | None
     # The bound that ran out, after which the process was stopped: "startup" (its test
-    # never began), "test" (the test's timeout) or "exit" (it did not end after its
-    # test); None: none did.
+    # never began), "test" (the test's timeout), "exit" (it did not end after its test)
+    # or "group" (another process of its group ended: ``group.wait_group``); None: none.
     expired: str | None
     duration: float  # seconds from the go to the process's end
     began: float | None = None  # seconds from the go to the test's start (None: never)

@@ -124,6 +124,7 @@ class Running:
         # It ended before it read its go, by this signal's name or its exit status:
         # none of its test's code ran, another process may run the test (``wait`` sets it)
         self.unstarted: str | None = None
+        self.stop_at: float | None = None  # stopped past it, whatever its bounds (a group's)
 
     def wait(self) -> Outcome:
         """Watch the process to its end under its bounds, reap it, sweep, check, decode."""
@@ -140,6 +141,7 @@ class Running:
             self.go_at,
             self.bounds,
             may_leave=may_leave,
+            stop_at=self.stop_at,
         )
         interrupted = False
         try:

@@ -62,17 +62,22 @@ class Watch:
         bounds: Bounds,
         *,
         may_leave: bool = False,
+        stop_at: float | None = None,
     ) -> None:
         """``go_at``: ``time.monotonic()`` of its go; ``may_leave``: ``run`` returns when
-        the process says ``EXITING`` (its caller decides whether to ``leave``)."""
+        the process says ``EXITING`` (its caller decides whether to ``leave``);
+        ``stop_at``: ``time.monotonic()`` past which it is stopped whatever its bounds say
+        (another process of its group ended: ``group``)."""
         self.proc = proc
         self.reader = reader
         self.sentinel = sentinel
         self.stack_file = stack_file
         self.bounds = bounds
         self.may_leave = may_leave
+        self.stop_at = stop_at
         self.received = Received()
-        self.expired: str | None = None  # "startup", "test" or "exit": the bound that ran out
+        # "startup", "test" or "exit": the bound that ran out ("group": ``stop_at``)
+        self.expired: str | None = None
         self.began: float | None = None  # time.monotonic() when its test began
         self.cutoff: int | None = None  # frames that had arrived when the bound ran out
         self.stack = ""
@@ -91,6 +96,9 @@ class Watch:
                 self._stage, (b.startup, frames.EXITING if self.may_leave else None)
             )
             deadline = None if seconds is None else self._since + seconds
+            cut = self.stop_at is not None and (deadline is None or self.stop_at < deadline)
+            if cut:
+                deadline = self.stop_at
             status = pump(self.reader, self.sentinel, self.received, deadline, until)
             if status == EXITED:
                 if self.began is None and frames.BEGIN in self.received.kinds:
@@ -106,7 +114,7 @@ class Watch:
                 self._since = self.began = self._begin_stamp()
             else:
                 self._stage, self._since = "exit", time.monotonic()
-        self.expired, self.cutoff = self._stage, len(self.received)
+        self.expired, self.cutoff = "group" if cut else self._stage, len(self.received)
         # Before its bootstrap the child has no handler and the signal would kill it.
         if frames.READY in self.received.kinds:
             self.stack = dump_stack(self.proc.pid, STACK_SIGNAL, self.stack_file)

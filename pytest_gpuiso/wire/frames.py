@@ -204,6 +204,7 @@ class Reader:
         self.kept = 0  # bytes of frames kept
         self.dropped = 0  # frames not kept past KEEP_BYTES
         self.errors: list[tuple[str, Any]] = []  # ERROR frames of our own, not yet given
+        self.unread: list[tuple[str, Any]] = []  # frames given back (``put_back``): first
 
     def fileno(self) -> int:
         return self.fd
@@ -249,8 +250,14 @@ class Reader:
             found.append(frame)
         return found
 
+    def put_back(self, frames: list[tuple[str, Any]]) -> None:
+        """Have ``frames`` (given by ``next``, in order) given again before any other."""
+        self.unread[:0] = frames
+
     def next(self) -> tuple[str, Any] | None:
         """The next frame read, or None until more arrives."""
+        if self.unread:
+            return self.unread.pop(0)
         while True:
             if self.errors:
                 return self.errors.pop(0)

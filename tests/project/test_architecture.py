@@ -648,7 +648,8 @@ def _kind_uses(tree: ast.Module, kinds: frozenset[str]) -> list[tuple[str, bool]
 def test_frames_are_decoded_by_one_dispatcher() -> None:
     """Every kind of the vocabulary has its handler in ``Outcome.decode``, an unknown kind
     is an error, and no other module of pytest's side reads frame kinds (senders name
-    them only as what they send; the watch only the marks of its bounds)."""
+    them only as what they send; the watch and the group's wait only the marks of the
+    bounds)."""
     from pytest_gpuiso.parent import outcome
     from pytest_gpuiso.wire import frames
 
@@ -666,7 +667,8 @@ def test_frames_are_decoded_by_one_dispatcher() -> None:
         ):
             continue
         uses = _kind_uses(ast.parse(path.read_text(), str(path)), names)
-        allowed = _WATCHED_KINDS if name == "pytest_gpuiso.parent.watch" else set()
+        watching = ("pytest_gpuiso.parent.watch", "pytest_gpuiso.parent.group")
+        allowed = _WATCHED_KINDS if name in watching else set()
         read = sorted({kind for kind, sent in uses if not sent and kind not in allowed})
         if read:
             readers[name] = read

@@ -1,0 +1,105 @@
+"""The processes of one test that runs as N (a distributed test's ranks), waited for as one.
+
+``wait_group`` watches every process of the group at once until the first one ends,
+reading what each sends meanwhile (no pipe fills while another process is watched; the
+frames are given back to each one's watch), then gives the others ``linger`` seconds to
+end by themselves. Past it, each one still running is stopped as past a bound of its own
+(``watch``: its stack, SIGTERM, ``grace``, SIGKILL) and its ``End.expired`` is
+``"group"``: a rank stuck in a collective after another failed holds nothing for long.
+Each process's own bounds (start-up, timeout, exit) hold throughout: when one runs out
+before any process ended, the group is stopped at once, that one for its bound. The
+group's processes start together through the worker's door (``Worker.group``) and get
+their go one by one (``Worker.go``); this module only waits.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait
+from typing import Any
+
+from ..wire import frames
+from .outcome import Outcome
+from .supervisor import Running
+
+
+@dataclass(frozen=True)
+class Ended:
+    """One process of a group, waited for: its outcome, and when it was seen to end
+    (``time.monotonic()``; None: it was stopped, or ended only once the others were)."""
+
+    outcome: Outcome
+    ended_at: float | None
+
+
+@dataclass
+class _Seen:
+    """What the group's wait saw of one process before its own watch takes over."""
+
+    running: Running
+    sentinel: Any
+    read: list[tuple[str, Any]] = field(default_factory=list)  # given back to its watch
+    began: float | None = None  # when its test began (its BEGIN's stamp)
+    done: float | None = None  # when its test's protocol ended (its END read)
+    ended_at: float | None = None  # when its process was seen to end
+
+    def deadline(self) -> float | None:
+        """When its current bound runs out (``watch``'s three bounds), None: never."""
+        b = self.running.bounds
+        if self.done is not None:
+            return self.done + b.startup
+        if self.began is not None:
+            return None if b.timeout is None else self.began + b.timeout
+        return self.running.go_at + b.startup
+
+
+def wait_group(runnings: list[Running], linger: float) -> list[Ended]:
+    """Wait for every process of ``runnings`` (each given its go), in their order: until
+    the first ends, then ``linger`` seconds more for the rest, then stop what still runs."""
+    seen = [_Seen(r, r.started.sentinel) for r in runnings]
+    _until(seen, None, first=True)
+    if any(s.ended_at is not None for s in seen):  # else one ran past a bound of its own
+        _until(seen, time.monotonic() + linger, first=False)
+    stop_at = time.monotonic()
+    waited = []
+    for s in seen:
+        s.running.started.reader.put_back(s.read)
+        if s.ended_at is None:
+            s.running.stop_at = stop_at
+        waited.append(Ended(s.running.wait(), s.ended_at))
+    return waited
+
+
+def _until(seen: list[_Seen], stop: float | None, *, first: bool) -> None:
+    """Read every process's frames until the first of them (``first``) or all of them
+    have ended, ``stop`` (``time.monotonic()``) passes, or a process's own bound runs out."""
+    while True:
+        live = [s for s in seen if s.ended_at is None]
+        ends = [d for d in (s.deadline() for s in live) if d is not None]
+        if stop is not None:
+            ends.append(stop)
+        limit = min(ends, default=None)
+        remaining = None if limit is None else limit - time.monotonic()
+        if not live or (remaining is not None and remaining <= 0):
+            return
+        readers = [s.running.started.reader for s in seen]
+        ready = wait([*(r for r in readers if not r.eof), *(s.sentinel for s in live)], remaining)
+        now = time.monotonic()
+        for s in seen:
+            reader = s.running.started.reader
+            if reader in ready:
+                reader.fill()
+            while (frame := reader.next()) is not None:
+                s.read.append(frame)
+                if frame[0] == frames.BEGIN and s.began is None:
+                    stamp = frame[1][1]
+                    s.began = min(max(stamp, s.running.go_at), now) if math.isfinite(stamp) else now
+                elif frame[0] == frames.END and s.done is None:
+                    s.done = now
+        for s in live:
+            if s.sentinel in ready:
+                s.ended_at = now
+        if first and any(s.ended_at is not None for s in live):
+            return
