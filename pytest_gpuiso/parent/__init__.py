@@ -11,8 +11,8 @@ isolating runs loads behind it); ``call`` runs a function isolated (``run_isolat
 Owns the tests' processes and the leases they hold; never creates a CUDA context.
 
 Also here: ``group`` (the processes of a test that runs as N, waited for as one: the
-first to end cuts the others' time), ``recording`` (each test's JSON record, built
-once), ``serving`` (the
-session's use of the fork server), ``early`` (its interpreter, started before the
-conftests load) and ``standins`` (stand-in warning categories, for xdist's controller).
+first to end cuts the others' time) and ``ranks`` (their reports made one verdict),
+``recording`` (each test's JSON record, built once), ``serving`` (the session's use of
+the fork server), ``early`` (its interpreter, started before the conftests load) and
+``standins`` (stand-in warning categories, for xdist's controller).
 """

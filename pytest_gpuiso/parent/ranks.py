@@ -1,0 +1,122 @@
+"""One verdict from the ranks of a test that runs as N processes (a distributed test).
+
+Each rank's process runs the test's setup, call and teardown and sends its reports;
+``one_verdict`` makes them the test's (issue 64; not yet used by the runner):
+
+- every rank passed: rank 0's reports, the other ranks' captured output beside its own;
+- a rank failed: the first to fail, by when its process ended, is the cause (a rank
+  stopped because another ended never is, unless every failed rank was): its reports,
+  each failed one's summary line naming it (``rank 1 failed: ValueError: ...``), and a
+  section telling every rank's story (failed too, stopped after it, passed);
+- every rank skipped (or every one an expected failure): rank 0's reports;
+- ranks that disagree on a skip or an expected failure: one setup error naming them.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from .results import setup_error_reports
+
+SECTION = "gpu-isolate ranks"
+
+
+@dataclass(frozen=True)
+class RankRun:
+    """One rank's part of the test: its reports, and how its process ended."""
+
+    rank: int
+    reports: list[pytest.TestReport]
+    ended_at: float | None  # time.monotonic() when its process was seen to end
+    stopped: bool = False  # stopped because another rank ended first (End.expired "group")
+
+
+def state_of(reports: list[pytest.TestReport]) -> str:
+    """What became of one rank's test: "failed", "skipped", "xfailed", "xpassed" or "passed"."""
+    if any(r.failed for r in reports):
+        return "failed"
+    expected = any(hasattr(r, "wasxfail") for r in reports)
+    if any(r.skipped for r in reports):
+        return "xfailed" if expected else "skipped"
+    return "xpassed" if expected else "passed"
+
+
+def one_verdict(item: pytest.Item, runs: list[RankRun]) -> list[pytest.TestReport]:
+    """The test's reports from its ranks' (``runs``, in rank order)."""
+    states = {run.rank: state_of(run.reports) for run in runs}
+    failed = [run for run in runs if states[run.rank] == "failed"]
+    if failed:
+        return _failed(runs, failed, states)
+    kinds = set(states.values())
+    if len(kinds) > 1 and kinds & {"skipped", "xfailed", "xpassed"}:
+        told = ", ".join(f"rank {rank} {state}" for rank, state in states.items())
+        return setup_error_reports(item, f"gpu-isolate: the ranks disagree: {told}")
+    first = [copy.copy(report) for report in runs[0].reports]
+    for report in first:
+        report.sections = list(report.sections)
+        for run in runs[1:]:
+            report.sections += _sections_of(run, report.when)
+    return first
+
+
+def _failed(
+    runs: list[RankRun], failed: list[RankRun], states: dict[int, str]
+) -> list[pytest.TestReport]:
+    """The cause's reports, its failures named by its rank, every rank's story told."""
+    cause = min(
+        failed,
+        key=lambda r: (r.stopped, r.ended_at if r.ended_at is not None else math.inf, r.rank),
+    )
+    reports = [copy.copy(report) for report in cause.reports]
+    for report in reports:
+        report.sections = list(report.sections)
+        if report.failed:  # its own copy: the rank's reports stay as they came
+            report.longrepr = copy.deepcopy(report.longrepr)
+            _name_rank(report, cause.rank)
+    story = []
+    for run in runs:
+        if run is cause:
+            said = f"failed first: {_first_line(run.reports)}"
+        elif run.stopped:
+            said = f"stopped after rank {cause.rank} failed"
+        elif states[run.rank] == "failed":
+            said = f"failed too: {_first_line(run.reports)}"
+        else:
+            said = states[run.rank]
+        story.append(f"rank {run.rank}: {said}")
+    reports[-1].sections.append((SECTION, "\n".join(story)))
+    return reports
+
+
+def _sections_of(run: RankRun, when: str) -> list[tuple[str, str]]:
+    """Rank ``run``'s captured output of the phase ``when``, its titles naming the rank."""
+    found = []
+    for report in run.reports:
+        if report.when == when:
+            found += [(f"{title} (rank {run.rank})", text) for title, text in report.sections]
+    return found
+
+
+def _first_line(reports: list[pytest.TestReport]) -> str:
+    """The summary line of a rank's first failed report."""
+    for report in reports:
+        if report.failed:
+            crash = getattr(report.longrepr, "reprcrash", None)
+            text = crash.message if crash is not None else str(report.longrepr)
+            return text.strip().splitlines()[0] if text.strip() else "failed"
+    return "failed"
+
+
+def _name_rank(report: pytest.TestReport, rank: int) -> None:
+    """Make ``report``'s summary line (its crash message, or its text) name ``rank``."""
+    longrepr: Any = report.longrepr
+    crash = getattr(longrepr, "reprcrash", None)
+    if crash is not None:
+        crash.message = f"rank {rank} failed: {crash.message}"
+    elif isinstance(longrepr, str):
+        report.longrepr = f"rank {rank} failed: {longrepr}"

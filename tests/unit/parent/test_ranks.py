@@ -1,0 +1,101 @@
+"""One verdict from a distributed test's ranks: the first rank to fail is its cause and
+is named, the others' stories are told, every rank passing or skipping is the test's
+outcome, ranks that disagree on a skip are an error naming them."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from pytest_gpuiso.parent.ranks import SECTION, RankRun, one_verdict, state_of
+
+NODEID = "test_dist.py::test_all_reduce"
+ITEM = SimpleNamespace(
+    nodeid=NODEID, location=("test_dist.py", 3, "test_all_reduce"), keywords={}, user_properties=[]
+)
+
+
+def _report(when: str, outcome: str = "passed", longrepr=None, sections=()) -> pytest.TestReport:
+    return pytest.TestReport(
+        NODEID, ITEM.location, {}, outcome, longrepr, when, sections=list(sections)
+    )
+
+
+def _passed(out: str = "") -> list[pytest.TestReport]:
+    sections = [("Captured stdout call", out)] if out else []
+    return [_report("setup"), _report("call", sections=sections), _report("teardown")]
+
+
+def _failed(message: str) -> list[pytest.TestReport]:
+    try:
+        raise ValueError(message)
+    except ValueError as exc:
+        longrepr = pytest.ExceptionInfo.from_exception(exc).getrepr()
+    return [_report("setup"), _report("call", "failed", longrepr), _report("teardown")]
+
+
+def _skipped(reason: str) -> list[pytest.TestReport]:
+    return [_report("setup", "skipped", ("test_dist.py", 3, reason)), _report("teardown")]
+
+
+def test_the_first_rank_to_fail_is_the_cause_and_every_ranks_story_is_told():
+    runs = [
+        RankRun(0, _passed(), ended_at=None, stopped=True),  # stuck in a collective
+        RankRun(1, _failed("bad shard"), ended_at=10.0),
+        RankRun(2, _failed("peer went away"), ended_at=11.0),
+        RankRun(3, _passed(), ended_at=10.5),
+    ]
+    reports = one_verdict(ITEM, runs)
+    call = reports[1]
+    assert call.failed
+    assert call.longrepr.reprcrash.message == "rank 1 failed: ValueError: bad shard"
+    assert runs[1].reports[1].longrepr.reprcrash.message == "ValueError: bad shard"  # as sent
+    story = dict(reports[-1].sections)[SECTION].splitlines()
+    assert story == [
+        "rank 0: stopped after rank 1 failed",
+        "rank 1: failed first: ValueError: bad shard",
+        "rank 2: failed too: ValueError: peer went away",
+        "rank 3: passed",
+    ]
+
+
+def test_a_rank_stopped_for_its_group_is_the_cause_only_where_every_failed_rank_was():
+    runs = [
+        RankRun(0, _failed("timed out"), ended_at=None, stopped=True),
+        RankRun(1, _failed("killed"), ended_at=None, stopped=True),
+    ]
+    call = one_verdict(ITEM, runs)[1]
+    assert call.longrepr.reprcrash.message.startswith("rank 0 failed:")
+    runs[1] = RankRun(1, _failed("crashed"), ended_at=3.0)
+    call = one_verdict(ITEM, runs)[1]
+    assert call.longrepr.reprcrash.message == "rank 1 failed: ValueError: crashed"
+
+
+def test_ranks_that_all_pass_are_rank_0s_reports_with_every_ranks_output():
+    runs = [RankRun(0, _passed("from 0"), 1.0), RankRun(1, _passed("from 1"), 1.0)]
+    reports = one_verdict(ITEM, runs)
+    assert [r.outcome for r in reports] == ["passed", "passed", "passed"]
+    assert reports[1].sections == [
+        ("Captured stdout call", "from 0"),
+        ("Captured stdout call (rank 1)", "from 1"),
+    ]
+    assert runs[0].reports[1].sections == [("Captured stdout call", "from 0")]  # untouched
+
+
+def test_every_rank_skipped_is_a_skip_and_ranks_that_disagree_are_one_error():
+    skipped = one_verdict(
+        ITEM, [RankRun(0, _skipped("no nccl"), 1.0), RankRun(1, _skipped("no nccl"), 1.0)]
+    )
+    assert [r.outcome for r in skipped] == ["skipped", "passed"]
+    mixed = one_verdict(ITEM, [RankRun(0, _skipped("no nccl"), 1.0), RankRun(1, _passed(), 1.0)])
+    assert mixed[0].failed and mixed[0].when == "setup"
+    assert "the ranks disagree: rank 0 skipped, rank 1 passed" in str(mixed[0].longrepr)
+
+
+@pytest.mark.parametrize(
+    ("reports", "state"),
+    [(_passed(), "passed"), (_failed("x"), "failed"), (_skipped("r"), "skipped")],
+)
+def test_each_ranks_state_is_read_from_its_reports(reports, state):
+    assert state_of(reports) == state
