@@ -24,6 +24,7 @@ import pytest
 from .options import OPTIONS, Option
 from .values import (
     DEFAULT_PREWARM,
+    DEFAULT_RANK_WAIT,
     DEFAULT_SLOTS,
     DEFAULT_STARTUP_TIMEOUT,
     DEFAULT_TIMEOUT,
@@ -43,8 +44,18 @@ from .values import (
 from .wire.environment import TEMPLATE_WAIT_ENV
 
 MARKER = "gpu_isolated"
-MARKER_KWARGS = ("timeout", "startup_timeout", "grace", "gpus", "gpu_memory", "allow_leaks")
-_SHOWN = ", ".join(f"{k}={'()' if k == 'allow_leaks' else 'None'}" for k in MARKER_KWARGS)
+MARKER_KWARGS = (
+    "timeout",
+    "startup_timeout",
+    "grace",
+    "gpus",
+    "gpu_memory",
+    "allow_leaks",
+    "ranks",
+    "rank_wait",
+)
+_DEFAULTS = {"allow_leaks": "()", "ranks": "1"}
+_SHOWN = ", ".join(f"{k}={_DEFAULTS.get(k, 'None')}" for k in MARKER_KWARGS)
 MARKER_DOC = (  # for pytest --markers, from the one list of its arguments
     f"{MARKER}({_SHOWN}): run this test in a fresh process with a clean CUDA context "
     "(pytest-gpuiso)"
@@ -113,6 +124,9 @@ class IsolationSpec:
     allow_leaks: frozenset[str] = frozenset()  # leak kinds this test may leave (marker)
     gpu_memory: GpuMemory | None = None  # its lease on each GPU (None: 1/slots of it)
     startup_timeout: float = DEFAULT_STARTUP_TIMEOUT  # its process's start-up (and exit)
+    ranks: int = 1  # processes that run it together (a distributed test's ranks)
+    # seconds the other ranks may still run once one ended (``parent.group``)
+    rank_wait: float = DEFAULT_RANK_WAIT
 
 
 def wants_isolation(item: pytest.Item, settings: Settings) -> bool:
@@ -166,6 +180,11 @@ def spec_for_item(item: pytest.Item, settings: Settings) -> IsolationSpec:
     allowed: frozenset[str] = frozenset()
     if "allow_leaks" in kwargs:
         allowed = parse_allowed(kwargs["allow_leaks"], f"{MARKER} marker argument allow_leaks")
+    ranks = _ranks(item, kwargs.get("ranks", 1))
+    rank_wait = DEFAULT_RANK_WAIT
+    if "rank_wait" in kwargs:
+        what = f"{MARKER} marker argument rank_wait"
+        rank_wait = parse_seconds(kwargs["rank_wait"], what, allow_zero=True)
     return IsolationSpec(
         timeout=timeout,
         timeout_source=timeout_source,
@@ -174,7 +193,24 @@ def spec_for_item(item: pytest.Item, settings: Settings) -> IsolationSpec:
         allow_leaks=allowed,
         startup_timeout=startup,
         gpu_memory=memory,
+        ranks=ranks,
+        rank_wait=rank_wait,
     )
+
+
+def _ranks(item: pytest.Item, value: Any) -> int:
+    """The marker's ``ranks``: a count (>= 1), or the name of the test's parameter that
+    holds it (``ranks="world_size"`` with ``@pytest.mark.parametrize("world_size", ...)``)."""
+    what = f"{MARKER} marker argument ranks"
+    if isinstance(value, str):
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if value not in params:
+            named = ", ".join(sorted(params)) or "none"
+            raise bad_value(value, what, f"a count, or the name of a parameter ({named})")
+        what, value = f"{what} (parameter {value})", params[value]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise bad_value(value, what, "an integer >= 1, or the name of a parameter holding one")
+    return value
 
 
 def pytest_timeout(

@@ -23,6 +23,12 @@ from typing import Any
 DEFAULT_TIMEOUT = 900.0
 DEFAULT_STARTUP_TIMEOUT = 300.0  # bounds start-up (until the test's protocol) and exit
 DEFAULT_GRACE = 5.0
+# Once one rank of a distributed test ended, how long the others may still run before
+# they are stopped with their stacks: ranks of an SPMD test end within moments of each
+# other (their last collective), and a rank whose peer died notices it through its
+# collective's own error within a few seconds at most; 10 s covers a slow teardown and
+# still ends a rank stuck in a collective long before any timeout (marker: rank_wait=).
+DEFAULT_RANK_WAIT = 10.0
 # The longest duration any bound accepts (a week): waits below it fit the kernel's poll
 # timeout (2**31 ms, 24.8 days), where 1e10 seconds overflowed mid-session.
 MAX_SECONDS = 7 * 24 * 3600.0

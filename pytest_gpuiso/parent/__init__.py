@@ -10,8 +10,9 @@ with, made once (the settings, the GPUs, the door, the prewarmer, the GPUs' heal
 isolating runs loads behind it); ``call`` runs a function isolated (``run_isolated``).
 Owns the tests' processes and the leases they hold; never creates a CUDA context.
 
-Also here: ``group`` (the processes of a test that runs as N, waited for as one: the
-first to end cuts the others' time) and ``ranks`` (their reports made one verdict),
+Also here: ``turn`` (what one test's run holds until it ends), ``distributed`` (a test
+run as N ranks: ``ranks=``), ``group`` (its processes waited for as one: the first to
+end cuts the others' time) and ``ranks`` (their reports made one verdict),
 ``recording`` (each test's JSON record, built once), ``serving`` (the session's use of
 the fork server), ``early`` (its interpreter, started before the conftests load) and
 ``standins`` (stand-in warning categories, for xdist's controller).

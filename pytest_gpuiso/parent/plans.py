@@ -64,7 +64,7 @@ def _plan(item: pytest.Item, worker: Worker) -> Plan:
     except SpecError as exc:
         return Plan(None, error=str(exc))
     n = spec.gpus if spec.gpus is not None else gpus.default_gpus(settings.gpus)
-    missing = gpus.devices.shortfall(n, spec.gpu_memory)
+    missing = gpus.devices.shortfall(n * spec.ranks, spec.gpu_memory)  # each rank's n
     if missing is not None:
         return Plan(spec, gpus=n, missing=missing)
     env = gpus.env(None) if n == 0 or gpus.leases is None else dict(HIDDEN_GPUS)

@@ -46,32 +46,38 @@ def state_of(reports: list[pytest.TestReport]) -> str:
     return "xpassed" if expected else "passed"
 
 
+def cause(runs: list[RankRun]) -> RankRun | None:
+    """The rank whose failure is the test's: the first to fail by when its process ended,
+    a rank stopped for its group only where every failed rank was; None: none failed."""
+    failed = [run for run in runs if state_of(run.reports) == "failed"]
+    if not failed:
+        return None
+    return min(
+        failed,
+        key=lambda r: (r.stopped, r.ended_at if r.ended_at is not None else math.inf, r.rank),
+    )
+
+
 def one_verdict(item: pytest.Item, runs: list[RankRun]) -> list[pytest.TestReport]:
     """The test's reports from its ranks' (``runs``, in rank order)."""
     states = {run.rank: state_of(run.reports) for run in runs}
-    failed = [run for run in runs if states[run.rank] == "failed"]
-    if failed:
-        return _failed(runs, failed, states)
+    first = cause(runs)
+    if first is not None:
+        return _failed(runs, first, states)
     kinds = set(states.values())
     if len(kinds) > 1 and kinds & {"skipped", "xfailed", "xpassed"}:
         told = ", ".join(f"rank {rank} {state}" for rank, state in states.items())
         return setup_error_reports(item, f"gpu-isolate: the ranks disagree: {told}")
-    first = [copy.copy(report) for report in runs[0].reports]
-    for report in first:
+    reports = [copy.copy(report) for report in runs[0].reports]
+    for report in reports:
         report.sections = list(report.sections)
         for run in runs[1:]:
             report.sections += _sections_of(run, report.when)
-    return first
+    return reports
 
 
-def _failed(
-    runs: list[RankRun], failed: list[RankRun], states: dict[int, str]
-) -> list[pytest.TestReport]:
+def _failed(runs: list[RankRun], cause: RankRun, states: dict[int, str]) -> list[pytest.TestReport]:
     """The cause's reports, its failures named by its rank, every rank's story told."""
-    cause = min(
-        failed,
-        key=lambda r: (r.stopped, r.ended_at if r.ended_at is not None else math.inf, r.rank),
-    )
     reports = [copy.copy(report) for report in cause.reports]
     for report in reports:
         report.sections = list(report.sections)
@@ -81,15 +87,17 @@ def _failed(
     story = []
     for run in runs:
         if run is cause:
-            said = f"failed first: {_first_line(run.reports)}"
+            said = f"failed first: {first_line(run.reports)}"
         elif run.stopped:
             said = f"stopped after rank {cause.rank} failed"
         elif states[run.rank] == "failed":
-            said = f"failed too: {_first_line(run.reports)}"
+            said = f"failed too: {first_line(run.reports)}"
         else:
             said = states[run.rank]
         story.append(f"rank {run.rank}: {said}")
-    reports[-1].sections.append((SECTION, "\n".join(story)))
+    for report in reports:  # shown with each failure
+        if report.failed:
+            report.sections.append((SECTION, "\n".join(story)))
     return reports
 
 
@@ -102,7 +110,7 @@ def _sections_of(run: RankRun, when: str) -> list[tuple[str, str]]:
     return found
 
 
-def _first_line(reports: list[pytest.TestReport]) -> str:
+def first_line(reports: list[pytest.TestReport]) -> str:
     """The summary line of a rank's first failed report."""
     for report in reports:
         if report.failed:

@@ -9,7 +9,7 @@ import pytest
 
 from ..gpu.health import Checkup
 from ..leaks import Verdict
-from ..reports.record import RECORD_ATTR, Record
+from ..reports.record import RECORD_ATTR, RankEntry, Record
 from ..settings import IsolationSpec
 from .outcome import Outcome
 
@@ -53,6 +53,7 @@ class Run(Protocol):
     folded: int  # its warnings an earlier test's process gave (not replayed again)
     gpu_notes: tuple[str, ...]  # GPU holders on its GPUs that were not its: not blamed
     start_failure: Any  # its process could not start (``supervisor.StartFailure``), or None
+    ranks: tuple[RankEntry, ...]  # a distributed test's ranks (none: one process)
 
 
 def build_record(
@@ -157,6 +158,8 @@ def _optional_fields(run: Run) -> Record:
         fields["warnings_folded"] = run.folded
     if run.gpu_notes:
         fields["gpu_notes"] = list(run.gpu_notes)
+    if run.ranks:
+        fields["ranks"] = list(run.ranks)
     return fields
 
 

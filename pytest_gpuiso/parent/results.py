@@ -312,6 +312,12 @@ def describe_problem(
                 "(to allow more: --gpu-isolate-startup-timeout, or startup_timeout= in the "
                 "test's gpu_isolated marker)"
             )
+        elif outcome.end.expired == "group":
+            head = (
+                f"Stopped: another rank of this distributed test ended and this one still ran "
+                f"{spec.rank_wait:g} s later, during {phase}{ended} {escalation}; to fix: its "
+                "stack below shows where it waited; to allow more: rank_wait= in the marker"
+            )
         elif outcome.end.expired == "exit":
             head = (
                 f"Exit timeout: the test process did not exit within "

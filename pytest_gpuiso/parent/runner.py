@@ -28,22 +28,16 @@ which is called from here, downward, and never calls back; the waiting is
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import pytest
 
 from .. import _compat
 from ..gpu import pinning, ports
-from ..gpu.leases import Lease, LeaseError
-from ..gpu.ports import PortLease
-from ..leaks import Probe
-from ..leaks.gpu_memory import GpuMemoryProbe
-from ..leaks.shm import ShmProbe
+from ..gpu.leases import LeaseError
 from ..proc import workdir
 from ..settings import wants_isolation
 from ..warning_types import GpuIsoStartWarning, warn_session
 from ..wire.environment import MEMORY_ENV
-from . import supervisor, verdict
+from . import distributed, supervisor, verdict
 from .launcher import StartError
 from .outcome import Outcome, SessionStop
 from .plans import PLAN, Plan, plan_for
@@ -55,46 +49,11 @@ from .results import (
     skip_reports,
 )
 from .session import STATE, State, settle
-from .started import Started
 from .supervisor import Running
+from .turn import CannotRun, Turn, probes_for
 from .verdict import Ran
 from .watch import Bounds
 from .worker import Worker
-
-
-@dataclass
-class Turn:
-    """What one test's run holds until it ends: its process (started, then running), its
-    lease (unless its pinned worker's) and its port. ``release`` gives back what is left,
-    its process first: killed and reaped if its run never got to ``wait``."""
-
-    started: Started | None = None
-    running: Running | None = None
-    lease: Lease | None = None
-    owned: bool = True  # the lease is the test's own (not its pinned worker's)
-    port: PortLease | None = None
-    probes: tuple[Probe, ...] = ()
-    env: dict[str, str] = field(default_factory=dict)  # its process's, with its go
-
-    def go(self, worker: Worker, bounds: Bounds) -> Running:
-        """Give its process its go: from now on the process is its run's."""
-        self.running = worker.go(self.started, self.env, self.probes, bounds)
-        self.started = None
-        return self.running
-
-    def release(self, worker: Worker) -> None:
-        if self.running is not None and not self.running.waited:
-            worker.discard(self.running.started)  # before its lease goes
-        self.running = None
-        if self.started is not None:
-            worker.discard(self.started)
-            self.started = None
-        if self.lease is not None and self.owned:
-            worker.gpus.leases.release(self.lease)
-            self.owned = False
-        if self.port is not None:
-            self.port.release()
-            self.port = None
 
 
 def protocol(item: pytest.Item, nextitem: pytest.Item | None, worker: Worker | None) -> None:
@@ -156,6 +115,10 @@ def run_item(item: pytest.Item, nextitem: pytest.Item | None, worker: Worker | N
             ran = Ran(skip_reports(item, f"gpu-isolate: test needs {plan.missing}"))
         elif state.cannot_start is not None:  # no process of this session can start
             ran = Ran(state.cannot_start.reports(item), spec, start_failure=state.cannot_start)
+        elif spec.ranks > 1:  # a distributed test: its ranks, waited for as one
+            ran = distributed.run_ranks(item, plan, state, worker, turn)
+            _prewarm_safely(item, nextitem, state, worker)
+            warmed = True
         else:
             running = _go(item, plan, state, worker, turn)
             _prewarm_safely(item, nextitem, state, worker)
@@ -169,10 +132,6 @@ def run_item(item: pytest.Item, nextitem: pytest.Item | None, worker: Worker | N
     if ran.stop is None and not warmed and worker is not None:
         _prewarm(item, nextitem, state, worker)
     return ran
-
-
-class CannotRun(Exception):
-    """Why a test's process cannot run: its setup error (a bad marker, a lease refused)."""
 
 
 def _why(exc: Exception) -> str:
@@ -245,7 +204,7 @@ def _go(item: pytest.Item, plan: Plan, state: State, worker: Worker, turn: Turn)
             env.update(turn.port.env())
     turn.env = env
     turn.started = worker.ready(turn.started, plan.job, env)
-    turn.probes = _probes(plan, state, worker, turn.lease)
+    turn.probes = probes_for(plan, state, worker, turn.lease)
     return turn.go(worker, Bounds(spec.timeout, spec.startup_timeout, spec.grace))
 
 
@@ -283,24 +242,11 @@ def _wait(plan: Plan, state: State, worker: Worker, turn: Turn, running: Running
                 raise StartError(supervisor.unstarted_error(running.unstarted, replaced))
         stale = outcome.sent.stale if running.unstarted is None else None
         turn.started = worker.again(plan.job, dict(turn.env), stale)
-        turn.probes = _probes(plan, state, worker, turn.lease)
+        turn.probes = probes_for(plan, state, worker, turn.lease)
         running = turn.go(worker, running.bounds)
         outcome = running.wait()
         outcome.launch.prewarmed = False
     return outcome
-
-
-def _probes(plan: Plan, state: State, worker: Worker, lease: Lease | None) -> tuple[Probe, ...]:
-    """The leak probes of one test, besides the process sweep (which always runs)."""
-    s, nvml, spec = worker.settings, worker.gpus.nvml, plan.spec
-    probes: list[Probe] = []
-    if s.leak_level("shm") != "off":
-        cleanup = s.cleanup and "shm" not in spec.allow_leaks
-        probes.append(ShmProbe(s.shm_ignore, cleanup=cleanup, alone=not state.parallel))
-    if lease is not None and s.leak_level("gpu_memory") != "off" and nvml.available():
-        tolerance = s.gpu_tolerance_mib
-        probes.append(GpuMemoryProbe(nvml, lease.devices, tolerance, shared=plan.shared))
-    return tuple(probes)
 
 
 def _prewarm_safely(

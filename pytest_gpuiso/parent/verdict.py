@@ -22,7 +22,7 @@ from ..gpu.leases import Lease
 from ..leaks import Probe, Verdict, judge
 from ..leaks import torch as torch_check
 from ..leaks.gpu_memory import GpuMemoryProbe
-from ..reports.record import Record
+from ..reports.record import RankEntry, Record
 from ..settings import IsolationSpec
 from ..values import KINDS
 from . import replay, start_failures
@@ -53,6 +53,7 @@ class Ran:
     gpu_notes: tuple[str, ...] = ()  # GPU holders on its GPUs that were not its: not blamed
     start_failure: StartFailure | None = None  # its process could not start (its words)
     halt: str | None = None  # why the session stops after it (none of its processes can start)
+    ranks: tuple[RankEntry, ...] = ()  # a distributed test's ranks, each its entry
 
     @property
     def complete(self) -> bool:

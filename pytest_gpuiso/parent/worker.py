@@ -88,16 +88,16 @@ class Worker:
         a fresh one (``launcher.StartError`` when none can start)."""
         return self.launcher.ready(started, job, env)
 
-    def group(self, job: Any, envs: list[dict[str, str]]) -> list[Started]:
-        """One process for each of ``envs`` (a distributed test's ranks), all running
-        ``job``, started in parallel: every start is asked for (the fork server gets
+    def group(self, jobs: list[Any], envs: list[dict[str, str]]) -> list[Started]:
+        """One process for each of ``jobs`` with its ``envs`` (a distributed test's
+        ranks), started in parallel: every start is asked for (the fork server gets
         every request) before any is waited for. All or none: when one cannot start, the
         others are discarded and ``launcher.StartError`` says why."""
         started: list[Started] = []
         try:
-            for env in envs:
+            for job, env in zip(jobs, envs, strict=True):
                 started.append(self.launcher.start(job, dict(env), warm=True))
-            for i, env in enumerate(envs):
+            for i, (job, env) in enumerate(zip(jobs, envs, strict=True)):
                 started[i] = self.launcher.ready(started[i], job, dict(env))
         except BaseException:
             for process in started:

@@ -60,6 +60,7 @@ TIMEOUTS = {  # the bound a process ran past -> its check, its title, what to ad
     "startup": ("startup-timeout", "start-up timed out", STARTUP),
     "exit": ("exit-timeout", "process did not exit", ""),
     "test": ("timeout", "test timed out", ""),
+    "group": ("rank-stopped", "rank stopped after another ended", ""),
 }
 STACK = "; its stack at the timeout is in the test's report"
 

@@ -21,7 +21,7 @@ class Exit(TypedDict):
     code: int | None  # negative: killed by that signal number
     signal: str | None  # "SIGSEGV", ...
     timed_out: bool
-    expired: str | None  # the bound that ran out: "test", "startup" or "exit"
+    expired: str | None  # the bound that ran out: "test", "startup", "exit" or "group"
 
 
 class Escaped(TypedDict):
@@ -59,6 +59,20 @@ class Fixture(TypedDict):
     scope: str  # "session", "package", "module" or "class"
 
 
+class RankEntry(TypedDict):
+    """One rank of a distributed test (``ranks=N``): what became of it, how it ended."""
+
+    rank: int
+    outcome: str  # "passed", "failed", "skipped", "xfailed" or "xpassed"
+    pid: int | None
+    exit: int | None  # its exit status (negative: the signal that ended it)
+    signal: str | None  # that signal's name
+    expired: str | None  # the bound it ran past ("group": stopped after another ended)
+    duration: float  # seconds from its go to its end
+    error: str | None  # its first failure's summary line
+    leaks: list[dict[str, Any]]
+
+
 class _Always(TypedDict):
     nodeid: str
     outcome: str
@@ -90,6 +104,7 @@ class Record(_Always, total=False):
     gpu_health: dict[str, Any]
     warnings_folded: int
     gpu_notes: list[str]  # GPU holders on its GPUs that were not its process tree's
+    ranks: list[RankEntry]  # a distributed test's ranks, in order
     shard: str  # merged reports only: the file it came from
 
 
@@ -115,7 +130,7 @@ class Ending:
 
     kind: str  # "timeout", "crash", "interrupted" (Ctrl-C, pytest.exit) or "normal"
     signal: str | None  # the signal that ended it, if one did
-    expired: str | None = None  # a timeout's bound: "test", "startup" or "exit"
+    expired: str | None = None  # a timeout's bound: "test", "startup", "exit" or "group"
 
     @property
     def abnormal(self) -> bool:

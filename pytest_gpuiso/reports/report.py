@@ -46,6 +46,8 @@ def bound(record: Record, test: str = "timed out after") -> str:
         return f"did not finish starting{within}"
     if expired == "exit":
         return f"did not exit{within} after its test"
+    if expired == "group":
+        return "was stopped after another rank of its test ended"
     return f"{test} {record['timeout']:g} s"
 
 

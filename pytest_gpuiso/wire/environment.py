@@ -26,6 +26,12 @@ REGION_ENV = "PYTEST_GPUISO_LEASE_REGION"
 # what a dead session left running.
 OWNER_ENV = "PYTEST_GPUISO_OWNER"
 
+# Set by pytest's process (``parent.runner``) in each rank's process of a distributed
+# test (``ranks=``): a file of the test's own, not yet made, for torch.distributed's
+# ``init_method="file://..."`` (beside RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT).
+# Read by the test.
+RENDEZVOUS_ENV = "PYTEST_GPUISO_RENDEZVOUS"
+
 # Set by ``parent.call`` in a ``run_isolated`` call's process: the call's mark. Read by
 # ``leaks.process``, whose sweep then takes only that call's processes.
 MARK_ENV = "PYTEST_GPUISO_CALL"

@@ -472,12 +472,13 @@ def test_markers_lists_gpu_isolated(gpuiso_spawn: GpuIso) -> None:
     result.stdout.fnmatch_lines(
         [
             "@pytest.mark.gpu_isolated(timeout=None, startup_timeout=None, grace=None, gpus=None, "
-            "gpu_memory=None, allow_leaks=()): run this test in a fresh process with a clean "
+            "gpu_memory=None, allow_leaks=(), ranks=1, rank_wait=None): run this test in a "
+            "fresh process with a clean "
             "CUDA context*"
         ]
     )
     [line] = [x for x in result.stdout.lines if x.startswith("@pytest.mark.gpu_isolated(")]
-    shown = re.findall(r"(\w+)=", line.split(")", 1)[0])
+    shown = re.findall(r"(\w+)=", line.split("): ", 1)[0])
     assert tuple(shown) == MARKER_KWARGS
 
 

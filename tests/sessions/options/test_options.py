@@ -92,10 +92,11 @@ def test_bad_marker_arguments_fail_only_their_test(gpuiso_spawn):
             "gpu-isolate: invalid value 1.5 for gpu_isolated marker argument gpus: "
             "expected an integer >= 0",
             "gpu-isolate: invalid value 'timout' for gpu_isolated marker argument name: "
-            "expected timeout, startup_timeout, grace, gpus, gpu_memory or allow_leaks",
+            "expected timeout, startup_timeout, grace, gpus, gpu_memory, allow_leaks, ranks or "
+            "rank_wait",
             "gpu-isolate: invalid value (5,) for gpu_isolated marker positional arguments: "
             "expected none, only keyword arguments timeout=, startup_timeout=, grace=, gpus=, "
-            "gpu_memory=, allow_leaks=",
+            "gpu_memory=, allow_leaks=, ranks=, rank_wait=",
             "ERROR test_markers.py::test_bad_timeout*",  # pytest 8.0: no " - message"
             "ERROR test_markers.py::test_positional_argument*",  # pytest 8.0: no " - message"
             "PASSED test_markers.py::test_good_marker",

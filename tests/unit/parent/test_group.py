@@ -43,7 +43,7 @@ def _stuck_in_a_collective() -> None:
 def _run(tmp_path, func, ranks: list[str], bounds: Bounds, linger: float):
     worker = _worker(tmp_path)
     try:
-        group = worker.group(CallJob(func, (), {}), [{"RANK": r} for r in ranks])
+        group = worker.group([CallJob(func, (), {})] * len(ranks), [{"RANK": r} for r in ranks])
         runnings = [worker.go(started, {}, (), bounds) for started in group]
         return wait_group(runnings, linger)
     finally:

@@ -51,7 +51,7 @@ def test_the_first_rank_to_fail_is_the_cause_and_every_ranks_story_is_told():
     assert call.failed
     assert call.longrepr.reprcrash.message == "rank 1 failed: ValueError: bad shard"
     assert runs[1].reports[1].longrepr.reprcrash.message == "ValueError: bad shard"  # as sent
-    story = dict(reports[-1].sections)[SECTION].splitlines()
+    story = dict(call.sections)[SECTION].splitlines()
     assert story == [
         "rank 0: stopped after rank 1 failed",
         "rank 1: failed first: ValueError: bad shard",

@@ -67,7 +67,7 @@ def test_a_group_of_processes_starts_together_each_with_its_environment(tmp_path
     waiting for its go, each with its own environment; each then runs the job."""
     worker = _worker(tmp_path, 0)
     try:
-        group = worker.group(CallJob(_rank, (), {}), [{"RANK": str(r)} for r in range(3)])
+        group = worker.group([CallJob(_rank, (), {})] * 3, [{"RANK": str(r)} for r in range(3)])
         assert len({s.pid for s in group}) == 3
         assert not wait([s.sentinel for s in group], 0)  # all alive, none ran yet
         seen = []
@@ -84,7 +84,7 @@ def test_a_group_that_cannot_start_whole_leaves_no_process(tmp_path):
     worker = _worker(tmp_path, 0)
     try:
         with pytest.raises(StartError, match="could not start the isolated process"):
-            worker.group(CallJob(lambda: None, (), {}), [{}, {}])  # a lambda does not pickle
+            worker.group([CallJob(lambda: None, (), {})] * 2, [{}, {}])  # a lambda does not pickle
         assert worker.launcher.live == {}
     finally:
         worker.launcher.close()

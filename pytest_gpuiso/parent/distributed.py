@@ -1,0 +1,130 @@
+"""A distributed test (``@pytest.mark.gpu_isolated(ranks=N)``), pytest's side: N ranks.
+
+``run_ranks`` leases the group's GPUs (``gpus=`` each rank's, all or none, as one lease)
+and one ``MASTER_PORT``, starts the N processes together through the worker's door
+(``Worker.group``: each with its own temporary directory and environment: ``RANK``,
+``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``PYTEST_GPUISO_RENDEZVOUS``
+and only its own GPUs), gives each its go, waits for them as one (``group``: the first
+rank to end gives the others ``rank_wait`` seconds), and makes one verdict of their
+reports (``ranks``). Rank 0's process carries the test's leak probes (``/dev/shm``, GPU
+memory), which see the whole group's; every rank's process tree is swept on its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from .. import _compat
+from ..gpu import ports
+from ..gpu.leases import LeaseError
+from ..reports.record import RankEntry
+from ..wire.environment import MEMORY_ENV, RENDEZVOUS_ENV
+from . import verdict
+from .group import Ended, wait_group
+from .plans import Plan
+from .ranks import RankRun, cause, first_line, one_verdict, state_of
+from .session import State
+from .turn import CannotRun, Turn, probes_for
+from .verdict import Ran
+from .watch import Bounds
+from .worker import Worker
+
+
+def run_ranks(item: pytest.Item, plan: Plan, state: State, worker: Worker, turn: Turn) -> Ran:
+    """Run the test as ``plan.spec.ranks`` processes; its ``Ran`` (see the module)."""
+    spec = plan.spec
+    if turn.started is not None:  # a single process started ahead is of no use here
+        worker.discard(turn.started)
+        turn.started = None
+    total = plan.gpus * spec.ranks
+    if total > 0 and worker.health is not None:
+        try:
+            turn.lease = worker.health.lease(
+                total, item.nodeid, worker.settings.lease_timeout, spec.gpu_memory
+            )
+        except LeaseError as exc:
+            raise CannotRun(str(exc)) from None
+    try:
+        turn.port = ports.lease()
+    except ports.PortError as exc:
+        raise CannotRun(f"the ranks need a MASTER_PORT: {exc}") from None
+    envs = _rank_envs(plan, worker, turn)
+    jobs = [dataclasses.replace(plan.job, basetemp=_tempdir(item, "rank")) for _ in envs]
+    turn.ranks = list(worker.group(jobs, envs))
+    probes = probes_for(plan, state, worker, turn.lease)
+    bounds = Bounds(spec.timeout, spec.startup_timeout, spec.grace)
+    runnings = []
+    for rank, started in enumerate(list(turn.ranks)):
+        running = worker.go(started, envs[rank], probes if rank == 0 else (), bounds)
+        turn.ranks[rank] = running
+        runnings.append(running)
+    ended = wait_group(runnings, spec.rank_wait)
+    checked = None
+    if turn.lease is not None and worker.health is not None:
+        worst = next((e for e in ended if e.outcome.end.exitcode not in (0, None)), ended[0])
+        checked = worker.health.after(
+            item.nodeid, turn.lease, worst.outcome.run_end(), plan.shared, None
+        )
+    port = turn.port.port if turn.port is not None else None
+    turn.release(worker)
+    rans = []
+    for rank, one in enumerate(ended):
+        held = verdict.Held(turn.lease, probes if rank == 0 else (), port, checked)
+        rans.append(verdict.assemble(item, spec, state, one.outcome, held, []))
+    runs = [
+        RankRun(rank, ran.reports, one.ended_at, one.outcome.end.expired == "group")
+        for rank, (ran, one) in enumerate(zip(rans, ended, strict=True))
+    ]
+    first = cause(runs)
+    base = rans[first.rank] if first is not None else rans[0]  # its record, its leaks
+    entries = tuple(_entry(run, ran, one) for run, ran, one in zip(runs, rans, ended, strict=True))
+    return dataclasses.replace(base, reports=one_verdict(item, runs), ranks=entries)
+
+
+def _entry(run: RankRun, ran: Ran, one: Ended) -> RankEntry:
+    """Rank ``run``'s entry in the test's JSON record."""
+    end = one.outcome.end
+    failed = any(r.failed for r in run.reports)
+    return {
+        "rank": run.rank,
+        "outcome": state_of(run.reports),
+        "pid": end.pid,
+        "exit": end.exitcode,
+        "signal": end.signal_name,
+        "expired": end.expired,
+        "duration": round(end.duration, 6),
+        "error": first_line(run.reports) if failed else None,
+        "leaks": ran.verdict.records if ran.verdict is not None else [],
+    }
+
+
+def _rank_envs(plan: Plan, worker: Worker, turn: Turn) -> list[dict[str, str]]:
+    """Each rank's environment: its own GPUs, the group's port and rendezvous."""
+    world, n, gpus = plan.spec.ranks, plan.gpus, worker.gpus
+    rendezvous = Path(tempfile.mkdtemp(prefix="rendezvous-", dir=Path(plan.job.basetemp)))
+    envs = []
+    for rank in range(world):
+        env = gpus.env(turn.lease)
+        if turn.lease is not None and gpus.leases is not None:
+            env.update(gpus.leases.visible(turn.lease.devices[rank * n : (rank + 1) * n]))
+        env.setdefault(MEMORY_ENV, "")
+        if turn.port is not None:
+            env.update(turn.port.env())
+        env.update(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_WORLD_SIZE=str(world),
+        )
+        env[RENDEZVOUS_ENV] = str(rendezvous / "store")
+        envs.append(env)
+    return envs
+
+
+def _tempdir(item: pytest.Item, prefix: str) -> str:
+    parent = _compat.basetemp(item.config) or Path(tempfile.gettempdir())
+    return tempfile.mkdtemp(prefix=f"isolated-{prefix}-", dir=parent)
