@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 
-from .. import _compat
 from ..gpu import ports
 from ..gpu.leases import LeaseError
 from ..reports.record import RankEntry
@@ -53,7 +52,11 @@ def run_ranks(item: pytest.Item, plan: Plan, state: State, worker: Worker, turn:
     except ports.PortError as exc:
         raise CannotRun(f"the ranks need a MASTER_PORT: {exc}") from None
     envs = _rank_envs(plan, worker, turn)
-    jobs = [dataclasses.replace(plan.job, basetemp=_tempdir(item, "rank")) for _ in envs]
+    beside = Path(plan.job.basetemp).parent  # each rank's basetemp beside the test's own
+    jobs = [
+        dataclasses.replace(plan.job, basetemp=tempfile.mkdtemp(prefix="isolated-", dir=beside))
+        for _ in envs
+    ]
     turn.ranks = list(worker.group(jobs, envs))
     probes = probes_for(plan, state, worker, turn.lease)
     bounds = Bounds(spec.timeout, spec.startup_timeout, spec.grace)
@@ -123,8 +126,3 @@ def _rank_envs(plan: Plan, worker: Worker, turn: Turn) -> list[dict[str, str]]:
         env[RENDEZVOUS_ENV] = str(rendezvous / "store")
         envs.append(env)
     return envs
-
-
-def _tempdir(item: pytest.Item, prefix: str) -> str:
-    parent = _compat.basetemp(item.config) or Path(tempfile.gettempdir())
-    return tempfile.mkdtemp(prefix=f"isolated-{prefix}-", dir=parent)

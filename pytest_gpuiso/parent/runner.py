@@ -273,7 +273,7 @@ def _prewarm(item: pytest.Item, nextitem: pytest.Item | None, state: State, work
             plan = plan_for(candidate, worker)
         except OSError:  # its temporary directory: its own run says why
             continue
-        if plan.runs:
+        if plan.runs and plan.spec.ranks == 1:  # a distributed test's ranks start together
             jobs.append(WarmJob(candidate.nodeid, plan.job, plan.warm_env))
     worker.prepare_next(jobs)
 
