@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-BODY = '''
+BODY = """
 import os
 
 import pytest
@@ -46,11 +46,11 @@ def all_reduce():
     dist.all_reduce(t)
     assert t[0].item() == world * (world + 1) / 2
     dist.destroy_process_group()
-'''
+"""
 
 OURS = (
     BODY
-    + '''
+    + """
 
 @pytest.mark.parametrize("i", range({tests}))
 @pytest.mark.gpu_isolated(ranks={ranks})
@@ -59,12 +59,12 @@ def test_all_reduce(i):
         assert (torch.ones(4) * 2).sum().item() == 8  # alone: no group to reduce over
     else:
         all_reduce()
-'''
+"""
 )
 
 SPAWNED = (
     BODY
-    + '''
+    + """
 import socket
 
 import torch.multiprocessing as mp
@@ -86,7 +86,7 @@ def free_port():
 @pytest.mark.parametrize("i", range({tests}))
 def test_all_reduce(i):
     mp.spawn(rank_main, args=({ranks}, free_port()), nprocs={ranks}, join=True)
-'''
+"""
 )
 
 
