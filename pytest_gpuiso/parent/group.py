@@ -14,7 +14,6 @@ their go one by one (``Worker.go``); this module only waits.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
@@ -23,6 +22,7 @@ from typing import Any
 from ..wire import frames
 from .outcome import Outcome
 from .supervisor import Running
+from .watch import begin_stamp
 
 
 @dataclass(frozen=True)
@@ -47,12 +47,14 @@ class _Seen:
 
     def deadline(self) -> float | None:
         """When its current bound runs out (``watch``'s three bounds), None: never."""
-        b = self.running.bounds
         if self.done is not None:
-            return self.done + b.startup
-        if self.began is not None:
-            return None if b.timeout is None else self.began + b.timeout
-        return self.running.go_at + b.startup
+            stage, since = "exit", self.done
+        elif self.began is not None:
+            stage, since = "test", self.began
+        else:
+            stage, since = "startup", self.running.go_at
+        seconds = self.running.bounds.limit(stage)
+        return None if seconds is None else since + seconds
 
 
 def wait_group(runnings: list[Running], linger: float) -> list[Ended]:
@@ -94,8 +96,7 @@ def _until(seen: list[_Seen], stop: float | None, *, first: bool) -> None:
             while (frame := reader.next()) is not None:
                 s.read.append(frame)
                 if frame[0] == frames.BEGIN and s.began is None:
-                    stamp = frame[1][1]
-                    s.began = min(max(stamp, s.running.go_at), now) if math.isfinite(stamp) else now
+                    s.began = begin_stamp(frame[1][1], s.running.go_at, now)
                 elif frame[0] == frames.END and s.done is None:
                     s.done = now
         for s in live:

@@ -1,7 +1,7 @@
 """One verdict from the ranks of a test that runs as N processes (a distributed test).
 
 Each rank's process runs the test's setup, call and teardown and sends its reports;
-``one_verdict`` makes them the test's (issue 64; not yet used by the runner):
+``one_verdict`` makes them the test's (``distributed.run_ranks`` asks it):
 
 - every rank passed: rank 0's reports, the other ranks' captured output beside its own;
 - a rank failed: the first to fail, by when its process ended, is the cause (a rank

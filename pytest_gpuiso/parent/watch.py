@@ -48,6 +48,11 @@ class Bounds:
     startup: float
     grace: float
 
+    def limit(self, stage: str) -> float | None:
+        """The seconds of the bound of ``stage`` ("startup", "test" or "exit"), from when
+        it began; None: none (a test without a timeout)."""
+        return self.timeout if stage == "test" else self.startup
+
 
 class Watch:
     """What was seen of one process: its frames, which bound ran out, when its test began."""
@@ -90,11 +95,10 @@ class Watch:
         when it says it is exiting (``may_leave``): then ``leave``, or ``run`` again to
         wait for its exit within the same bound."""
         b = self.bounds
-        bounds = {"startup": (b.startup, frames.BEGIN), "test": (b.timeout, frames.END)}
+        marks = {"startup": frames.BEGIN, "test": frames.END}
         while True:
-            seconds, until = bounds.get(
-                self._stage, (b.startup, frames.EXITING if self.may_leave else None)
-            )
+            seconds = b.limit(self._stage)
+            until = marks.get(self._stage, frames.EXITING if self.may_leave else None)
             deadline = None if seconds is None else self._since + seconds
             cut = self.stop_at is not None and (deadline is None or self.stop_at < deadline)
             if cut:
@@ -131,9 +135,8 @@ class Watch:
         every process): a reader busy elsewhere (a prewarm) reads BEGIN late, and neither
         the start-up nor the test's time may count that. Taken only between the go and
         now, so that a test cannot give itself more time than its bound."""
-        now = time.monotonic()
         stamp = next(data[1] for kind, data in reversed(self.received) if kind == frames.BEGIN)
-        return min(max(stamp, self.go_at), now) if math.isfinite(stamp) else now
+        return begin_stamp(stamp, self.go_at, time.monotonic())
 
     def leave(self) -> None:
         """Go on without waiting for the exit of a process past it (``leaving``)."""
@@ -156,6 +159,12 @@ class Watch:
                 return
         signal_group(pid, signal.SIGKILL, tree)
         wait([sentinel], REAP_WAIT)
+
+
+def begin_stamp(stamp: float, go_at: float, now: float) -> float:
+    """When a test began: its BEGIN's ``stamp`` (the child's ``time.monotonic()``), taken
+    only between its go (``go_at``) and ``now``; ``now`` where the stamp is no number."""
+    return min(max(stamp, go_at), now) if math.isfinite(stamp) else now
 
 
 class Received(list):
