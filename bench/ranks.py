@@ -109,6 +109,9 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=900)
     opts = parser.parse_args()
+    for name in ("tests", "repeat"):
+        if getattr(opts, name) < 1:
+            parser.error(f"--{name} must be at least 1")
     try:
         import torch.distributed  # noqa: F401  (in this interpreter: the suites need it)
     except ImportError as exc:
@@ -140,7 +143,9 @@ def main() -> int:
             best[label] = min(best.get(label, seconds), seconds)
         print(f"  round {round_ + 1}/{opts.repeat} done", file=sys.stderr)
     n = opts.tests
-    print(f"\n{n} tests a suite, best of {opts.repeat} rounds (wall seconds of the whole run)\n")
+    tests = f"{n} test{'s' if n != 1 else ''} a suite"
+    rounds = f"best of {opts.repeat} round{'s' if opts.repeat != 1 else ''}"
+    print(f"\n{tests}, {rounds} (wall seconds of the whole run)\n")
     print(f"{'configuration':40} {'wall s':>8} {'per test':>10}")
     for label in labels:
         print(f"{label:40} {best[label]:8.2f} {best[label] / n * 1000:8.0f} ms")

@@ -1,116 +1,17 @@
-"""bench/overhead.py runs to its end and prints its table and targets (no timing asserted).
-
-The benchmark's suite imports torch, so these tests need it installed; CI, which does
-not install torch, skips them.
-"""
+"""The scripts of bench/ without torch run to their end and print their tables (no timing
+asserted), and a bad argument is one line. Those whose suites import torch are in
+test_bench_torch.py."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from tests.helpers import ROOT
-
-BENCH = ROOT / "bench" / "overhead.py"
-needs_torch = pytest.mark.skipif(
-    importlib.util.find_spec("torch") is None, reason="the benchmark's suite imports torch"
-)
-
-
-def bench(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(BENCH), *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
-
-
-def bench_table(*args: str) -> str:
-    """The output of a benchmark run that must succeed."""
-    done = bench(*args)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return done.stdout
-
-
-def overhead_module():
-    """bench/overhead.py as a module (it is a script, not in a package)."""
-    spec = importlib.util.spec_from_file_location("gpuiso_bench_overhead", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-def row(out: str, label: str) -> list[str]:
-    """The numbers of the table row that starts with ``label``."""
-    for line in out.splitlines():
-        if line.startswith(label):
-            return line[len(label) :].split()
-    raise AssertionError(f"no row {label!r} in:\n{out}")
-
-
-@needs_torch
-def test_overhead_prints_ratios_and_targets():
-    out = bench_table("--tests", "3", "--repeat", "1", "--naive-tests", "1", "--only", "forkserver")
-    assert "3 tiny torch tests on cpu, best of 1 round" in out
-    inproc = row(out, "in-process")
-    assert inproc[2] == "1.00x", inproc
-    fork = row(out, "forkserver (default), prewarm 1")
-    wall, worst, ratio = float(fork[0]), float(fork[1]), fork[2]
-    assert 0 < wall <= worst
-    # the ratio is the row's wall over in-process's, both printed rounded to 10 ms and the
-    # ratio to 0.01: the difference is at most what that rounding explains
-    shown, base = float(ratio.rstrip("x")), float(inproc[0])
-    rounding = 0.005 + 0.005 * (1.005 + shown) / (base - 0.005) + 1e-9
-    assert abs(shown - wall / base) <= rounding, (fork, inproc)
-    assert re.search(r"^forkserver, no pre-collect\s+[\d.]+\s+[\d.]+\s+[\d.]+x", out, re.M), out
-    assert "spawn" not in out.split("configuration", 1)[1].split("targets:")[0]  # --only kept out
-    assert re.search(r"forkserver wall <= 1.3x in-process: [\d.]+x, (met|NOT met)", out), out
-
-
-@needs_torch
-def test_overhead_with_sleeping_tests_judges_no_target():
-    out = bench_table("--tests", "2", "--repeat", "1", "--only", "forkserver", "--sleep", "0.2")
-    assert "2 tiny torch tests on cpu, each sleeping 0.2 s, best of 1 round" in out
-    assert float(row(out, "in-process")[0]) > 0.4  # two tests that sleep 0.2 s each
-    assert float(row(out, "forkserver (default), prewarm 1")[0]) > 0.4
-    assert "targets: not judged with --sleep" in out  # they are set for tiny tests alone
-    assert "forkserver wall <=" not in out
-
-
-@needs_torch
-@pytest.mark.parametrize(
-    ("script", "args", "prefix"),
-    [
-        ("overhead.py", ("--device", "cuda", "--quick"), r"overhead\.py: --device cuda"),
-        ("memory_leases.py", ("--cuda",), r"memory_leases\.py: --cuda"),
-    ],
-)
-def test_a_cuda_bench_without_a_device_says_why_in_one_line(script, args, prefix):
-    """Without a CUDA device (a CPU build of torch, or no GPU) it stops at once, in one line."""
-    if not overhead_module().cuda_missing():  # a GPU machine: the bench would run (minutes)
-        pytest.skip("a CUDA device is visible here")
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / script), *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
-    assert done.returncode == 1, done.stdout + done.stderr
-    assert done.stdout == ""
-    [line] = done.stderr.strip().splitlines()
-    assert re.fullmatch(
-        rf"{prefix}: torch \S+ sees no CUDA device \(built for CUDA: \S+\)", line
-    ), line
+from tests.helpers.benches import bench, run_script, validation
 
 
 @pytest.mark.parametrize("value", ["-1", "61", "nan"])
@@ -120,23 +21,6 @@ def test_overhead_bad_sleep_is_a_usage_error(value):
     assert done.stderr.splitlines()[-1].endswith(
         f"error: --sleep must be from 0 to 60 seconds, not {float(value):g}"
     ), done.stderr
-
-
-def validation(
-    out: Path, *steps: str, python: str = sys.executable, step_timeout: str | None = "120"
-) -> subprocess.CompletedProcess:
-    """Run bench/gpu_validation.sh; ``step_timeout`` None: each step's own bound."""
-    env = {**os.environ, "OUT": str(out), "PYTHON": python}
-    env.pop("STEP_TIMEOUT", None)
-    if step_timeout is not None:
-        env["STEP_TIMEOUT"] = step_timeout
-    return subprocess.run(
-        ["bash", str(ROOT / "bench" / "gpu_validation.sh"), *steps],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
 
 
 def test_gpu_validation_unknown_step_is_one_line(tmp_path):
@@ -165,14 +49,6 @@ def test_gpu_validation_logs_each_step_and_its_status(tmp_path):
     assert done.returncode == 1, done.stdout + done.stderr
     summary = (tmp_path / "b" / "summary.txt").read_text().splitlines()
     assert [line.split()[:2] for line in summary] == [["torch", "3"], ["facts", "0"]], summary
-
-
-@needs_torch
-def test_gpu_validation_torch_step_checks_that_import_torch_leaves_a_forkable_process(tmp_path):
-    done = validation(tmp_path, "torch")
-    log = (tmp_path / "torch.log").read_text()
-    assert done.returncode == 0, log
-    assert "forkable after import torch: yes" in log, log
 
 
 def test_gpu_validation_step_over_its_bound_is_ended(tmp_path):
@@ -231,17 +107,6 @@ def test_memory_leases_bench_packs_tests_and_prints_the_ratio() -> None:
     most, passed = rows["memory leases"]
     assert int(most) >= 1 and passed.strip() == "4/4", done.stdout
     assert re.search(r"memory leases vs exclusive: throughput \d+\.\d\dx", done.stdout)
-
-
-def run_script(name: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run bench/NAME with this interpreter, from the repository's root."""
-    return subprocess.run(
-        [sys.executable, str(ROOT / "bench" / name), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-    )
 
 
 def test_chatty_bench_prints_both_modes_and_their_ratio() -> None:
