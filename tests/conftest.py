@@ -122,6 +122,14 @@ def gpuiso_spawn(request: pytest.FixtureRequest) -> GpuIso:
 
 
 @pytest.fixture
+def gpuiso_forkserver(request: pytest.FixtureRequest) -> GpuIso:
+    """``gpuiso`` with the fork server only (the plugin's default): for suites that
+    import torch in every process (seconds a process under spawn: a distributed test's
+    ranks), where what the start method changes is proven by lighter programs."""
+    return _make(request, "forkserver")
+
+
+@pytest.fixture
 def shm_name(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """A unique prefix for the /dev/shm entries a program makes (``GPUISO_SHM_NAME``);
     whatever is left under it is removed after the test."""

@@ -101,6 +101,7 @@ def _entry(run: RankRun, ran: Ran, one: Ended) -> RankEntry:
         "expired": end.expired,
         "duration": round(end.duration, 6),
         "error": first_line(run.reports) if failed else None,
+        "stack": end.stack or None,
         "leaks": ran.verdict.records if ran.verdict is not None else [],
     }
 

@@ -3,9 +3,10 @@
 ``wait_group`` watches every process of the group at once until the first one ends,
 reading what each sends meanwhile (no pipe fills while another process is watched; the
 frames are given back to each one's watch), then gives the others ``linger`` seconds to
-end by themselves. Past it, each one still running is stopped as past a bound of its own
-(``watch``: its stack, SIGTERM, ``grace``, SIGKILL) and its ``End.expired`` is
-``"group"``: a rank stuck in a collective after another failed holds nothing for long.
+end by themselves. Past it, those still running are stopped together, as past a bound
+of their own (``watch.stop``: where their threads wait and their stacks, then SIGTERM,
+one ``grace``, SIGKILL, each step for all of them at once), and their ``End.expired`` is
+``"group"``: ranks stuck in a collective after another failed hold nothing for long.
 Each process's own bounds (start-up, timeout, exit) hold throughout: when one runs out
 before any process ended, the group is stopped at once, that one for its bound. The
 group's processes start together through the worker's door (``Worker.group``) and get
@@ -22,7 +23,7 @@ from typing import Any
 from ..wire import frames
 from .outcome import Outcome
 from .supervisor import Running
-from .watch import begin_stamp
+from .watch import begin_stamp, stop
 
 
 @dataclass(frozen=True)
@@ -45,8 +46,8 @@ class _Seen:
     done: float | None = None  # when its test's protocol ended (its END read)
     ended_at: float | None = None  # when its process was seen to end
 
-    def deadline(self) -> float | None:
-        """When its current bound runs out (``watch``'s three bounds), None: never."""
+    def bound(self) -> tuple[str, float | None]:
+        """Its current bound (``watch``'s three) and when it runs out (None: never)."""
         if self.done is not None:
             stage, since = "exit", self.done
         elif self.began is not None:
@@ -54,7 +55,10 @@ class _Seen:
         else:
             stage, since = "startup", self.running.go_at
         seconds = self.running.bounds.limit(stage)
-        return None if seconds is None else since + seconds
+        return stage, None if seconds is None else since + seconds
+
+    def deadline(self) -> float | None:
+        return self.bound()[1]
 
 
 def wait_group(runnings: list[Running], linger: float) -> list[Ended]:
@@ -64,14 +68,18 @@ def wait_group(runnings: list[Running], linger: float) -> list[Ended]:
     _until(seen, None, first=True)
     if any(s.ended_at is not None for s in seen):  # else one ran past a bound of its own
         _until(seen, time.monotonic() + linger, first=False)
-    stop_at = time.monotonic()
-    waited = []
+    now, stopped = time.monotonic(), []
     for s in seen:
         s.running.started.reader.put_back(s.read)
         if s.ended_at is None:
-            s.running.stop_at = stop_at
-        waited.append(Ended(s.running.wait(), s.ended_at))
-    return waited
+            watch = s.running.watch()
+            stage, deadline = s.bound()
+            past = deadline is not None and deadline <= now
+            watch.expired, watch.cutoff = stage if past else "group", len(s.read)
+            stopped.append(watch)
+    if stopped:
+        stop(stopped, max(w.bounds.grace for w in stopped))
+    return [Ended(s.running.wait(), s.ended_at) for s in seen]
 
 
 def _until(seen: list[_Seen], stop: float | None, *, first: bool) -> None:

@@ -124,25 +124,31 @@ class Running:
         # It ended before it read its go, by this signal's name or its exit status:
         # none of its test's code ran, another process may run the test (``wait`` sets it)
         self.unstarted: str | None = None
-        self.stop_at: float | None = None  # stopped past it, whatever its bounds (a group's)
+        self._watch: Watch | None = None
+
+    def watch(self) -> Watch:
+        """What reads its frames under its bounds (one, made on first use: by ``wait``, or
+        by its group's wait to stop it with the others)."""
+        if self._watch is None:
+            started = self.started
+            settles = any(probe.settles for probe in self.probes)
+            self._watch = Watch(
+                started.proc,
+                started.reader,
+                started.sentinel,
+                started.stack_file,
+                self.go_at,
+                self.bounds,
+                may_leave=self._leavable() and not settles,
+            )
+        return self._watch
 
     def wait(self) -> Outcome:
         """Watch the process to its end under its bounds, reap it, sweep, check, decode."""
         self.waited = True
         started, launcher = self.started, self.launcher
-        proc, sentinel = started.proc, started.sentinel
-        settles = any(probe.settles for probe in self.probes)
-        may_leave = self._leavable() and not settles
-        watched = Watch(
-            proc,
-            started.reader,
-            sentinel,
-            started.stack_file,
-            self.go_at,
-            self.bounds,
-            may_leave=may_leave,
-            stop_at=self.stop_at,
-        )
+        proc = started.proc
+        watched = self.watch()
         interrupted = False
         try:
             if watched.run():  # it says it is exiting

@@ -9,13 +9,18 @@ A test's process has three bounds, one after the other (``Watch.run``):
 3. ``startup`` again, until the process has exited (or, with ``may_leave``, until
    it says it is exiting, and its supervisor decides to go on: ``leaving``).
 
-Past a bound, in order:
+Past a bound, in order (``stop``):
 
-1. ask the child for a stack dump (faulthandler registered on ``STACK_SIGNAL``
-   dumps every thread even when the test is stuck in C code);
+1. note where each of its threads waits in the kernel (``/proc/PID/task/*/wchan``) and
+   ask the child for a stack dump (faulthandler registered on ``STACK_SIGNAL`` dumps
+   every thread's Python stack, also one stuck in C code);
 2. SIGTERM to the child's process group;
 3. wait ``grace`` seconds, still draining the pipe;
 4. SIGKILL to the group (and to every descendant seen before step 2).
+
+``stop`` takes several processes at once (a distributed test's ranks stopped as a
+group, ``group``): each step is taken for all of them before the next, so that N stuck
+processes cost one stack wait and one grace, not N.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from typing import Any
 
 import psutil
 
-from ..proc.proctree import REAP_WAIT, alive, dump_stack, signal_group
+from ..proc.proctree import REAP_WAIT, alive, dump_stacks, kernel_waits, signal_group
 from ..wire import frames
 
 STACK_SIGNAL = int(signal.SIGRTMIN) + 2  # unlikely to collide with a test's own handlers
@@ -67,21 +72,18 @@ class Watch:
         bounds: Bounds,
         *,
         may_leave: bool = False,
-        stop_at: float | None = None,
     ) -> None:
         """``go_at``: ``time.monotonic()`` of its go; ``may_leave``: ``run`` returns when
-        the process says ``EXITING`` (its caller decides whether to ``leave``);
-        ``stop_at``: ``time.monotonic()`` past which it is stopped whatever its bounds say
-        (another process of its group ended: ``group``)."""
+        the process says ``EXITING`` (its caller decides whether to ``leave``)."""
         self.proc = proc
         self.reader = reader
         self.sentinel = sentinel
         self.stack_file = stack_file
         self.bounds = bounds
         self.may_leave = may_leave
-        self.stop_at = stop_at
         self.received = Received()
-        # "startup", "test" or "exit": the bound that ran out ("group": ``stop_at``)
+        # "startup", "test" or "exit": the bound that ran out ("group": stopped because
+        # another process of its group ended, ``group``)
         self.expired: str | None = None
         self.began: float | None = None  # time.monotonic() when its test began
         self.cutoff: int | None = None  # frames that had arrived when the bound ran out
@@ -93,22 +95,20 @@ class Watch:
     def run(self) -> bool:
         """Read the frames until the process exits, or stop it past a bound (False); True
         when it says it is exiting (``may_leave``): then ``leave``, or ``run`` again to
-        wait for its exit within the same bound."""
+        wait for its exit within the same bound. A process already stopped (``stop``, by
+        its group) is only read to its end."""
         b = self.bounds
         marks = {"startup": frames.BEGIN, "test": frames.END}
-        while True:
+        while self.expired is None:
             seconds = b.limit(self._stage)
             until = marks.get(self._stage, frames.EXITING if self.may_leave else None)
             deadline = None if seconds is None else self._since + seconds
-            cut = self.stop_at is not None and (deadline is None or self.stop_at < deadline)
-            if cut:
-                deadline = self.stop_at
             status = pump(self.reader, self.sentinel, self.received, deadline, until)
             if status == EXITED:
-                if self.began is None and frames.BEGIN in self.received.kinds:
-                    self.began = self._begin_stamp()  # read with the rest once it had exited
-                return False
+                break
             if status == EXPIRED:
+                self.expired, self.cutoff = self._stage, len(self.received)
+                stop([self], b.grace)
                 break
             if status == frames.EXITING:
                 self.may_leave = False  # asked once
@@ -118,16 +118,10 @@ class Watch:
                 self._since = self.began = self._begin_stamp()
             else:
                 self._stage, self._since = "exit", time.monotonic()
-        self.expired, self.cutoff = "group" if cut else self._stage, len(self.received)
-        # Before its bootstrap the child has no handler and the signal would kill it.
-        if frames.READY in self.received.kinds:
-            self.stack = dump_stack(self.proc.pid, STACK_SIGNAL, self.stack_file)
-        self.escalate(b.grace)
-        if self.stack:  # read once it stopped growing; complete only once the process is gone
-            with contextlib.suppress(OSError):
-                final = self.stack_file.read_text(errors="replace").strip()
-                if len(final) > len(self.stack):
-                    self.stack = final
+        else:  # stopped with its group: what it sent is in the pipe, or put back in it
+            pump(self.reader, self.sentinel, self.received, time.monotonic() + _DRAIN)
+        if self.began is None and any(k == frames.BEGIN for k, _ in self.received[: self.cutoff]):
+            self.began = self._begin_stamp()  # read with the rest once it had ended
         return False
 
     def _begin_stamp(self) -> float:
@@ -145,20 +139,57 @@ class Watch:
 
     def escalate(self, grace: float) -> None:
         """SIGTERM the tree, wait ``grace`` (draining the pipe), then SIGKILL what is left."""
-        pid, sentinel = self.proc.pid, self.sentinel
+        _end([self], grace)
+
+
+def stop(watches: list[Watch], grace: float) -> None:
+    """Stop every process of ``watches`` (each past a bound: its ``expired`` and ``cutoff``
+    set), all at once: where its threads wait, its stack (once bootstrapped: before, it
+    has no handler and the signal would kill it), then ``_end``; each one's ``stack``."""
+    waits = [kernel_waits(w.proc.pid) for w in watches]  # before the signal moves them
+    dumped = [w for w in watches if frames.READY in w.received.kinds or _ready(w.reader)]
+    stacks = dict(
+        zip(
+            map(id, dumped),
+            dump_stacks([(w.proc.pid, w.stack_file) for w in dumped], STACK_SIGNAL),
+            strict=True,
+        )
+    )
+    _end(watches, max(w.bounds.grace for w in watches))
+    for w, wait_ in zip(watches, waits, strict=True):
+        stack = stacks.get(id(w), "")
+        if stack:  # read once it stopped growing; complete only once the process is gone
+            with contextlib.suppress(OSError):
+                final = w.stack_file.read_text(errors="replace").strip()
+                stack = final if len(final) > len(stack) else stack
+        w.stack = "\n\n".join(part for part in (stack, wait_) if part)
+
+
+def _ready(reader: frames.Reader) -> bool:
+    """Whether frames given back to ``reader`` (by a group's wait) include ``READY``."""
+    return any(kind == frames.READY for kind, _ in reader.unread)
+
+
+def _end(watches: list[Watch], grace: float) -> None:
+    """SIGTERM each process's tree, wait ``grace`` for them all (draining their pipes),
+    then SIGKILL what is left of any."""
+    trees = []
+    for w in watches:
         try:
-            tree = psutil.Process(pid).children(recursive=True)
+            trees.append(psutil.Process(w.proc.pid).children(recursive=True))
         except psutil.Error:
-            tree = []
-        signal_group(pid, signal.SIGTERM, tree)
-        deadline = time.monotonic() + grace
-        if pump(self.reader, sentinel, self.received, deadline) == EXITED:
+            trees.append([])
+        signal_group(w.proc.pid, signal.SIGTERM, trees[-1])
+    deadline = time.monotonic() + grace
+    for w, tree in zip(watches, trees, strict=True):
+        if pump(w.reader, w.sentinel, w.received, deadline) == EXITED:
             rest = max(0.0, deadline - time.monotonic())
             _, running = psutil.wait_procs([p for p in tree if alive(p)], timeout=rest)
             if not running:
-                return
-        signal_group(pid, signal.SIGKILL, tree)
-        wait([sentinel], REAP_WAIT)
+                continue
+        signal_group(w.proc.pid, signal.SIGKILL, tree)
+    for w in watches:
+        wait([w.sentinel], REAP_WAIT)
 
 
 def begin_stamp(stamp: float, go_at: float, now: float) -> float:

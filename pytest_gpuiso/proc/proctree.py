@@ -291,21 +291,59 @@ def main_not_rerun() -> Iterator[None]:
 def dump_stack(pid: int, signum: int, stack_file: Path, timeout: float = 2.0) -> str:
     """Send ``signum`` to a process whose faulthandler dumps its threads' stacks into
     ``stack_file`` on it, and read the dump back (waiting at most ``timeout`` seconds)."""
-    try:
-        os.kill(pid, signum)
-    except ProcessLookupError:
-        return ""
+    return dump_stacks([(pid, stack_file)], signum, timeout)[0]
+
+
+def dump_stacks(targets: list[tuple[int, Path]], signum: int, timeout: float = 2.0) -> list[str]:
+    """``dump_stack`` for several processes at once: every one asked before any is waited
+    for (a group's N stuck ranks cost one wait, not N)."""
+    texts = [""] * len(targets)
+    sizes = {}
+    for i, (pid, _) in enumerate(targets):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+            sizes[i] = -1
     deadline = time.monotonic() + timeout
-    size, text = -1, ""
     # faulthandler writes from the signal handler without any notification;
     # the only way to know it is done is that the file stopped growing.
-    while time.monotonic() < deadline:
+    while sizes and time.monotonic() < deadline:
         time.sleep(0.05)
-        text = stack_file.read_text(errors="replace")
-        if text and len(text) == size:
-            break
-        size = len(text)
-    return text.strip()
+        for i in list(sizes):
+            texts[i] = targets[i][1].read_text(errors="replace")
+            if texts[i] and len(texts[i]) == sizes[i]:
+                del sizes[i]
+            else:
+                sizes[i] = len(texts[i])
+    return [text.strip() for text in texts]
+
+
+def kernel_waits(pid: int) -> str:
+    """Where each thread of ``pid`` is in the kernel, one line a thread: its id, name,
+    state and wait channel (/proc/PID/task/TID: ``wchan``, e.g. ``futex_wait_queue``
+    for a lock or a condition, ``do_epoll_wait`` or ``unix_stream_read_generic`` for a
+    socket): what a Python stack cannot say of a thread in C code (a collective).
+    Empty where /proc cannot be read."""
+    lines = []
+    try:
+        tids = sorted(os.listdir(f"/proc/{pid}/task"), key=int)
+    except (OSError, ValueError):
+        return ""
+    for tid in tids:
+        task = f"/proc/{pid}/task/{tid}"
+        try:
+            with open(f"{task}/stat", "rb") as f:
+                stat = f.read()
+            with open(f"{task}/wchan") as f:
+                wchan = f.read().strip()
+        except OSError:
+            continue
+        name = stat[stat.index(b"(") + 1 : stat.rindex(b")")].decode(errors="replace")
+        state = stat[stat.rindex(b")") + 2 :].split()[0].decode()
+        where = f", waiting in {wchan}" if wchan not in ("", "0") else ""
+        lines.append(f"  thread {tid} ({name}): state {state}{where}")
+    if not lines:
+        return ""
+    return "Threads in the kernel (/proc/PID/task/*/wchan):\n" + "\n".join(lines)
 
 
 @contextlib.contextmanager

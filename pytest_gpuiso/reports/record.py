@@ -70,6 +70,7 @@ class RankEntry(TypedDict):
     expired: str | None  # the bound it ran past ("group": stopped after another ended)
     duration: float  # seconds from its go to its end
     error: str | None  # its first failure's summary line
+    stack: str | None  # where it was when stopped past a bound: its threads' stacks
     leaks: list[dict[str, Any]]
 
 

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
+import signal
 import time
+from pathlib import Path
 
 from pytest_gpuiso.gpu.pool import GpuPool
 from pytest_gpuiso.parent.group import wait_group
@@ -76,3 +79,44 @@ def test_a_group_where_none_ends_is_stopped_when_the_first_ranks_timeout_runs_ou
     assert "test" in expired and set(expired) <= {"test", "group"}, expired
     assert all(e.ended_at is None for e in ended)
     assert all("_stuck_in_a_collective" in e.outcome.end.stack for e in ended)
+
+
+def _ignores_sigterm() -> None:
+    """Rank 1 fails at once; the others note when SIGTERM came, ignore it and wait on."""
+    rank = os.environ["RANK"]
+    if rank == "1":
+        raise ValueError("rank 1 failed")
+    stamps = Path(os.environ["STAMPS"])
+
+    def noted(signum, frame):
+        (stamps / f"term-{rank}").write_text(repr(time.monotonic()))
+
+    signal.signal(signal.SIGTERM, noted)
+    while True:
+        time.sleep(600)  # a collective that never completes
+
+
+def test_ranks_left_waiting_are_stopped_together_each_with_its_stack_and_threads(tmp_path):
+    """Three ranks that ignore SIGTERM: each got it before any was killed (one grace for
+    the group, not one a rank), each is stopped for its group with its Python stack and
+    where its threads wait in the kernel."""
+    stamps = tmp_path / "stamps"
+    stamps.mkdir()
+    worker = _worker(tmp_path)
+    ranks = ["0", "1", "2", "3"]
+    try:
+        jobs = [CallJob(_ignores_sigterm, (), {})] * len(ranks)
+        group = worker.group(jobs, [{"RANK": r, "STAMPS": str(stamps)} for r in ranks])
+        runnings = [worker.go(s, {}, (), Bounds(300, 120, 3)) for s in group]
+        ended = wait_group(runnings, 0.5)
+    finally:
+        worker.launcher.close()
+    assert [e.outcome.end.expired for e in ended] == ["group", None, "group", "group"]
+    terms = sorted(float((stamps / f"term-{r}").read_text()) for r in ("0", "2", "3"))
+    assert terms[-1] - terms[0] < 3, terms  # stopped one after the other: 3 s (grace) apart
+    for e in (ended[0], ended[2], ended[3]):
+        assert e.outcome.end.signal_name == "SIGKILL"  # it ignored SIGTERM for the grace
+        stack = e.outcome.end.stack
+        assert "_ignores_sigterm" in stack, stack
+        assert "Threads in the kernel (/proc/PID/task/*/wchan):" in stack, stack
+        assert re.search(r"thread \d+ \(.+\): state [A-Z]", stack), stack
