@@ -19,6 +19,11 @@ its descendants inherit (``/proc/PID/environ``: the block a process was exec'd
 with, shared by its forks), and in its own process group; the sweep then takes
 only the descendants that carry the mark or are in that group, and leaves the
 rest alone (not signalled, not reaped).
+
+A leftover of a distributed test's rank is named by its rank where the environment it
+was exec'd with says so (``RANK`` beside ``PYTEST_GPUISO_RENDEZVOUS``: a command a rank
+ran); one forked without an exec carries its interpreter's start-up environment, which
+says nothing of a rank.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from typing import Any
 import psutil
 
 from ..proc.proctree import REAP_WAIT, STOP_ROUNDS, alive, cmdline, descendant_keys, environ
-from ..wire.environment import MARK_ENV
+from ..wire.environment import MARK_ENV, RENDEZVOUS_ENV
 from . import Leak, Probe, RunInfo
 
 SETTLE = 1.0  # seconds a new descendant gets to exit by itself before it counts (on a
@@ -116,7 +121,7 @@ def _end_leftovers(new_keys: set[tuple[int, float]], grace: float) -> list[dict[
     for p in running:
         if not alive(p):
             continue
-        escaped.append({"pid": p.pid, "cmdline": cmdline(p)})
+        escaped.append(_entry(p))
         with contextlib.suppress(psutil.Error):
             p.terminate()
     _, stubborn = psutil.wait_procs(new, timeout=grace if escaped else 0)
@@ -154,7 +159,7 @@ def _stop_late(
             if not alive(p):
                 late.append(p)  # a zombie: reaped with the others
                 continue
-            entry = {"pid": p.pid, "cmdline": cmdline(p)}
+            entry = _entry(p)
             try:
                 p.suspend()
             except psutil.NoSuchProcess:
@@ -167,6 +172,16 @@ def _stop_late(
             late.append(p)
             found.append(entry)
     return late, found, seen
+
+
+def _entry(p: psutil.Process) -> dict[str, Any]:
+    """A leftover's entry: its pid, its command line, and its rank where it has one."""
+    entry: dict[str, Any] = {"pid": p.pid, "cmdline": cmdline(p)}
+    env = dict(e.split(b"=", 1) for e in environ(p.pid) if b"=" in e)
+    rank = env.get(b"RANK", b"") if RENDEZVOUS_ENV.encode() in env else b""
+    if rank.isdigit():
+        entry["rank"] = int(rank)
+    return entry
 
 
 def _mark_survivors(
@@ -199,7 +214,7 @@ class ProcessProbe(Probe):
                 f"process {e['pid']} still running after the test ended "
                 f"({'not killed: ' + e['not_killed'] if 'not_killed' in e else 'killed'}): "
                 f"{e['cmdline']}",
-                {"pid": e["pid"], "cmdline": e["cmdline"]},
+                {k: e[k] for k in ("pid", "cmdline", "rank") if k in e},
             )
             for e in sweep(before, run.grace, self.spare, self._mark(run))
         ]

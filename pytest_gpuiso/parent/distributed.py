@@ -6,8 +6,10 @@ and one ``MASTER_PORT``, starts the N processes together through the worker's do
 ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``PYTEST_GPUISO_RENDEZVOUS``
 and only its own GPUs), gives each its go, waits for them as one (``group``: the first
 rank to end gives the others ``rank_wait`` seconds), and makes one verdict of their
-reports (``ranks``). Rank 0's process carries the test's leak probes (``/dev/shm``, GPU
-memory), which see the whole group's; every rank's process tree is swept on its own.
+reports (``ranks``). Every rank's process is checked for leaks on its own: its process
+tree swept, its ``/dev/shm`` entries (those its own shim log names); rank 0's also
+carries the GPU memory check over the whole group's GPUs. Each leak names its rank, and
+the test's verdict holds every rank's leaks.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import pytest
 
 from ..gpu import ports
 from ..gpu.leases import LeaseError
+from ..leaks import Leak, Verdict
 from ..reports.record import RankEntry
 from ..wire.environment import MEMORY_ENV, RENDEZVOUS_ENV
 from . import verdict
@@ -58,11 +61,14 @@ def run_ranks(item: pytest.Item, plan: Plan, state: State, worker: Worker, turn:
         for _ in envs
     ]
     turn.ranks = list(worker.group(jobs, envs))
-    probes = probes_for(plan, state, worker, turn.lease)
+    probes = [
+        probes_for(plan, state, worker, turn.lease if rank == 0 else None, alone=False)
+        for rank in range(spec.ranks)
+    ]
     bounds = Bounds(spec.timeout, spec.startup_timeout, spec.grace)
     runnings = []
     for rank, started in enumerate(list(turn.ranks)):
-        running = worker.go(started, envs[rank], probes if rank == 0 else (), bounds)
+        running = worker.go(started, envs[rank], probes[rank], bounds)
         turn.ranks[rank] = running
         runnings.append(running)
     ended = wait_group(runnings, spec.rank_wait)
@@ -76,20 +82,32 @@ def run_ranks(item: pytest.Item, plan: Plan, state: State, worker: Worker, turn:
     turn.release(worker)
     rans = []
     for rank, one in enumerate(ended):
-        held = verdict.Held(turn.lease, probes if rank == 0 else (), port, checked)
+        one.outcome.end.leaks = [_of_rank(leak, rank) for leak in one.outcome.end.leaks]
+        held = verdict.Held(turn.lease, probes[rank], port, checked)
         rans.append(verdict.assemble(item, spec, state, one.outcome, held, []))
     runs = [
         RankRun(rank, ran.reports, one.ended_at, one.outcome.end.expired == "group")
         for rank, (ran, one) in enumerate(zip(rans, ended, strict=True))
     ]
     first = cause(runs)
-    base = rans[first.rank] if first is not None else rans[0]  # its record, its leaks
-    entries = tuple(_entry(run, ran, one) for run, ran, one in zip(runs, rans, ended, strict=True))
-    return dataclasses.replace(base, reports=one_verdict(item, runs), ranks=entries)
+    base = rans[first.rank] if first is not None else rans[0]  # its record
+    leaks = _every_ranks([ran.verdict for ran in rans])
+    records = leaks.records if leaks is not None else []
+    entries = tuple(
+        _entry(run, one, [r for r in records if r.get("rank") == run.rank])
+        for run, one in zip(runs, ended, strict=True)
+    )
+    return dataclasses.replace(
+        base,
+        reports=one_verdict(item, runs),
+        ranks=entries,
+        verdict=leaks,
+        leak_checks=tuple(dict.fromkeys(k for ran in rans for k in ran.leak_checks)),
+    )
 
 
-def _entry(run: RankRun, ran: Ran, one: Ended) -> RankEntry:
-    """Rank ``run``'s entry in the test's JSON record."""
+def _entry(run: RankRun, one: Ended, leaks: list[dict]) -> RankEntry:
+    """Rank ``run``'s entry in the test's JSON record; ``leaks``: those of its rank."""
     end = one.outcome.end
     failed = any(r.failed for r in run.reports)
     return {
@@ -102,8 +120,34 @@ def _entry(run: RankRun, ran: Ran, one: Ended) -> RankEntry:
         "duration": round(end.duration, 6),
         "error": first_line(run.reports) if failed else None,
         "stack": end.stack or None,
-        "leaks": ran.verdict.records if ran.verdict is not None else [],
+        "leaks": leaks,
     }
+
+
+def _of_rank(leak: Leak, rank: int) -> Leak:
+    """``leak``, found after rank ``rank``'s process: its line and its fields name the
+    rank it is of. A leftover process is swept by the first rank checked, whichever
+    rank left it: it names its own where its environment says it (``leaks.process``),
+    else none."""
+    if leak.kind == "process":
+        if "rank" not in leak.fields:
+            return Leak(leak.kind, f"a rank's {leak.detail}", {**leak.fields, "rank": None})
+        rank = leak.fields["rank"]
+    return Leak(leak.kind, f"rank {rank}: {leak.detail}", {**leak.fields, "rank": rank})
+
+
+def _every_ranks(verdicts: list[Verdict | None]) -> Verdict | None:
+    """The test's leak verdict: every rank's leaks, in rank order."""
+    found = [v for v in verdicts if v is not None]
+    if not found:
+        return None
+    return Verdict(
+        [r for v in found for r in v.records],
+        [leak for v in found for leak in v.failing],
+        [leak for v in found for leak in v.warning],
+        found[0].policy_text,
+        [leak for v in found for leak in v.known],
+    )
 
 
 def _rank_envs(plan: Plan, worker: Worker, turn: Turn) -> list[dict[str, str]]:

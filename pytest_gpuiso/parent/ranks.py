@@ -73,6 +73,7 @@ def one_verdict(item: pytest.Item, runs: list[RankRun]) -> list[pytest.TestRepor
         report.sections = list(report.sections)
         for run in runs[1:]:
             report.sections += _sections_of(run, report.when)
+    _with_properties(reports, [run for run in runs if run is not runs[0]])
     return reports
 
 
@@ -98,7 +99,22 @@ def _failed(runs: list[RankRun], cause: RankRun, states: dict[int, str]) -> list
     for report in reports:  # shown with each failure
         if report.failed:
             report.sections.append((SECTION, "\n".join(story)))
+    _with_properties(reports, [run for run in runs if run is not cause])
     return reports
+
+
+def _with_properties(reports: list[pytest.TestReport], others: list[RankRun]) -> None:
+    """Give the test's reports the other ranks' ``record_property`` pairs, each name
+    followed by its rank (``loss (rank 1)``), beside those of the rank they came from:
+    junit takes them from each report, so each rank's are there once."""
+    for report in reports:
+        report.user_properties = list(report.user_properties) + [
+            (f"{name} (rank {run.rank})", value)
+            for run in others
+            for theirs in run.reports
+            if theirs.when == report.when
+            for name, value in theirs.user_properties
+        ]
 
 
 def _sections_of(run: RankRun, when: str) -> list[tuple[str, str]]:

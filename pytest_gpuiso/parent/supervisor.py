@@ -130,17 +130,10 @@ class Running:
         """What reads its frames under its bounds (one, made on first use: by ``wait``, or
         by its group's wait to stop it with the others)."""
         if self._watch is None:
-            started = self.started
-            settles = any(probe.settles for probe in self.probes)
-            self._watch = Watch(
-                started.proc,
-                started.reader,
-                started.sentinel,
-                started.stack_file,
-                self.go_at,
-                self.bounds,
-                may_leave=self._leavable() and not settles,
-            )
+            s, settles = self.started, any(probe.settles for probe in self.probes)
+            leave = self._leavable() and not settles
+            args = (s.proc, s.reader, s.sentinel, s.stack_file, self.go_at, self.bounds)
+            self._watch = Watch(*args, may_leave=leave)
         return self._watch
 
     def wait(self) -> Outcome:

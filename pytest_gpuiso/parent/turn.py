@@ -62,13 +62,18 @@ class Turn:
             self.port = None
 
 
-def probes_for(plan: Plan, state: State, worker: Worker, lease: Lease | None) -> tuple[Probe, ...]:
-    """The leak probes of one test, besides the process sweep (which always runs)."""
+def probes_for(
+    plan: Plan, state: State, worker: Worker, lease: Lease | None, *, alone: bool = True
+) -> tuple[Probe, ...]:
+    """The leak probes of one process of a test, besides the process sweep (which always
+    runs); ``lease``: the GPUs whose memory it checks (None: none); ``alone``: no other
+    process of the test runs beside it (a distributed test's ranks: each has its own)."""
     s, nvml, spec = worker.settings, worker.gpus.nvml, plan.spec
     probes: list[Probe] = []
     if s.leak_level("shm") != "off":
         cleanup = s.cleanup and "shm" not in spec.allow_leaks
-        probes.append(ShmProbe(s.shm_ignore, cleanup=cleanup, alone=not state.parallel))
+        alone = alone and not state.parallel
+        probes.append(ShmProbe(s.shm_ignore, cleanup=cleanup, alone=alone))
     if lease is not None and s.leak_level("gpu_memory") != "off" and nvml.available():
         tolerance = s.gpu_tolerance_mib
         probes.append(GpuMemoryProbe(nvml, lease.devices, tolerance, shared=plan.shared))

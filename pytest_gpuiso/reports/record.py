@@ -187,3 +187,19 @@ def record_of(report: Any) -> Record | None:
     """The record a report carries, if it is a test's last report."""
     record = getattr(report, RECORD_ATTR, None)
     return record if isinstance(record, dict) else None
+
+
+def cause_of(record: Record) -> RankEntry | None:
+    """A distributed test's failing record's rank entry whose process is the record's
+    (the cause's: the first rank to fail), else None."""
+    for entry in record.get("ranks") or []:
+        if entry.get("pid") == record.get("pid") and entry.get("outcome") in ("failed", "error"):
+            return entry
+    return None
+
+
+def cause_rank(record: Record) -> str:
+    """ "rank K " where the record's cause is rank K's (``cause_of``), else "": what names
+    the rank in a line about the test."""
+    entry = cause_of(record)
+    return f"rank {entry['rank']} " if entry is not None else ""

@@ -20,7 +20,16 @@ from .gpu_tables import MARKDOWN_ROWS, health, quarantines, right_size, unassess
 from .mdtext import cell as _cell
 from .mdtext import code_cell as _code_cell
 from .mdtext import kind_cell as _kind
-from .record import Record, counted_leaks, ending, gpu_notes, is_number, known_count
+from .record import (
+    Record,
+    cause_of,
+    cause_rank,
+    counted_leaks,
+    ending,
+    gpu_notes,
+    is_number,
+    known_count,
+)
 
 WORST = 5  # tests listed as worst offenders in the terminal
 
@@ -113,9 +122,12 @@ def terminal_summary(
             "tests' processes shown once (--gpu-isolate-warnings=each shows each)"
         )
     for r in timed_out:
-        _flagged(tr, "TIMEOUT", f"{r['nodeid']}{_attempt(r)} ({bound(r, test='after')})")
+        how = f"{cause_rank(r)}{bound(r, test='after')}"
+        _flagged(tr, "TIMEOUT", f"{r['nodeid']}{_attempt(r)} ({how})")
     for r in crashed:
-        _flagged(tr, "CRASHED", f"{r['nodeid']}{_attempt(r)} ({r['exit']['signal']})")
+        _flagged(
+            tr, "CRASHED", f"{r['nodeid']}{_attempt(r)} ({cause_rank(r)}{r['exit']['signal']})"
+        )
     for nodeid, device, problem, _ in quarantines(records):
         _flagged(tr, "QUARANTINED", f"GPU {device} after {nodeid}: {problem}")
     for nodeid, device, why in unassessed(records):
@@ -324,6 +336,7 @@ def markdown(
         lines += ["", f"### {FAILED_TITLE}", "", "| test | outcome | how it ended |"]
         lines.append("|---|---|---|")
         for r, how in failed[:MARKDOWN_ROWS]:
+            how = f"{cause_rank(r)}{how}"  # a distributed test's: the rank that failed first
             lines.append(f"| {_code_cell(r['nodeid'])} | {_cell(r['outcome'])} | {_cell(how)} |")
         if len(failed) > MARKDOWN_ROWS:
             more = len(failed) - MARKDOWN_ROWS
@@ -345,10 +358,14 @@ def _failed(record: Record) -> bool:
 
 
 def _failure(record: Record) -> str:
-    """How a test that ended normally failed: by its leaks, or in its own code."""
+    """How a test that ended normally failed: by its leaks, or in its own code (a
+    distributed test's: its first failing rank's error)."""
     kinds = sorted({leak["kind"] for leak in counted_leaks(record) if leak.get("level") == "fail"})
     if kinds:
         return f"its leaks failed it ({', '.join(kinds)})"
+    entry = cause_of(record)
+    if entry is not None and entry.get("error"):
+        return f"failed: {entry['error']}"
     return "failed" if record["outcome"] == "failed" else "error in setup or teardown"
 
 

@@ -5,21 +5,27 @@ the test's timeout; a bad ``ranks`` is one line naming it."""
 
 from __future__ import annotations
 
+import json
+import xml.etree.ElementTree as ET
+
 from tests.helpers import REPORT
 
 STUCK = "test_ranks.py::test_rank_1_fails_while_rank_0_waits_for_it"
 EVERY = "test_ranks.py::test_every_rank_sees_its_rank_and_the_group"
 
 
-def test_ranks_run_together_and_one_verdict_names_the_rank_that_failed(gpuiso) -> None:
+def test_ranks_run_together_and_one_verdict_names_the_rank_that_failed(gpuiso, monkeypatch) -> None:
     gpuiso.copy("test_ranks.py")
+    summary = gpuiso.pytester.path / "step-summary.md"
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
     result = gpuiso.run(
         "--gpu-isolate-timeout=300",
         "-rA",
         REPORT,
+        "--junitxml=junit.xml",
         "test_ranks.py",
         "-k",
-        "not crashes and not own_gpu",
+        "not crashes and not own_gpu and not leaks",
     )
     result.assert_outcomes(passed=3, failed=1, errors=2)
     result.stdout.fnmatch_lines([f"FAILED {STUCK}*"])
@@ -58,6 +64,25 @@ def test_ranks_run_together_and_one_verdict_names_the_rank_that_failed(gpuiso) -
     assert failed["error"] == "ValueError: rank 1 could not shard"
     assert waited["pid"] != failed["pid"]
     assert [r["outcome"] for r in gpuiso.records()[EVERY]["ranks"]] == ["passed"] * 3
+    # junit: the failure names its rank; every rank's properties are there, once each
+    cases = {
+        f"{case.get('classname')}::{case.get('name')}": case
+        for case in ET.parse(gpuiso.pytester.path / "junit.xml").iter("testcase")
+    }
+    [failure] = cases["test_ranks::test_rank_1_fails_while_rank_0_waits_for_it"].iter("failure")
+    assert failure.get("message").startswith("rank 1 failed: ValueError: rank 1 could not"), (
+        failure.get("message")
+    )
+    properties = [
+        (p.get("name"), p.get("value"))
+        for p in cases["test_ranks::test_every_rank_sees_its_rank_and_the_group"].iter("property")
+    ]
+    assert properties == [("seen", "0/3"), ("seen (rank 1)", "1/3"), ("seen (rank 2)", "2/3")]
+    # the Markdown summary (GitHub's step summary) names the rank that failed first
+    assert (
+        f"| `{STUCK}` | failed | rank 1 failed: ValueError: rank 1 could not shard |"
+        in summary.read_text()
+    ), summary.read_text()
 
 
 def test_a_rank_that_crashes_is_the_cause_and_its_waiting_peer_is_stopped(gpuiso) -> None:
@@ -85,3 +110,46 @@ def test_each_rank_leases_its_own_gpus(gpuiso_spawn) -> None:
         "--gpu-isolate-devices=0", "test_ranks.py::test_each_rank_sees_its_own_gpu"
     )
     skipped.assert_outcomes(skipped=1)  # two ranks of one GPU each need two
+
+
+def test_a_ranks_leaks_are_the_tests_and_name_the_rank(gpuiso, shm_name) -> None:
+    """Each rank's process is checked on its own: what rank 1 left (a segment, a process
+    in a session of its own) is the test's, each leak naming rank 1; rank 0 left none."""
+    gpuiso.copy("test_ranks.py")
+    result = gpuiso.run("--gpu-isolate-timeout=300", REPORT, "test_ranks.py", "-k", "leaks")
+    result.assert_outcomes(passed=1)
+    record = gpuiso.records()["test_ranks.py::test_rank_1_leaks_a_segment_and_a_process"]
+    kinds = sorted((leak["kind"], leak["rank"]) for leak in record["leaks"])
+    assert kinds == [("process", 1), ("shm", 1)], record["leaks"]
+    assert all(leak["detail"].startswith("rank 1: ") for leak in record["leaks"])
+    assert any(f"/dev/shm/{shm_name}-rank1" in leak["detail"] for leak in record["leaks"])
+    clean, leaky = record["ranks"]
+    assert clean["leaks"] == [] and len(leaky["leaks"]) == 2, record["ranks"]
+    result.stdout.fnmatch_lines([f"*rank 1: segment /dev/shm/{shm_name}-rank1*"])
+
+
+def test_groups_beside_ordinary_tests_under_xdist_never_share_a_port(
+    gpuiso_spawn, tmp_path, monkeypatch
+) -> None:
+    """Under ``-n 2``: four groups of two ranks and four ordinary isolated tests all pass;
+    the ranks of a group share its port, and two groups that held theirs at the same time
+    had different ones (at least one such pair ran: the test proves something)."""
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    monkeypatch.setenv("RANKS_NOTES", str(notes))
+    gpuiso_spawn.copy("test_ranks_beside.py")
+    result = gpuiso_spawn.run("-n", "2", "test_ranks_beside.py")
+    result.assert_outcomes(passed=8)
+    held = [json.loads(p.read_text()) for p in notes.glob("*.json")]
+    groups: dict[int, set[str]] = {}
+    for note in held:
+        groups.setdefault(note["test"], set()).add(note["port"])
+    assert sorted(groups) == [0, 1, 2, 3] and all(len(p) == 1 for p in groups.values()), groups
+    overlapping = [
+        (a, b)
+        for a in held
+        for b in held
+        if a["test"] < b["test"] and a["start"] < b["end"] and b["start"] < a["end"]
+    ]
+    assert overlapping, held  # two groups ran at the same time
+    assert all(a["port"] != b["port"] for a, b in overlapping), overlapping
