@@ -22,6 +22,7 @@ import pytest
 from .values import (
     DEFAULT_GRACE,
     DEFAULT_PREWARM,
+    DEFAULT_RANK_WAIT,
     DEFAULT_SLOTS,
     DEFAULT_STARTUP_TIMEOUT,
     DEFAULT_TIMEOUT,
@@ -123,6 +124,16 @@ OPTIONS: tuple[Option, ...] = (
         unset=DEFAULT_GRACE,
         metavar="SECONDS",
         default=f"{DEFAULT_GRACE:g}",
+    ),
+    Option(
+        "gpu_isolate_rank_wait",
+        "seconds a distributed test's other ranks may still run once one rank ended, "
+        "before they are stopped with their stacks (ranks=N)",
+        field="rank_wait",
+        parse=_seconds(allow_zero=True),
+        unset=DEFAULT_RANK_WAIT,
+        metavar="SECONDS",
+        default=f"{DEFAULT_RANK_WAIT:g}",
     ),
     Option(
         "gpu_isolate_report",

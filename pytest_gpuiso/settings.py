@@ -76,6 +76,7 @@ class Settings:
     grace: float
     report_path: str | None
     startup_timeout: float = DEFAULT_STARTUP_TIMEOUT
+    rank_wait: float = DEFAULT_RANK_WAIT  # a distributed test's ranks, once one ended
     devices: list[str] | None = None  # None: discover (auto)
     devices_source: str = ""
     device_sizes: tuple[tuple[str, int], ...] = ()  # declared memory: --gpu-isolate-devices=0:8GiB
@@ -181,7 +182,7 @@ def spec_for_item(item: pytest.Item, settings: Settings) -> IsolationSpec:
     if "allow_leaks" in kwargs:
         allowed = parse_allowed(kwargs["allow_leaks"], f"{MARKER} marker argument allow_leaks")
     ranks = _ranks(item, kwargs.get("ranks", 1))
-    rank_wait = DEFAULT_RANK_WAIT
+    rank_wait = settings.rank_wait
     if "rank_wait" in kwargs:
         what = f"{MARKER} marker argument rank_wait"
         rank_wait = parse_seconds(kwargs["rank_wait"], what, allow_zero=True)

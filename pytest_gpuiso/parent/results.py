@@ -316,7 +316,8 @@ def describe_problem(
             head = (
                 f"Stopped: another rank of this distributed test ended and this one still ran "
                 f"{spec.rank_wait:g} s later, during {phase}{ended} {escalation}; to fix: its "
-                "stack below shows where it waited; to allow more: rank_wait= in the marker"
+                "stack below shows where it waited; to allow more: rank_wait= in the marker, or "
+                "--gpu-isolate-rank-wait"
             )
         elif outcome.end.expired == "exit":
             head = (

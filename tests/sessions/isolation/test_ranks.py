@@ -25,7 +25,7 @@ def test_ranks_run_together_and_one_verdict_names_the_rank_that_failed(gpuiso, m
         "--junitxml=junit.xml",
         "test_ranks.py",
         "-k",
-        "not crashes and not own_gpu and not leaks",
+        "not crashes and not own_gpu and not leaks and not sessions",
     )
     result.assert_outcomes(passed=3, failed=1, errors=2)
     result.stdout.fnmatch_lines([f"FAILED {STUCK}*"])
@@ -153,3 +153,16 @@ def test_groups_beside_ordinary_tests_under_xdist_never_share_a_port(
     ]
     assert overlapping, held  # two groups ran at the same time
     assert all(a["port"] != b["port"] for a, b in overlapping), overlapping
+
+
+def test_rank_wait_from_the_ini_then_the_command_line(gpuiso_spawn) -> None:
+    """``gpu_isolate_rank_wait`` < ``--gpu-isolate-rank-wait`` < the marker's (above); the
+    rank left waiting says how long it was given (its error, in the JSON record)."""
+    gpuiso_spawn.copy("test_ranks.py")
+    gpuiso_spawn.pytester.makeini("[pytest]\ngpu_isolate_rank_wait = 0.7\n")
+    test = "test_ranks.py::test_rank_1_fails_while_rank_0_waits_the_sessions_rank_wait"
+    for args, said in [((), "0.7 s later"), (("--gpu-isolate-rank-wait=0.4",), "0.4 s later")]:
+        result = gpuiso_spawn.run(*args, REPORT, "test_ranks.py", "-k", "sessions_rank_wait")
+        result.assert_outcomes(failed=1)
+        waited = gpuiso_spawn.records()[test]["ranks"][0]
+        assert waited["expired"] == "group" and said in waited["error"], waited

@@ -47,6 +47,7 @@ def test_a_blank_command_line_value_is_parsed_like_any_other(gpuiso_spawn):
     [
         ("gpu_isolate_timeout = abc", "invalid value 'abc' for ini gpu_isolate_timeout"),
         ("gpu_isolate_grace = -2", "invalid value '-2' for ini gpu_isolate_grace"),
+        ("gpu_isolate_rank_wait = soon", "invalid value 'soon' for ini gpu_isolate_rank_wait"),
         ("gpu_isolate = maybe", "invalid value 'maybe' for ini gpu_isolate"),
         ("gpu_isolate_warnings = some", "invalid value 'some' for ini gpu_isolate_warnings"),
     ],
