@@ -28,7 +28,7 @@ from ..wire.environment import MEMORY_ENV, RENDEZVOUS_ENV
 from . import verdict
 from .group import Ended, wait_group
 from .plans import Plan
-from .ranks import RankRun, cause, first_line, one_verdict, state_of
+from .ranks import RankRun, cause, first_line, in_doubt, one_verdict, state_of
 from .session import State
 from .turn import CannotRun, Turn, probes_for
 from .verdict import Ran
@@ -74,10 +74,9 @@ def run_ranks(item: pytest.Item, plan: Plan, state: State, worker: Worker, turn:
     ended = wait_group(runnings, spec.rank_wait)
     checked = None
     if turn.lease is not None and worker.health is not None:
-        worst = next((e for e in ended if e.outcome.end.exitcode not in (0, None)), ended[0])
-        checked = worker.health.after(
-            item.nodeid, turn.lease, worst.outcome.run_end(), plan.shared, None
-        )
+        runs = [e.outcome.run_end() for e in ended]
+        worst = in_doubt(runs, [e.outcome.end.expired == "group" for e in ended])
+        checked = worker.health.after(item.nodeid, turn.lease, worst, plan.shared, None)
     port = turn.port.port if turn.port is not None else None
     turn.release(worker)
     rans = []

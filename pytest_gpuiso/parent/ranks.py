@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from ..gpu.health import RunEnd, why_probe
 from .results import setup_error_reports
 
 SECTION = "gpu-isolate ranks"
@@ -144,3 +145,12 @@ def _name_rank(report: pytest.TestReport, rank: int) -> None:
         crash.message = f"rank {rank} failed: {crash.message}"
     elif isinstance(longrepr, str):
         report.longrepr = f"rank {rank} failed: {longrepr}"
+
+
+def in_doubt(runs: list[RunEnd], stopped: list[bool]) -> RunEnd:
+    """The run of the group's (``runs``, in rank order; ``stopped``: each stopped for its
+    group) its GPUs' health is judged by: the first that puts them in doubt (a crash, a
+    sticky CUDA error, a bound run out), one that did so itself before one stopped for
+    its group; rank 0's where none does."""
+    order = sorted(range(len(runs)), key=lambda rank: stopped[rank])
+    return next((runs[r] for r in order if why_probe(runs[r]) is not None), runs[0])

@@ -8,7 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from pytest_gpuiso.parent.ranks import SECTION, RankRun, one_verdict, state_of
+from pytest_gpuiso.gpu.health import RunEnd
+from pytest_gpuiso.parent.ranks import SECTION, RankRun, in_doubt, one_verdict, state_of
 
 NODEID = "test_dist.py::test_all_reduce"
 ITEM = SimpleNamespace(
@@ -99,3 +100,19 @@ def test_every_rank_skipped_is_a_skip_and_ranks_that_disagree_are_one_error():
 )
 def test_each_ranks_state_is_read_from_its_reports(reports, state):
     assert state_of(reports) == state
+
+
+def _run_end(timed_out=False, signal=None, errors=()) -> RunEnd:
+    return RunEnd(timed_out, signal, list(errors), [], {})
+
+
+def test_the_groups_gpus_are_judged_by_the_rank_that_put_them_in_doubt():
+    """Not rank 0's run alone: a rank that crashed or hit a sticky CUDA error, before one
+    stopped for its group (which also ran out of time); rank 0's where none did."""
+    clean, stopped = _run_end(), _run_end(timed_out=True, signal="SIGKILL")
+    sticky = _run_end(errors=["RuntimeError: CUDA error: an illegal memory access was encountered"])
+    crashed = _run_end(signal="SIGSEGV")
+    assert in_doubt([clean, sticky, clean], [False] * 3) is sticky
+    assert in_doubt([stopped, crashed], [True, False]) is crashed
+    assert in_doubt([stopped, clean], [True, False]) is stopped  # stopped: still in doubt
+    assert in_doubt([clean, clean], [False, False]) is clean
