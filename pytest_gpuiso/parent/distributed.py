@@ -30,7 +30,7 @@ from .group import Ended, wait_group
 from .plans import Plan
 from .ranks import RankRun, cause, first_line, in_doubt, one_verdict, state_of
 from .session import State
-from .turn import CannotRun, Turn, probes_for
+from .turn import CannotRun, Turn, pinned_part, probes_for
 from .verdict import Ran
 from .watch import Bounds
 from .worker import Worker
@@ -43,10 +43,12 @@ def run_ranks(item: pytest.Item, plan: Plan, state: State, worker: Worker, turn:
         worker.discard(turn.started)
         turn.started = None
     total = plan.gpus * spec.ranks
-    if total > 0 and worker.health is not None:
+    if total > 0 and worker.health is not None and worker.gpus.leases is not None:
+        pinned = pinned_part(worker, total, spec.gpu_memory)  # the worker's, if pinned
+        turn.owned = pinned is None
         try:
             turn.lease = worker.health.lease(
-                total, item.nodeid, worker.settings.lease_timeout, spec.gpu_memory
+                total, item.nodeid, worker.settings.lease_timeout, spec.gpu_memory, pinned
             )
         except LeaseError as exc:
             raise CannotRun(str(exc)) from None

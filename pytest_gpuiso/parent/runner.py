@@ -31,7 +31,7 @@ from __future__ import annotations
 import pytest
 
 from .. import _compat
-from ..gpu import pinning, ports
+from ..gpu import ports
 from ..gpu.leases import LeaseError
 from ..proc import workdir
 from ..settings import wants_isolation
@@ -50,7 +50,7 @@ from .results import (
 )
 from .session import STATE, State, settle
 from .supervisor import Running
-from .turn import CannotRun, Turn, probes_for
+from .turn import CannotRun, Turn, pinned_part, probes_for
 from .verdict import Ran
 from .watch import Bounds
 from .worker import Worker
@@ -176,11 +176,8 @@ def _go(item: pytest.Item, plan: Plan, state: State, worker: Worker, turn: Turn)
     n = plan.gpus
     checks = worker.health  # there with the lease table: there are GPUs to lease
     if n > 0 and gpus.leases is not None and checks is not None:
-        pinned = pinning.within(gpus.pin, n, spec.gpu_memory, gpus.devices)
+        pinned = pinned_part(worker, n, spec.gpu_memory)
         turn.owned = pinned is None
-        never = pinning.never_granted(gpus.leases, gpus.pin, n) if turn.owned else None
-        if never is not None:
-            raise CannotRun(never)
         if turn.started is None and turn.owned:  # start its process while it waits: the
             turn.started = worker.waiting(plan.job)  # the lease is used from its first ms
         try:

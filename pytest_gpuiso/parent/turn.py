@@ -3,19 +3,22 @@
 The runner fills a ``Turn`` as the test's run goes (its process started, then running;
 a distributed test's ranks, each its own); ``release`` gives back what is left, its
 processes first: killed and reaped where their run never got to ``wait``, then the lease
-(unless its pinned worker's) and the port. ``probes_for``: the leak probes of one
-process of the test, besides the process sweep.
+(unless its pinned worker's) and the port. ``pinned_part``: the part of a pinned worker's
+GPUs a test runs under; ``probes_for``: the leak probes of one process of the test,
+besides the process sweep.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..gpu import pinning
 from ..gpu.leases import Lease
 from ..gpu.ports import PortLease
 from ..leaks import Probe
 from ..leaks.gpu_memory import GpuMemoryProbe
 from ..leaks.shm import ShmProbe
+from ..values import GpuMemory
 from .plans import Plan
 from .session import State
 from .started import Started
@@ -60,6 +63,18 @@ class Turn:
         if self.port is not None:
             self.port.release()
             self.port = None
+
+
+def pinned_part(worker: Worker, n: int, memory: GpuMemory | None) -> Lease | None:
+    """The part of the worker's pinned GPUs (--gpu-isolate-pin-workers) a test needing
+    ``n`` runs under (a distributed test: all its ranks' together); None: it leases its
+    own; ``CannotRun`` where it could never get them while the pinned workers hold theirs."""
+    gpus = worker.gpus
+    pinned = pinning.within(gpus.pin, n, memory, gpus.devices)
+    never = pinning.never_granted(gpus.leases, gpus.pin, n) if pinned is None else None
+    if never is not None:
+        raise CannotRun(never)
+    return pinned
 
 
 def probes_for(

@@ -25,7 +25,7 @@ def test_ranks_run_together_and_one_verdict_names_the_rank_that_failed(gpuiso, m
         "--junitxml=junit.xml",
         "test_ranks.py",
         "-k",
-        "not crashes and not own_gpu and not leaks and not sessions",
+        "not crashes and not own_gpu and not leaks and not sessions and not four_gpus",
     )
     result.assert_outcomes(passed=3, failed=1, errors=2)
     result.stdout.fnmatch_lines([f"FAILED {STUCK}*"])
@@ -110,6 +110,19 @@ def test_each_rank_leases_its_own_gpus(gpuiso_spawn) -> None:
         "--gpu-isolate-devices=0", "test_ranks.py::test_each_rank_sees_its_own_gpu"
     )
     skipped.assert_outcomes(skipped=1)  # two ranks of one GPU each need two
+
+
+def test_ranks_of_a_pinned_worker_run_on_its_gpus(gpuiso_spawn, lease_region) -> None:
+    """Pinned workers (two GPUs each, all four GPUs pinned): a test of two ranks of one GPU
+    each runs under its worker's pin, each rank on one of its GPUs; one of four ranks
+    could never get its GPUs while the workers hold theirs: one line saying so."""
+    gpuiso_spawn.copy("test_ranks.py")
+    pinned = ("--gpu-isolate-pin-workers", "--gpu-isolate-devices=0,1,2,3", "--gpu-isolate-gpus=2")
+    result = gpuiso_spawn.run(
+        *pinned, "-n", "2", "-rE", "test_ranks.py", "-k", "own_gpu or four_gpus", timeout=120
+    )
+    result.assert_outcomes(passed=1, errors=1)
+    result.stdout.fnmatch_lines(["*test needs 4 GPUs; its pinned worker holds 2 (*) and *"])
 
 
 def test_a_ranks_leaks_are_the_tests_and_name_the_rank(gpuiso, shm_name) -> None:
