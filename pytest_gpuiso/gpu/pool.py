@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ..wire.environment import MEMORY_ENV
 from .devices import Devices
 from .nvml import NvmlReader
 
@@ -41,6 +42,17 @@ class GpuPool:
         """The environment a test's process sees its GPUs by: ``lease``'s, every GPU
         hidden where ``lease`` is None; nothing where there is no lease table."""
         return self.leases.child_env(lease) if self.leases is not None else {}
+
+    def go_env(self, lease: Lease | None, share: tuple[str, ...] | None = None) -> dict[str, str]:
+        """What a test's process is given of its GPUs with its go: ``env(lease)``, where
+        ``share`` (a distributed test's rank's GPUs, of the group's ``lease``) shows only
+        those, and ``MEMORY_ENV`` always ("" without a lease of memory: never one
+        inherited from pytest's own environment)."""
+        env = self.env(lease)
+        if share is not None and self.leases is not None:
+            env.update(self.leases.visible(share))
+        env.setdefault(MEMORY_ENV, "")
+        return env
 
     def release_pins(self) -> None:
         """Give back the pinning leases this process took (at the session's end)."""

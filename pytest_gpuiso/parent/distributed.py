@@ -24,7 +24,7 @@ from ..gpu import ports
 from ..gpu.leases import LeaseError
 from ..leaks import Leak, Verdict
 from ..reports.record import RankEntry
-from ..wire.environment import MEMORY_ENV, RENDEZVOUS_ENV
+from ..wire.environment import RENDEZVOUS_ENV
 from . import verdict
 from .group import Ended, wait_group
 from .plans import Plan
@@ -157,10 +157,8 @@ def _rank_envs(plan: Plan, worker: Worker, turn: Turn) -> list[dict[str, str]]:
     rendezvous = Path(tempfile.mkdtemp(prefix="rendezvous-", dir=Path(plan.job.basetemp)))
     envs = []
     for rank in range(world):
-        env = gpus.env(turn.lease)
-        if turn.lease is not None and gpus.leases is not None:
-            env.update(gpus.leases.visible(turn.lease.devices[rank * n : (rank + 1) * n]))
-        env.setdefault(MEMORY_ENV, "")
+        share = turn.lease.devices[rank * n : (rank + 1) * n] if turn.lease else None
+        env = gpus.go_env(turn.lease, share)
         if turn.port is not None:
             env.update(turn.port.env())
         env.update(

@@ -36,7 +36,6 @@ from ..gpu.leases import LeaseError
 from ..proc import workdir
 from ..settings import wants_isolation
 from ..warning_types import GpuIsoStartWarning, warn_session
-from ..wire.environment import MEMORY_ENV
 from . import distributed, supervisor, verdict
 from .launcher import StartError
 from .outcome import Outcome, SessionStop
@@ -186,8 +185,7 @@ def _go(item: pytest.Item, plan: Plan, state: State, worker: Worker, turn: Turn)
             )
         except LeaseError as exc:  # a timeout, a slot-count conflict, a stuck table
             raise CannotRun(str(exc)) from None
-    env = gpus.env(turn.lease)
-    env.setdefault(MEMORY_ENV, "")  # no lease of memory: never one inherited from our env
+    env = gpus.go_env(turn.lease)
     if state.master_port:
         try:
             turn.port = ports.lease()
