@@ -198,6 +198,13 @@ class GpuMemory:
     def on(self, capacity: int) -> int:  # bytes on a device of that size (0: unknown)
         return self.size or capacity * self.share // WHOLE
 
+    def times(self, n: int) -> GpuMemory | None:
+        """``n`` of it on one GPU (a distributed test's ranks sharing it); None where that
+        is more than a whole GPU."""
+        if self.share and self.share * n > WHOLE:
+            return None
+        return GpuMemory(f"{n} x {self.text}", self.size * n, self.share * n)
+
 
 UNITS_TEXT = "B, KB, MB, GB, TB, KiB, MiB, GiB or TiB"
 SIZE_FORMS = (

@@ -37,18 +37,22 @@ from .worker import Worker
 
 
 def run_ranks(item: pytest.Item, plan: Plan, state: State, worker: Worker, turn: Turn) -> Ran:
-    """Run the test as ``plan.spec.ranks`` processes; its ``Ran`` (see the module)."""
+    """Run the test as ``plan.spec.ranks`` processes; its ``Ran`` (see the module). Where
+    the ranks share their GPUs by memory slices (``plan.packed``), the group leases its
+    ``gpus`` GPUs with every rank's slice, and each rank sees them all with its own."""
     spec = plan.spec
     if turn.started is not None:  # a single process started ahead is of no use here
         worker.discard(turn.started)
         turn.started = None
-    total = plan.gpus * spec.ranks
+    # each rank's GPUs, or (packed) every rank's slice of the same GPUs
+    total = plan.gpus if plan.packed else plan.gpus * spec.ranks
+    memory = spec.gpu_memory.times(spec.ranks) if plan.packed else spec.gpu_memory
     if total > 0 and worker.health is not None and worker.gpus.leases is not None:
-        pinned = pinned_part(worker, total, spec.gpu_memory)  # the worker's, if pinned
+        pinned = pinned_part(worker, total, memory)  # the worker's, if pinned
         turn.owned = pinned is None
         try:
             turn.lease = worker.health.lease(
-                total, item.nodeid, worker.settings.lease_timeout, spec.gpu_memory, pinned
+                total, item.nodeid, worker.settings.lease_timeout, memory, pinned
             )
         except LeaseError as exc:
             raise CannotRun(str(exc)) from None
@@ -156,9 +160,12 @@ def _rank_envs(plan: Plan, worker: Worker, turn: Turn) -> list[dict[str, str]]:
     world, n, gpus = plan.spec.ranks, plan.gpus, worker.gpus
     rendezvous = Path(tempfile.mkdtemp(prefix="rendezvous-", dir=Path(plan.job.basetemp)))
     envs = []
+    lease = turn.lease
+    if lease is not None and plan.packed:  # each rank sees them all, with its slice of each
+        lease = dataclasses.replace(lease, memory=lease.memory // world)
     for rank in range(world):
-        share = turn.lease.devices[rank * n : (rank + 1) * n] if turn.lease else None
-        env = gpus.go_env(turn.lease, share)
+        share = None if lease is None or plan.packed else lease.devices[rank * n : (rank + 1) * n]
+        env = gpus.go_env(lease, share)
         if turn.port is not None:
             env.update(turn.port.env())
         env.update(

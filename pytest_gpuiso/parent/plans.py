@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from .. import _compat
+from ..gpu.devices import Devices
 from ..settings import IsolationSpec, Settings, spec_for_item
 from ..values import SpecError
 from ..wire.jobs import ItemJob
@@ -36,6 +37,9 @@ class Plan:
     # others may use its GPUs beside it (slots, memory leases): what is seen on them
     # then cannot be pinned on it
     shared: bool = False
+    # a distributed test's ranks share its ``gpus`` GPUs, each with its gpu_memory slice
+    # of them (too few GPUs here for each rank's own): ``spec.gpu_memory`` x ranks leased
+    packed: bool = False
     missing: str | None = None  # what it needs that there is not: it is skipped
     job: ItemJob | None = None
     warm_env: dict[str, str] = field(default_factory=dict)  # its process's, ahead of its turn
@@ -65,12 +69,27 @@ def _plan(item: pytest.Item, worker: Worker) -> Plan:
         return Plan(None, error=str(exc))
     n = spec.gpus if spec.gpus is not None else gpus.default_gpus(settings.gpus)
     missing = gpus.devices.shortfall(n * spec.ranks, spec.gpu_memory)  # each rank's n
-    if missing is not None:
+    packed = missing is not None and _packs(gpus.devices, n, spec)
+    if missing is not None and not packed:
+        if spec.ranks > 1 and spec.gpu_memory is not None and n > 0:
+            missing += (
+                f"; its {spec.ranks} ranks' gpu_memory={spec.gpu_memory.text} together fit "
+                f"no GPU either"
+            )
         return Plan(spec, gpus=n, missing=missing)
     env = gpus.env(None) if n == 0 or gpus.leases is None else dict(HIDDEN_GPUS)
     job = item_job(item, settings, worker.options)
     shared = settings.slots > 1 or spec.gpu_memory is not None
-    return Plan(spec, gpus=n, shared=shared, job=job, warm_env=env)
+    return Plan(spec, gpus=n, shared=shared, packed=packed, job=job, warm_env=env)
+
+
+def _packs(devices: Devices, n: int, spec: IsolationSpec) -> bool:
+    """Whether a distributed test whose ranks cannot have ``n`` GPUs each here can share
+    ``n`` by memory slices: its ``gpu_memory`` times its ranks fits them (NCCL needs a GPU
+    a rank: its tests lease whole GPUs, which are never shared)."""
+    memory = spec.gpu_memory
+    together = memory.times(spec.ranks) if memory is not None and spec.ranks > 1 else None
+    return together is not None and devices.shortfall(n, together) is None
 
 
 def item_job(

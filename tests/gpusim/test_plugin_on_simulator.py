@@ -377,3 +377,20 @@ def test_nvml_work_a_test_costs_is_bounded_and_the_driver_start_is_the_tests(
         result.stdout.fnmatch_lines([f"gpu-isolate: isolation cost * over {tests} test*"])
     more = counts[1] - counts[0]
     assert more % 3 == 0 and 0 < more // 3 <= NVML_CALLS_A_TEST, counts  # the same each
+
+
+def test_ranks_each_on_a_gpu_or_sharing_one_by_memory_slices(
+    gpuiso_spawn: GpuIso, sim: Path
+) -> None:
+    """Two ranks of whole GPUs: one GPU each, distinct. Two ranks of 30 GiB, where only
+    GPU 0 holds 30 GiB: both on GPU 0, each with its 30 GiB slice (the group leased 60).
+    Three of 30 GiB fit neither way: skipped saying so."""
+    _copy(gpuiso_spawn, "sim_ranks.py")
+    result = gpuiso_spawn.run(REPORT, "-rs", "sim_ranks.py")
+    result.assert_outcomes(passed=2, skipped=1)
+    result.stdout.fnmatch_lines(
+        ["*test needs 3 GPUs, 2 (0, 1) available; its 3 ranks' gpu_memory=30GiB together fit no*"]
+    )
+    records = gpuiso_spawn.records()
+    shared = records["sim_ranks.py::test_two_ranks_share_the_big_gpu_by_slices"]
+    assert (shared["gpus"], shared["gpu_memory"]) == (["0"], 60 << 30), shared

@@ -115,3 +115,13 @@ def test_a_bad_value_names_every_form_accepted_where_it_came_from(parse, value, 
 def test_a_long_bad_value_is_shown_by_its_start():
     shape = _SHAPE.match(str(bad_value("9" * 400, "--x", "a size")))
     assert shape and shape.group(1) == "'" + "9" * 35 + "...'"
+
+
+def test_a_groups_memory_slices_together_are_n_times_one_never_more_than_a_gpu():
+    """A distributed test's ranks sharing a GPU lease their slices together: bytes or a
+    share times the ranks; a share past the whole GPU is none."""
+    size = parse_memory("20GiB", "m").times(3)
+    assert (size.size, size.share, size.text) == (60 << 30, 0, "3 x 20GiB")
+    share = parse_memory("25%", "m").times(4)
+    assert (share.size, share.share, share.on(80 << 30)) == (0, 1_000_000, 80 << 30)
+    assert parse_memory("40%", "m").times(3) is None
