@@ -97,9 +97,14 @@ def _failed(runs: list[RankRun], cause: RankRun, states: dict[int, str]) -> list
         else:
             said = states[run.rank]
         story.append(f"rank {run.rank}: {said}")
-    for report in reports:  # shown with each failure
+    folded = [
+        (f"{SECTION}: rank {run.rank}", _tail(run.reports))
+        for run in runs
+        if run is not cause and states[run.rank] == "failed"
+    ]
+    for report in reports:  # shown with each failure, the other ranks' failures folded
         if report.failed:
-            report.sections.append((SECTION, "\n".join(story)))
+            report.sections += [(SECTION, "\n".join(story)), *folded]
     _with_properties(reports, [run for run in runs if run is not cause])
     return reports
 
@@ -125,6 +130,21 @@ def _sections_of(run: RankRun, when: str) -> list[tuple[str, str]]:
         if report.when == when:
             found += [(f"{title} (rank {run.rank})", text) for title, text in report.sections]
     return found
+
+
+FOLDED_LINES = 15  # of another failed rank's failure, under the cause's traceback
+
+
+def _tail(reports: list[pytest.TestReport]) -> str:
+    """The last ``FOLDED_LINES`` of a rank's first failure: where it failed and why (or,
+    for a rank stopped with its group, where it waited), its full text in the JSON."""
+    for report in reports:
+        if report.failed:
+            lines = str(report.longrepr).rstrip().splitlines()
+            cut = len(lines) - FOLDED_LINES
+            head = [f"... ({cut} lines above: the JSON report's ranks)"] if cut > 0 else []
+            return "\n".join(head + lines[-FOLDED_LINES:])
+    return ""
 
 
 def first_line(reports: list[pytest.TestReport]) -> str:

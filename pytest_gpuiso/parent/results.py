@@ -354,8 +354,9 @@ def describe_problem(
             missing = "(no stack dump: the process was still starting up)"
         else:
             missing = "(no stack dump: the process did not answer)"
+        when = "when its group stopped it" if outcome.end.expired == "group" else "at the timeout"
         parts.append(
-            f"Stack of the test process (pid {outcome.end.pid}) at the timeout:\n"
+            f"Stack of the test process (pid {outcome.end.pid}) {when}:\n"
             + (trim_stack(outcome.end.stack) or missing)
         )
     for n, text in enumerate(outcome.end.captured, 1):

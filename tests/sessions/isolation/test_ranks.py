@@ -36,6 +36,14 @@ def test_ranks_run_together_and_one_verdict_names_the_rank_that_failed(gpuiso, m
             "rank 1: failed first: ValueError: rank 1 could not shard",
         ]
     )
+    result.stdout.fnmatch_lines(  # the stopped rank's story folded below: where it waited
+        [
+            "*- gpu-isolate ranks: rank 0 -*",
+            "Stopped: another rank of this distributed test ended and this one still ran 1 s*",
+            "Stack of the test process (pid *) when its group stopped it:",
+            "*line * in test_rank_1_fails_while_rank_0_waits_for_it",
+        ]
+    )
     result.stdout.fnmatch_lines(  # every rank's output, each under its rank's title
         [
             "*- Captured stdout call -*",
