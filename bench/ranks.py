@@ -18,7 +18,7 @@ with its output's tail. Prints each wall time, the per-test time, the spawn-per-
 time as a multiple of ``ranks=N`` (target: at least 5x) and what each rank past the
 first adds to a test, against a whole single-process isolated test (target: less).
 
-    python bench/ranks.py [--tests N] [--repeat R] [--timeout S]
+    python bench/ranks.py [--tests N] [--repeat R] [--timeout S] [--world 2,4]
 """
 
 from __future__ import annotations
@@ -108,10 +108,19 @@ def main() -> int:
     parser.add_argument("--tests", type=int, default=20)
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=900)
+    parser.add_argument(
+        "--world", default="2,4", help="the world sizes to time, each >= 2 (default: 2,4)"
+    )
     opts = parser.parse_args()
     for name in ("tests", "repeat"):
         if getattr(opts, name) < 1:
             parser.error(f"--{name} must be at least 1")
+    try:
+        worlds = sorted({int(w) for w in opts.world.split(",")})
+    except ValueError:
+        worlds = []
+    if not worlds or worlds[0] < 2:
+        parser.error(f"--world must be world sizes of 2 or more, such as 2,4: not {opts.world}")
     try:
         import torch.distributed  # noqa: F401  (in this interpreter: the suites need it)
     except ImportError as exc:
@@ -119,13 +128,10 @@ def main() -> int:
         return 2
     work = Path(tempfile.mkdtemp(prefix="gpuiso-ranks-bench-"))
     configs: dict[str, list[str]] = {}
-    for label, source, ranks in [
-        ("ranks=1 (one isolated process a test)", OURS, 1),
-        ("ranks=2", OURS, 2),
-        ("ranks=4", OURS, 4),
-        ("spawn 2 ranks per test", SPAWNED, 2),
-        ("spawn 4 ranks per test", SPAWNED, 4),
-    ]:
+    runs = [("ranks=1 (one isolated process a test)", OURS, 1)]
+    runs += [(f"ranks={w}", OURS, w) for w in worlds]
+    runs += [(f"spawn {w} ranks per test", SPAWNED, w) for w in worlds]
+    for label, source, ranks in runs:
         name = f"test_{label.split()[0].replace('=', '')}_{ranks}.py"
         (work / name).write_text(source.format(tests=opts.tests, ranks=ranks))
         isolate = ["--gpu-isolate-timeout=300"] if source is OURS else ["-p", "no:gpuiso"]
@@ -152,7 +158,7 @@ def main() -> int:
     one = best[labels[0]] / n
     print("\ntargets:")
     met = True
-    for ranks in (2, 4):
+    for ranks in worlds:
         ours, spawned = best[f"ranks={ranks}"], best[f"spawn {ranks} ranks per test"]
         ratio = spawned / ours
         met &= ratio >= 5
