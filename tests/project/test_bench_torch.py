@@ -39,7 +39,9 @@ def test_overhead_prints_ratios_and_targets():
 
 
 def test_overhead_with_sleeping_tests_judges_no_target():
-    out = bench_table("--tests", "2", "--repeat", "1", "--only", "forkserver", "--sleep", "0.2")
+    out = bench_table(
+        "--tests", "2", "--repeat", "1", "--only", "forkserver (default)", "--sleep", "0.2"
+    )
     assert "2 tiny torch tests on cpu, each sleeping 0.2 s, best of 1 round" in out
     assert float(row(out, "in-process")[0]) > 0.4  # two tests that sleep 0.2 s each
     assert float(row(out, "forkserver (default), prewarm 1")[0]) > 0.4
