@@ -2,7 +2,9 @@
 
 The suite runs under pytest-xdist (the root conftest.py). ``--sample I/N`` (CI's wheel and
 lowest-versions stages, see .ci/run) keeps share I of N of the tests, by a stable hash of
-their node ids, plus every test carrying one of the markers ``--sample-keep`` names.
+their node ids, plus every test carrying one of the markers ``--sample-keep`` names;
+``--one-start METHOD`` (CI's lowest-versions stage) runs a test that runs under both start
+methods under that one only.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ STAGE_MARKERS = {
     "libraries, entry points (CI's wheel stage runs every such test)",
     "versions": "depends on the versions of pytest, pytest-xdist, psutil, nvidia-ml-py or "
     "another plugin: report formats, hooks, APIs (CI's lowest-versions stage runs them all)",
+    "ml": "changes with torch and numpy installed beside the plugin: BLAS and OpenMP threads, "
+    "torch preloaded, torch.distributed, the torch benches (CI's ML stage runs them all)",
 }
 
 # An xdist worker's environment names it; the pytest runs the tests start are sessions of
@@ -40,6 +44,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--sample",
         metavar="I/N",
         help="run share I of N of the tests (0 <= I < N), chosen by a stable hash of node ids",
+    )
+    group.addoption(
+        "--one-start",
+        metavar="METHOD",
+        choices=("spawn", "forkserver"),
+        help="run the tests that run under both start methods (the gpuiso fixture) under "
+        "this one only",
     )
     group.addoption(
         "--sample-keep",
@@ -69,6 +80,7 @@ def _parse_sample(text: str) -> tuple[int, int]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _one_start(config, items)
     text = config.getoption("--sample")
     if not text:
         return
@@ -82,6 +94,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         kept = any(item.get_closest_marker(name) for name in keep)
         in_share = zlib.crc32(item.nodeid.encode()) % shares == share
         (selected if kept or in_share else deselected).append(item)
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = selected
+
+
+def _one_start(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """--one-start METHOD: of a test run under both start methods, its other one's run
+    deselected (CI's lowest-versions stage: pytest's internals a test's process uses are
+    the same under both, built by the same bootstrap; the README's command runs both)."""
+    method = config.getoption("--one-start")
+    if not method:
+        return
+    selected, deselected = [], []
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        start = callspec.params.get("gpuiso", method) if callspec is not None else method
+        (selected if start == method else deselected).append(item)
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = selected
@@ -115,9 +144,9 @@ def gpuiso(request: pytest.FixtureRequest) -> GpuIso:
 
 @pytest.fixture
 def gpuiso_spawn(request: pytest.FixtureRequest) -> GpuIso:
-    """``gpuiso`` with the default start method (spawn) only: for what pytest's process
-    alone decides (options, ini keys, the header, leases, leak policies, the reports'
-    formats), which the start method does not change."""
+    """``gpuiso`` with spawn only: for what pytest's process alone decides (options, ini
+    keys, the header, leases, leak policies, the reports' formats), which the start method
+    does not change (spawn: a session of a test or two starts no fork server)."""
     return _make(request, "spawn")
 
 

@@ -15,9 +15,12 @@ import pytest
 from tests.helpers import ROOT
 from tests.helpers.benches import bench_table, overhead_module, row, validation
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("torch") is None, reason="the benchmarks' suites import torch"
-)
+pytestmark = [
+    pytest.mark.ml,
+    pytest.mark.skipif(
+        importlib.util.find_spec("torch") is None, reason="the benchmarks' suites import torch"
+    ),
+]
 
 
 def test_overhead_prints_ratios_and_targets():

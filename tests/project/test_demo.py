@@ -13,6 +13,8 @@ from tests.helpers import ROOT
 pytestmark = pytest.mark.installation
 
 
+# the demo's default preload is torch where it is installed: CI's ML stage runs it there
+@pytest.mark.ml
 def test_the_demo_reports_each_failure_mode(pytester: pytest.Pytester):
     shutil.copy(ROOT / "fixtures" / "demo" / "test_demo.py", pytester.path)
     before = set(Path("/dev/shm").glob("psm_*"))

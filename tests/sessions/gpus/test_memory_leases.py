@@ -62,6 +62,7 @@ def test_the_lease_reaches_the_test_and_torchs_allocator(
     assert late["gpu_memory"] == 4 * GIB  # 50% of the declared 8 GiB
 
 
+@pytest.mark.ml
 @needs_torch
 def test_the_real_torch_gets_the_cap_without_starting_cuda(
     gpuiso: GpuIso, lease_region: Path

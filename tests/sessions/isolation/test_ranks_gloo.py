@@ -13,6 +13,7 @@ import pytest
 
 from tests.helpers import REPORT
 
+pytestmark = pytest.mark.ml
 pytest.importorskip("torch.distributed")
 
 AFTER = "test_gloo.py::test_rank_1_fails_after_the_collective"

@@ -20,6 +20,8 @@ import pytest
 
 from tests.helpers import REPORT, GpuIso, make_gpuiso
 
+# what changes with torch and numpy beside the plugin: CI's ML stage runs these again there
+pytestmark = pytest.mark.ml
 pytest.importorskip("numpy")  # both are in the test extras
 pytest.importorskip("threadpoolctl")
 # torch is looked for, never imported here: pytester takes the modules a test imported out

@@ -172,6 +172,7 @@ def test_a_start_method_chosen_in_the_ini_file_is_kept(
 # --------------------------------------------------------------------------- the fork server
 
 
+@pytest.mark.ml
 @pytest.mark.parametrize("seed", ["", "7"], ids=["unseeded", "seeded-at-import"])
 def test_forked_tests_draw_their_own_torch_random_numbers(
     forkserver_iso: GpuIso, monkeypatch: pytest.MonkeyPatch, seed: str
