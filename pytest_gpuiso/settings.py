@@ -126,6 +126,7 @@ class IsolationSpec:
     gpu_memory: GpuMemory | None = None  # its lease on each GPU (None: 1/slots of it)
     startup_timeout: float = DEFAULT_STARTUP_TIMEOUT  # its process's start-up (and exit)
     ranks: int = 1  # processes that run it together (a distributed test's ranks)
+    distributed: bool = False  # ranks= given (even 1): run as a group, with its environment
     # seconds the other ranks may still run once one ended (``parent.group``)
     rank_wait: float = DEFAULT_RANK_WAIT
 
@@ -195,6 +196,7 @@ def spec_for_item(item: pytest.Item, settings: Settings) -> IsolationSpec:
         startup_timeout=startup,
         gpu_memory=memory,
         ranks=ranks,
+        distributed="ranks" in kwargs,
         rank_wait=rank_wait,
     )
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -91,8 +92,10 @@ def run_ranks(item: pytest.Item, plan: Plan, state: State, worker: Worker, turn:
         held = verdict.Held(turn.lease, probes[rank], port, checked)
         rans.append(verdict.assemble(item, spec, state, one.outcome, held, []))
     runs = [
-        RankRun(rank, ran.reports, one.ended_at, one.outcome.end.expired == "group")
-        for rank, (ran, one) in enumerate(zip(rans, ended, strict=True))
+        RankRun(rank, ran.reports, one.ended_at, one.outcome.end.expired == "group", failed)
+        for rank, (ran, one, failed) in enumerate(
+            zip(rans, ended, map(_failed_at, ended), strict=True)
+        )
     ]
     first = cause(runs)
     base = rans[first.rank] if first is not None else rans[0]  # its record
@@ -104,11 +107,24 @@ def run_ranks(item: pytest.Item, plan: Plan, state: State, worker: Worker, turn:
     )
     return dataclasses.replace(
         base,
+        # pytest.exit() in any rank ends the session, as in-process (the cause's first)
+        stop=next((ran.stop for ran in (base, *rans) if ran.stop is not None), None),
         reports=one_verdict(item, runs),
         ranks=entries,
         verdict=leaks,
         leak_checks=tuple(dict.fromkeys(k for ran in rans for k in ran.leak_checks)),
     )
+
+
+def _failed_at(one: Ended) -> float | None:
+    """When the rank's own first failed report ended (``time.monotonic()``; None: its
+    process sent none: it passed, crashed, or was stopped before it failed by itself)."""
+    stops = [
+        data["stop"]
+        for data in one.outcome.sent.reports
+        if data.get("outcome") == "failed" and isinstance(data.get("stop"), (int, float))
+    ]
+    return min(stops) - (time.time() - time.monotonic()) if stops else None
 
 
 def _entry(run: RankRun, one: Ended, leaks: list[dict]) -> RankEntry:

@@ -3,12 +3,14 @@
 ``wait_group`` watches every process of the group at once until the first one ends,
 reading what each sends meanwhile (no pipe fills while another process is watched; the
 frames are given back to each one's watch), then gives the others ``linger`` seconds to
-end by themselves. Past it, those still running are stopped together, as past a bound
-of their own (``watch.stop``: where their threads wait and their stacks, then SIGTERM,
-one ``grace``, SIGKILL, each step for all of them at once), and their ``End.expired`` is
-``"group"``: ranks stuck in a collective after another failed hold nothing for long.
-Each process's own bounds (start-up, timeout, exit) hold throughout: when one runs out
-before any process ended, the group is stopped at once, that one for its bound. The
+end by themselves. Past it, those still in their test are stopped together, as past a
+bound of their own (``watch.stop``: where their threads wait and their stacks, then
+SIGTERM, one ``grace``, SIGKILL, each step for all of them at once), and their
+``End.expired`` is ``"group"``: ranks stuck in a collective after another failed hold
+nothing for long. One whose test already ended (its END read) is only exiting (a
+process group's teardown, a plugin's session end): it keeps its own exit bound. Each
+process's own bounds (start-up, timeout, exit) hold throughout: when one runs out before
+any process ended, those in their test are stopped at once, that one for its bound. The
 group's processes start together through the worker's door (``Worker.group``) and get
 their go one by one (``Worker.go``); this module only waits.
 """
@@ -45,6 +47,7 @@ class _Seen:
     began: float | None = None  # when its test began (its BEGIN's stamp)
     done: float | None = None  # when its test's protocol ended (its END read)
     ended_at: float | None = None  # when its process was seen to end
+    given_back: bool = False  # what was read went back to its watch (``_give_back``)
 
     def bound(self) -> tuple[str, float | None]:
         """Its current bound (``watch``'s three) and when it runs out (None: never)."""
@@ -63,23 +66,52 @@ class _Seen:
 
 def wait_group(runnings: list[Running], linger: float) -> list[Ended]:
     """Wait for every process of ``runnings`` (each given its go), in their order: until
-    the first ends, then ``linger`` seconds more for the rest, then stop what still runs."""
+    the first ends, then ``linger`` seconds more for the rest, then stop those still in
+    their test. One whose test ended (its END read) is only exiting: its own exit bound
+    holds, not ``linger``. Ctrl-C stops every one (stacks first), reaps and sweeps them,
+    and goes on up: the session ends, as in-process."""
     seen = [_Seen(r, r.started.sentinel) for r in runnings]
-    _until(seen, None, first=True)
-    if any(s.ended_at is not None for s in seen):  # else one ran past a bound of its own
-        _until(seen, time.monotonic() + linger, first=False)
-    now, stopped = time.monotonic(), []
+    try:
+        _until(seen, None, first=True)
+        if any(s.ended_at is not None for s in seen):  # else one ran past a bound of its own
+            _until(seen, time.monotonic() + linger, first=False)
+        _stop([s for s in seen if s.ended_at is None and s.done is None])
+        exiting = [s for s in seen if s.ended_at is None and s.done is not None]
+        if exiting:
+            _until(exiting, None, first=False)
+            _stop([s for s in exiting if s.ended_at is None])  # past their exit bound
+    except KeyboardInterrupt:
+        _stop([s for s in seen if s.ended_at is None and not s.given_back], interrupted=True)
+        for s in seen:
+            _give_back(s)
+            s.running.wait()
+        raise
     for s in seen:
-        s.running.started.reader.put_back(s.read)
-        if s.ended_at is None:
-            watch = s.running.watch()
-            stage, deadline = s.bound()
-            past = deadline is not None and deadline <= now
-            watch.expired, watch.cutoff = stage if past else "group", len(s.read)
-            stopped.append(watch)
-    if stopped:
-        stop(stopped, max(w.bounds.grace for w in stopped))
+        _give_back(s)
     return [Ended(s.running.wait(), s.ended_at) for s in seen]
+
+
+def _give_back(s: _Seen) -> None:
+    """What the group's wait read of ``s`` goes back to its own watch (once)."""
+    if not s.given_back:
+        s.given_back = True
+        s.running.started.reader.put_back(s.read)
+
+
+def _stop(seen: list[_Seen], *, interrupted: bool = False) -> None:
+    """Stop ``seen`` together: each past its own bound, else for its group (``"group"``)."""
+    if not seen:
+        return
+    now, watches = time.monotonic(), []
+    for s in seen:
+        _give_back(s)
+        watch = s.running.watch()
+        stage, deadline = s.bound()
+        past = deadline is not None and deadline <= now and not interrupted
+        watch.expired, watch.cutoff = stage if past else "group", len(s.read)
+        watches.append(watch)
+    grace = max(w.bounds.grace for w in watches)
+    stop(watches, min(grace, 1.0) if interrupted else grace)
 
 
 def _until(seen: list[_Seen], stop: float | None, *, first: bool) -> None:

@@ -4,8 +4,9 @@ Each rank's process runs the test's setup, call and teardown and sends its repor
 ``one_verdict`` makes them the test's (``distributed.run_ranks`` asks it):
 
 - every rank passed: rank 0's reports, the other ranks' captured output beside its own;
-- a rank failed: the first to fail, by when its process ended, is the cause (a rank
-  stopped because another ended never is, unless every failed rank was): its reports,
+- a rank failed: the first to fail (its first failed report, or its process's end: a
+  crash) is the cause (a rank stopped because another ended, having not failed before,
+  never is, unless every failed rank was): its reports,
   each failed one's summary line naming it (``rank 1 failed: ValueError: ...``), and a
   section telling every rank's story (failed too, stopped after it, passed);
 - every rank skipped (or every one an expected failure): rank 0's reports;
@@ -35,6 +36,7 @@ class RankRun:
     reports: list[pytest.TestReport]
     ended_at: float | None  # time.monotonic() when its process was seen to end
     stopped: bool = False  # stopped because another rank ended first (End.expired "group")
+    failed_at: float | None = None  # time.monotonic() when its first failed report came
 
 
 def state_of(reports: list[pytest.TestReport]) -> str:
@@ -48,15 +50,18 @@ def state_of(reports: list[pytest.TestReport]) -> str:
 
 
 def cause(runs: list[RankRun]) -> RankRun | None:
-    """The rank whose failure is the test's: the first to fail by when its process ended,
-    a rank stopped for its group only where every failed rank was; None: none failed."""
+    """The rank whose failure is the test's: the first to fail, by its first failed
+    report or else the end of its process (a crash); a rank stopped for its group that
+    had not failed by itself before only where every failed rank was; None: none failed."""
     failed = [run for run in runs if state_of(run.reports) == "failed"]
     if not failed:
         return None
-    return min(
-        failed,
-        key=lambda r: (r.stopped, r.ended_at if r.ended_at is not None else math.inf, r.rank),
-    )
+
+    def first(run: RankRun) -> tuple[bool, float, int]:
+        times = [t for t in (run.failed_at, run.ended_at) if t is not None]
+        return (run.stopped and run.failed_at is None, min(times, default=math.inf), run.rank)
+
+    return min(failed, key=first)
 
 
 def one_verdict(item: pytest.Item, runs: list[RankRun]) -> list[pytest.TestReport]:
@@ -90,7 +95,7 @@ def _failed(runs: list[RankRun], cause: RankRun, states: dict[int, str]) -> list
     for run in runs:
         if run is cause:
             said = f"failed first: {first_line(run.reports)}"
-        elif run.stopped:
+        elif run.stopped and run.failed_at is None:
             said = f"stopped after rank {cause.rank} failed"
         elif states[run.rank] == "failed":
             said = f"failed too: {first_line(run.reports)}"

@@ -28,6 +28,8 @@ which is called from here, downward, and never calls back; the waiting is
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from .. import _compat
@@ -114,8 +116,11 @@ def run_item(item: pytest.Item, nextitem: pytest.Item | None, worker: Worker | N
             ran = Ran(skip_reports(item, f"gpu-isolate: test needs {plan.missing}"))
         elif state.cannot_start is not None:  # no process of this session can start
             ran = Ran(state.cannot_start.reports(item), spec, start_failure=state.cannot_start)
-        elif spec.ranks > 1:  # a distributed test: its ranks, waited for as one
+        elif spec.distributed:  # its ranks (even one), waited for as one
             ran = distributed.run_ranks(item, plan, state, worker, turn)
+            said = _tell_start_problems(item, worker.changed())  # as _finish does
+            if said and ran.stop is None:
+                ran = dataclasses.replace(ran, stop=said[0])
             _prewarm_safely(item, nextitem, state, worker)
             warmed = True
         else:
@@ -268,7 +273,7 @@ def _prewarm(item: pytest.Item, nextitem: pytest.Item | None, state: State, work
             plan = plan_for(candidate, worker)
         except OSError:  # its temporary directory: its own run says why
             continue
-        if plan.runs and plan.spec.ranks == 1:  # a distributed test's ranks start together
+        if plan.runs and not plan.spec.distributed:  # a distributed test's ranks start together
             jobs.append(WarmJob(candidate.nodeid, plan.job, plan.warm_env))
     worker.prepare_next(jobs)
 

@@ -145,7 +145,8 @@ class Watch:
 def stop(watches: list[Watch], grace: float) -> None:
     """Stop every process of ``watches`` (each past a bound: its ``expired`` and ``cutoff``
     set), all at once: where its threads wait, its stack (once bootstrapped: before, it
-    has no handler and the signal would kill it), then ``_end``; each one's ``stack``."""
+    has no handler and the signal would kill it), then ``_end`` with ``grace`` between
+    SIGTERM and SIGKILL; each one's ``stack``."""
     waits = [kernel_waits(w.proc.pid) for w in watches]  # before the signal moves them
     dumped = [w for w in watches if frames.READY in w.received.kinds or _ready(w.reader)]
     stacks = dict(
@@ -155,7 +156,7 @@ def stop(watches: list[Watch], grace: float) -> None:
             strict=True,
         )
     )
-    _end(watches, max(w.bounds.grace for w in watches))
+    _end(watches, grace)
     for w, wait_ in zip(watches, waits, strict=True):
         stack = stacks.get(id(w), "")
         if stack:  # read once it stopped growing; complete only once the process is gone

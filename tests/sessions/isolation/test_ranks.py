@@ -25,9 +25,10 @@ def test_ranks_run_together_and_one_verdict_names_the_rank_that_failed(gpuiso, m
         "--junitxml=junit.xml",
         "test_ranks.py",
         "-k",
-        "not crashes and not own_gpu and not leaks and not sessions and not four_gpus",
+        "not crashes and not own_gpu and not leaks and not session and not four_gpus"
+        " and not teardown",
     )
-    result.assert_outcomes(passed=3, failed=1, errors=2)
+    result.assert_outcomes(passed=4, failed=1, errors=2)  # world sizes 1, 2 and 4 pass
     result.stdout.fnmatch_lines([f"FAILED {STUCK}*"])
     result.stdout.fnmatch_lines(  # the cause first; the rank that waited for it, stopped
         [
@@ -107,6 +108,26 @@ def test_a_rank_that_crashes_is_the_cause_and_its_waiting_peer_is_stopped(gpuiso
     )
 
 
+def test_the_rank_that_failed_first_is_the_cause_when_every_rank_runs_out_its_time(
+    gpuiso_spawn,
+) -> None:
+    """Rank 1 fails in its call, then waits in its teardown; rank 0 waits in its call:
+    both run past the timeout (5 s). Rank 1, whose failed report came first, is the
+    cause; rank 0's timeout is its consequence."""
+    gpuiso_spawn.copy("test_ranks.py")
+    result = gpuiso_spawn.run(REPORT, "test_ranks.py", "-k", "waits_in_teardown")
+    result.stdout.fnmatch_lines(
+        [
+            "*- gpu-isolate ranks -*",
+            "rank 0: failed too: *",
+            "rank 1: failed first: ValueError: rank 1 could not shard",
+        ]
+    )
+    test = "test_ranks.py::test_rank_1_fails_then_waits_in_teardown_while_rank_0_waits"
+    expired = [r["expired"] for r in gpuiso_spawn.records()[test]["ranks"]]
+    assert expired[0] == "test" and expired[1] in ("test", "group"), expired  # as they began
+
+
 def test_each_rank_leases_its_own_gpus(gpuiso_spawn) -> None:
     """Two declared GPUs, two ranks of one GPU each: each sees one, not the same."""
     gpuiso_spawn.copy("test_ranks.py")
@@ -174,6 +195,16 @@ def test_groups_beside_ordinary_tests_under_xdist_never_share_a_port(
     ]
     assert overlapping, held  # two groups ran at the same time
     assert all(a["port"] != b["port"] for a, b in overlapping), overlapping
+
+
+def test_a_rank_whose_test_ended_is_not_stopped_while_its_process_ends(gpuiso_spawn) -> None:
+    """rank_wait bounds ranks still in their test: rank 0, whose test passed, then takes
+    3 s to end its session (rank_wait=1) and keeps its own exit bound; the test passes."""
+    gpuiso_spawn.copy("test_ranks.py")
+    result = gpuiso_spawn.run(REPORT, "test_ranks.py", "-k", "ends_its_session_slowly")
+    result.assert_outcomes(passed=1)
+    ranks = gpuiso_spawn.records()["test_ranks.py::test_rank_0_ends_its_session_slowly"]["ranks"]
+    assert [(r["outcome"], r["expired"]) for r in ranks] == [("passed", None)] * 2, ranks
 
 
 def test_rank_wait_from_the_ini_then_the_command_line(gpuiso_spawn) -> None:

@@ -11,10 +11,14 @@ import signal
 import time
 from pathlib import Path
 
+import psutil
+
 from pytest_gpuiso.gpu.pool import GpuPool
+from pytest_gpuiso.parent import group as group_module
 from pytest_gpuiso.parent.group import wait_group
 from pytest_gpuiso.parent.launcher import Launcher
 from pytest_gpuiso.parent.prewarm import Prewarmer
+from pytest_gpuiso.parent.supervisor import Running
 from pytest_gpuiso.parent.watch import Bounds
 from pytest_gpuiso.parent.worker import PREWARM_OFF, Worker
 from pytest_gpuiso.settings import Settings
@@ -120,3 +124,32 @@ def test_ranks_left_waiting_are_stopped_together_each_with_its_stack_and_threads
         assert "_ignores_sigterm" in stack, stack
         assert "Threads in the kernel (/proc/PID/task/*/wchan):" in stack, stack
         assert re.search(r"thread \d+ \(.+\): state [A-Z]", stack), stack
+
+
+def test_ctrl_c_in_the_groups_wait_stops_every_rank_and_goes_on_up(tmp_path, monkeypatch):
+    """Ctrl-C while the group is waited for: every rank is stopped, reaped and checked
+    (``Running.wait`` for each), then KeyboardInterrupt goes on up, as in-process."""
+
+    def interrupted(seen, stop, *, first):
+        raise KeyboardInterrupt
+
+    waited = []
+    real_wait = Running.wait
+
+    def wait(self):
+        outcome = real_wait(self)
+        waited.append((self.started.proc.pid, outcome.end.expired))
+        return outcome
+
+    monkeypatch.setattr(group_module, "_until", interrupted)
+    monkeypatch.setattr(Running, "wait", wait)
+    started = time.monotonic()
+    try:
+        _run(tmp_path, _stuck_in_a_collective, ["0", "1"], Bounds(300, 120, 5), linger=600)
+    except KeyboardInterrupt:
+        pass
+    else:
+        raise AssertionError("KeyboardInterrupt did not go on up")
+    assert time.monotonic() - started < 30  # stopped, not waited for to the timeout
+    assert [expired for _, expired in waited] == ["group", "group"], waited
+    assert not any(psutil.pid_exists(pid) for pid, _ in waited)  # reaped: no zombie left

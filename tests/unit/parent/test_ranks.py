@@ -73,6 +73,29 @@ def test_a_rank_stopped_for_its_group_is_the_cause_only_where_every_failed_rank_
     assert call.longrepr.reprcrash.message == "rank 1 failed: ValueError: crashed"
 
 
+def test_a_rank_that_failed_before_its_group_stopped_it_is_the_cause():
+    """Rank 1 fails in its call (its report read at 1.0), then hangs in a teardown
+    barrier; rank 0, stuck in a collective, runs past its own timeout (not stopped for
+    its group, its process never ended by itself) and stops the group: rank 1 is the
+    cause, rank 0's failure the consequence. A crash (no failed report, the process's
+    end) still counts by when the process ended."""
+    runs = [
+        RankRun(0, _failed("timed out"), ended_at=None),  # past its own timeout
+        RankRun(1, _failed("bad shard"), ended_at=None, stopped=True, failed_at=1.0),
+    ]
+    call = one_verdict(ITEM, runs)[1]
+    assert call.longrepr.reprcrash.message == "rank 1 failed: ValueError: bad shard"
+    assert dict(call.sections)[SECTION].splitlines() == [
+        "rank 0: failed too: ValueError: timed out",
+        "rank 1: failed first: ValueError: bad shard",
+    ]
+    runs = [
+        RankRun(0, _failed("Connection closed by peer"), ended_at=2.5, failed_at=2.1),
+        RankRun(1, _failed("SIGSEGV"), ended_at=2.0),  # crashed: no report of its own
+    ]
+    assert one_verdict(ITEM, runs)[1].longrepr.reprcrash.message.startswith("rank 1 failed:")
+
+
 def test_ranks_that_all_pass_are_rank_0s_reports_with_every_ranks_output():
     runs = [RankRun(0, _passed("from 0"), 1.0), RankRun(1, _passed("from 1"), 1.0)]
     reports = one_verdict(ITEM, runs)
