@@ -14,6 +14,7 @@ the test's verdict holds every rank's leaks.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import tempfile
 import time
@@ -28,6 +29,7 @@ from ..reports.record import RankEntry
 from ..wire.environment import RENDEZVOUS_ENV
 from . import verdict
 from .group import Ended, wait_group
+from .outcome import Outcome
 from .plans import Plan
 from .ranks import RankRun, cause, first_line, in_doubt, one_verdict, state_of
 from .session import State
@@ -107,6 +109,10 @@ def run_ranks(item: pytest.Item, plan: Plan, state: State, worker: Worker, turn:
     )
     return dataclasses.replace(
         base,
+        outcome=_every_ranks_escaped(base.outcome, ended),
+        peak=max((ran.peak for ran in rans if ran.peak is not None), default=None),
+        gpu_notes=tuple(dict.fromkeys(note for ran in rans for note in ran.gpu_notes)),
+        folded=sum(ran.folded for ran in rans),
         # pytest.exit() in any rank ends the session, as in-process (the cause's first)
         stop=next((ran.stop for ran in (base, *rans) if ran.stop is not None), None),
         reports=one_verdict(item, runs),
@@ -114,6 +120,18 @@ def run_ranks(item: pytest.Item, plan: Plan, state: State, worker: Worker, turn:
         verdict=leaks,
         leak_checks=tuple(dict.fromkeys(k for ran in rans for k in ran.leak_checks)),
     )
+
+
+def _every_ranks_escaped(outcome: Outcome | None, ended: list[Ended]) -> Outcome | None:
+    """``outcome`` (the record's rank's) with every rank's escaped processes, each named by
+    its rank: the record's ``escaped`` and the session's count are the test's."""
+    if outcome is None:
+        return None
+    escaped = [leak for one in ended for leak in one.outcome.end.leaks if leak.kind == "process"]
+    own = [leak for leak in outcome.end.leaks if leak.kind != "process"]
+    merged = copy.copy(outcome)
+    merged.end = dataclasses.replace(outcome.end, leaks=[*escaped, *own])
+    return merged
 
 
 def _failed_at(one: Ended) -> float | None:

@@ -9,6 +9,10 @@ from types import SimpleNamespace
 import pytest
 
 from pytest_gpuiso.gpu.health import RunEnd
+from pytest_gpuiso.leaks import Leak
+from pytest_gpuiso.parent.distributed import _every_ranks_escaped
+from pytest_gpuiso.parent.group import Ended
+from pytest_gpuiso.parent.outcome import End, Outcome
 from pytest_gpuiso.parent.ranks import SECTION, RankRun, in_doubt, one_verdict, state_of
 
 NODEID = "test_dist.py::test_all_reduce"
@@ -139,3 +143,20 @@ def test_the_groups_gpus_are_judged_by_the_rank_that_put_them_in_doubt():
     assert in_doubt([stopped, crashed], [True, False]) is crashed
     assert in_doubt([stopped, clean], [True, False]) is stopped  # stopped: still in doubt
     assert in_doubt([clean, clean], [False, False]) is clean
+
+
+def test_the_record_has_every_ranks_escaped_processes_whichever_rank_it_is_made_from():
+    """The record is the cause's rank's; a process rank 0's sweep found (orphans of any
+    rank come back to pytest, which rank 0's check sweeps first) is the test's all the
+    same: the record's ``escaped`` and the session's count."""
+
+    def ended(rank: int, leaks: list[Leak]) -> Ended:
+        return Ended(Outcome(End(100 + rank, 1, None, 1.0, leaks=leaks)), 1.0)
+
+    found = Leak("process", "rank 1: sleep 300", {"pid": 7, "cmdline": "sleep 300", "rank": 1})
+    shm = Leak("shm", "rank 1: segment /dev/shm/x", {"rank": 1})
+    group = [ended(0, [found]), ended(1, [shm])]
+    merged = _every_ranks_escaped(group[1].outcome, group)
+    assert [e["cmdline"] for e in merged.end.escaped] == ["sleep 300"]
+    assert shm in merged.end.leaks
+    assert group[1].outcome.end.escaped == []  # the rank's own stays as it came
