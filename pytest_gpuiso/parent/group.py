@@ -75,13 +75,15 @@ def wait_group(runnings: list[Running], linger: float) -> list[Ended]:
         _until(seen, None, first=True)
         if any(s.ended_at is not None for s in seen):  # else one ran past a bound of its own
             _until(seen, time.monotonic() + linger, first=False)
-        _stop([s for s in seen if s.ended_at is None and s.done is None])
+        why = _why(seen, linger)
+        _stop([s for s in seen if s.ended_at is None and s.done is None], why)
         exiting = [s for s in seen if s.ended_at is None and s.done is not None]
         if exiting:
             _until(exiting, None, first=False)
-            _stop([s for s in exiting if s.ended_at is None])  # past their exit bound
+            _stop([s for s in exiting if s.ended_at is None], why)  # past their exit bound
     except KeyboardInterrupt:
-        _stop([s for s in seen if s.ended_at is None and not s.given_back], interrupted=True)
+        live = [s for s in seen if s.ended_at is None and not s.given_back]
+        _stop(live, "the session was interrupted (Ctrl-C)", interrupted=True)
         for s in seen:
             _give_back(s)
             s.running.wait()
@@ -98,8 +100,26 @@ def _give_back(s: _Seen) -> None:
         s.running.started.reader.put_back(s.read)
 
 
-def _stop(seen: list[_Seen], *, interrupted: bool = False) -> None:
-    """Stop ``seen`` together: each past its own bound, else for its group (``"group"``)."""
+_BOUNDS = {"startup": "start-up timeout", "test": "timeout", "exit": "exit timeout"}
+
+
+def _why(seen: list[_Seen], linger: float) -> str:
+    """Why the group is stopped now: the first rank (index) that ended and ``linger``
+    passed, else the first one past a bound of its own."""
+    ended = [(s.ended_at, rank) for rank, s in enumerate(seen) if s.ended_at is not None]
+    if ended:
+        return f"rank {min(ended)[1]} ended and this one still ran {linger:g} s later"
+    now = time.monotonic()
+    for rank, s in enumerate(seen):
+        stage, deadline = s.bound()
+        if deadline is not None and deadline <= now:
+            return f"rank {rank} ran past its {_BOUNDS[stage]}"
+    return "another rank of its group ended"
+
+
+def _stop(seen: list[_Seen], why: str, *, interrupted: bool = False) -> None:
+    """Stop ``seen`` together: each past its own bound, else for its group (``"group"``,
+    ``why``)."""
     if not seen:
         return
     now, watches = time.monotonic(), []
@@ -109,6 +129,7 @@ def _stop(seen: list[_Seen], *, interrupted: bool = False) -> None:
         stage, deadline = s.bound()
         past = deadline is not None and deadline <= now and not interrupted
         watch.expired, watch.cutoff = stage if past else "group", len(s.read)
+        watch.why = "" if past else why
         watches.append(watch)
     grace = max(w.bounds.grace for w in watches)
     stop(watches, min(grace, 1.0) if interrupted else grace)

@@ -75,6 +75,7 @@ class End:
     duration: float  # seconds from the go to the process's end
     began: float | None = None  # seconds from the go to the test's start (None: never)
     stack: str = ""
+    why: str = ""  # expired "group": why the group was stopped ("rank 1 ended ...")
     output: str = ""  # what the child wrote to fds 1/2 outside pytest's capture
     leaks: list[Leak] = field(default_factory=list)  # process leaks first, then the probes'
     captured: list[str] = field(default_factory=list)  # tails of the test's captured output

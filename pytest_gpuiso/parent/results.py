@@ -312,18 +312,17 @@ def describe_problem(
                 "(to allow more: --gpu-isolate-startup-timeout, or startup_timeout= in the "
                 "test's gpu_isolated marker)"
             )
-        elif outcome.end.expired == "group":
+        elif outcome.end.expired == "group":  # why: "rank 1 ended and ..." (group._why)
+            why = outcome.end.why or "another rank of its group ended"
+            allow = "rank_wait= in the marker, or --gpu-isolate-rank-wait"
             head = (
-                f"Stopped: another rank of this distributed test ended and this one still ran "
-                f"{spec.rank_wait:g} s later, during {phase}{ended} {escalation}; to fix: its "
-                "stack below shows where it waited; to allow more: rank_wait= in the marker, or "
-                "--gpu-isolate-rank-wait"
+                f"Stopped with its group: {why}, during {phase}{ended} {escalation}; to fix: "
+                "its stack below shows where it waited; to allow more: "
+                f"{allow if ' ended' in why else 'the bound the other rank ran past'}"
             )
         elif outcome.end.expired == "exit":
-            head = (
-                f"Exit timeout: the test process did not exit within "
-                f"{spec.startup_timeout:g} s after its test ended{ended} {escalation}"
-            )
+            head = f"Exit timeout: the test process did not exit within {spec.startup_timeout:g} s"
+            head += f" after its test ended{ended} {escalation}"
         else:
             head = (
                 f"Timeout: the isolated test timed out after {spec.timeout:g} s "

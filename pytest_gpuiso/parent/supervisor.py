@@ -173,6 +173,7 @@ class Running:
             duration=duration,
             began=None if watched.began is None else watched.began - self.go_at,
             stack=watched.stack,
+            why=watched.why,
             output=written,
             leaks=leaks,
             captured=captured,

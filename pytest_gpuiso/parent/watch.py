@@ -85,6 +85,7 @@ class Watch:
         # "startup", "test" or "exit": the bound that ran out ("group": stopped because
         # another process of its group ended, ``group``)
         self.expired: str | None = None
+        self.why = ""  # "group": why its group was stopped (``group``'s words)
         self.began: float | None = None  # time.monotonic() when its test began
         self.cutoff: int | None = None  # frames that had arrived when the bound ran out
         self.stack = ""

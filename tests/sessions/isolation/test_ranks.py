@@ -40,7 +40,7 @@ def test_ranks_run_together_and_one_verdict_names_the_rank_that_failed(gpuiso, m
     result.stdout.fnmatch_lines(  # the stopped rank's story folded below: where it waited
         [
             "*- gpu-isolate ranks: rank 0 -*",
-            "Stopped: another rank of this distributed test ended and this one still ran 1 s*",
+            "Stopped with its group: rank 1 ended and this one still ran 1 s later, during call*",
             "Stack of the test process (pid *) when its group stopped it:",
             "*line * in test_rank_1_fails_while_rank_0_waits_for_it",
         ]
@@ -68,7 +68,7 @@ def test_ranks_run_together_and_one_verdict_names_the_rank_that_failed(gpuiso, m
     assert record["exit"]["expired"] is None  # the cause's: rank 1 failed, not stopped
     waited, failed = record["ranks"]
     assert (waited["rank"], waited["outcome"], waited["expired"]) == (0, "failed", "group")
-    assert waited["error"].startswith("Stopped: another rank of this distributed test ended")
+    assert waited["error"].startswith("Stopped with its group: rank 1 ended and this one still")
     assert (failed["rank"], failed["outcome"], failed["expired"]) == (1, "failed", None)
     assert failed["error"] == "ValueError: rank 1 could not shard"
     assert waited["pid"] != failed["pid"]
@@ -126,6 +126,8 @@ def test_the_rank_that_failed_first_is_the_cause_when_every_rank_runs_out_its_ti
     test = "test_ranks.py::test_rank_1_fails_then_waits_in_teardown_while_rank_0_waits"
     expired = sorted(r["expired"] for r in gpuiso_spawn.records()[test]["ranks"])
     assert expired in (["test", "test"], ["group", "test"]), expired  # as they began
+    if "group" in expired:  # the one stopped with the group says why: the other's timeout
+        result.stdout.fnmatch_lines(["*Stopped with its group: rank ? ran past its timeout, *"])
 
 
 def test_each_rank_leases_its_own_gpus(gpuiso_spawn) -> None:
