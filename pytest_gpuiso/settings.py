@@ -30,6 +30,7 @@ from .values import (
     DEFAULT_TIMEOUT,
     DEFAULT_TOLERANCE_MIB,
     KINDS,
+    MAX_RANKS,
     MAX_SECONDS,
     TEMPLATE_WAIT_DEFAULT,
     GpuMemory,
@@ -211,8 +212,10 @@ def _ranks(item: pytest.Item, value: Any) -> int:
             named = ", ".join(sorted(params)) or "none"
             raise bad_value(value, what, f"a count, or the name of a parameter ({named})")
         what, value = f"{what} (parameter {value})", params[value]
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise bad_value(value, what, "an integer >= 1, or the name of a parameter holding one")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_RANKS:
+        raise bad_value(
+            value, what, f"an integer from 1 to {MAX_RANKS}, or the name of a parameter holding one"
+        )
     return value
 
 

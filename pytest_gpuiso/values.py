@@ -29,6 +29,8 @@ DEFAULT_GRACE = 5.0
 # collective's own error within a few seconds at most; 10 s covers a slow teardown and
 # still ends a rank stuck in a collective long before any timeout (marker: rank_wait=).
 DEFAULT_RANK_WAIT = 10.0
+# the most ranks one test may have: processes on one machine, each a whole interpreter
+MAX_RANKS = 1024
 # The longest duration any bound accepts (a week): waits below it fit the kernel's poll
 # timeout (2**31 ms, 24.8 days), where 1e10 seconds overflowed mid-session.
 MAX_SECONDS = 7 * 24 * 3600.0

@@ -28,7 +28,7 @@ def test_ranks_run_together_and_one_verdict_names_the_rank_that_failed(gpuiso, m
         "not crashes and not own_gpu and not leaks and not session and not four_gpus"
         " and not teardown",
     )
-    result.assert_outcomes(passed=4, failed=1, errors=2)  # world sizes 1, 2 and 4 pass
+    result.assert_outcomes(passed=4, failed=1, errors=3)  # world sizes 1, 2 and 4 pass
     result.stdout.fnmatch_lines([f"FAILED {STUCK}*"])
     result.stdout.fnmatch_lines(  # the cause first; the rank that waited for it, stopped
         [
@@ -57,7 +57,9 @@ def test_ranks_run_together_and_one_verdict_names_the_rank_that_failed(gpuiso, m
     )
     result.stdout.fnmatch_lines(
         [
-            "*invalid value 0 for gpu_isolated marker argument ranks: expected an integer >= 1*",
+            "*invalid value 0 for gpu_isolated marker argument ranks: expected an integer from 1*",
+            "*invalid value 100000 for gpu_isolated marker argument ranks: expected an integer "
+            "from 1 to 1024, or the name of a parameter holding one",
             "*invalid value 'nodes' for gpu_isolated marker argument ranks: expected a count, "
             "or the name of a parameter (none)*",
         ],
