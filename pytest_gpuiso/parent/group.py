@@ -104,16 +104,17 @@ _BOUNDS = {"startup": "start-up timeout", "test": "timeout", "exit": "exit timeo
 
 
 def _why(seen: list[_Seen], linger: float) -> str:
-    """Why the group is stopped now: the first rank (index) that ended and ``linger``
-    passed, else the first one past a bound of its own."""
-    ended = [(s.ended_at, rank) for rank, s in enumerate(seen) if s.ended_at is not None]
-    if ended:
-        return f"rank {min(ended)[1]} ended and this one still ran {linger:g} s later"
+    """Why the group is stopped now: the first running rank (index) past a bound of its
+    own (the wait stopped for it, ``linger`` or not), else the first rank that ended,
+    ``linger`` seconds ago."""
     now = time.monotonic()
     for rank, s in enumerate(seen):
         stage, deadline = s.bound()
-        if deadline is not None and deadline <= now:
+        if s.ended_at is None and deadline is not None and deadline <= now:
             return f"rank {rank} ran past its {_BOUNDS[stage]}"
+    ended = [(s.ended_at, rank) for rank, s in enumerate(seen) if s.ended_at is not None]
+    if ended:
+        return f"rank {min(ended)[1]} ended and this one still ran {linger:g} s later"
     return "another rank of its group ended"
 
 
