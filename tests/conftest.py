@@ -89,11 +89,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     unknown = keep - set(STAGE_MARKERS)
     if unknown:
         raise pytest.UsageError(f"--sample-keep: unknown marker(s) {', '.join(sorted(unknown))}")
+    _keep_only(
+        config,
+        items,
+        lambda item: (
+            any(item.get_closest_marker(name) for name in keep)
+            or zlib.crc32(item.nodeid.encode()) % shares == share
+        ),
+    )
+
+
+def _keep_only(
+    config: pytest.Config, items: list[pytest.Item], kept: Callable[[pytest.Item], bool]
+) -> None:
+    """Deselect (as pytest's -k does, said in its summary) every item ``kept`` refuses."""
     selected, deselected = [], []
     for item in items:
-        kept = any(item.get_closest_marker(name) for name in keep)
-        in_share = zlib.crc32(item.nodeid.encode()) % shares == share
-        (selected if kept or in_share else deselected).append(item)
+        (selected if kept(item) else deselected).append(item)
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = selected
@@ -104,16 +116,14 @@ def _one_start(config: pytest.Config, items: list[pytest.Item]) -> None:
     deselected (CI's lowest-versions stage: pytest's internals a test's process uses are
     the same under both, built by the same bootstrap; the README's command runs both)."""
     method = config.getoption("--one-start")
-    if not method:
-        return
-    selected, deselected = [], []
-    for item in items:
-        callspec = getattr(item, "callspec", None)
-        start = callspec.params.get("gpuiso", method) if callspec is not None else method
-        (selected if start == method else deselected).append(item)
-    if deselected:
-        config.hook.pytest_deselected(items=deselected)
-        items[:] = selected
+    if method:
+        _keep_only(config, items, lambda item: _start_of(item, method) == method)
+
+
+def _start_of(item: pytest.Item, default: str) -> str:
+    """The start method a test runs under by the ``gpuiso`` fixture's parameter."""
+    callspec = getattr(item, "callspec", None)
+    return callspec.params.get("gpuiso", default) if callspec is not None else default
 
 
 @pytest.fixture(autouse=True)
