@@ -149,15 +149,46 @@ def load_conftests(config: Any, directory: Path) -> None:
     )
 
 
-def rewrite_for(session: Any) -> None:
+def rewrite_for(session: Any, initial_paths: tuple[str, ...] | None = None) -> None:
     """What pytest's assertion plugin does at ``pytest_collection``, for a plugin of ours
     that collects in its place: the rewrite hook learns the session, so that a file named
-    on the command line that ``python_files`` does not match is rewritten, as in-process."""
+    on the command line that ``python_files`` does not match is rewritten, as in-process.
+
+    ``initial_paths``: the paths pytest's own session started from (``initial_paths``),
+    which the hook is to take for the command line's; None: this session's own. A test's
+    process collects only its test's file, which would make that file "named on the
+    command line" and its plain asserts rewritten (a doctest module's ``assert x, "msg"``
+    would then raise with pytest's explanation appended, failing its doctest)."""
     from _pytest.assertion import assertstate_key
 
     state = session.config.stash.get(assertstate_key, None)
     if state is not None and state.hook is not None:
-        state.hook.set_session(session)
+        seen = session if initial_paths is None else _StartedFrom(session, initial_paths)
+        state.hook.set_session(seen)
+
+
+def initial_paths(session: Any) -> tuple[str, ...]:
+    """The files and folders ``session`` started from, once it collected (its arguments,
+    ``testpaths`` or the rootdir), as the assertion rewriter reads them."""
+    return tuple(sorted(str(path) for path in getattr(session, "_initialpaths", ())))
+
+
+class _StartedFrom:
+    """A session as the assertion rewriter reads it (``_initialpaths``, ``isinitpath``: all
+    it reads, pytest 8.0 to 9.2), with the initial paths of pytest's own session."""
+
+    def __init__(self, session: Any, paths: tuple[str, ...]) -> None:
+        self._session = session
+        self._initialpaths = frozenset(Path(path) for path in paths)
+
+    def isinitpath(self, path: Any, *, with_parents: bool = False) -> bool:
+        path = Path(path)
+        if path in self._initialpaths:
+            return True
+        return with_parents and any(path in start.parents for start in self._initialpaths)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._session, name)
 
 
 def setup_state(session: Any) -> Any:

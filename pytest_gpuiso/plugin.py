@@ -20,7 +20,7 @@ from . import _import_plainly
 _import_plainly()  # loaded once pytest marked us (in a process that imported the package
 # before): what this module imports loads plainly (the package's docstring says why)
 
-from . import native
+from . import _compat, native
 from .options import add_options
 from .parent import early
 from .parent.session import STATE, State, close, isolated, settle, warn_start
@@ -230,7 +230,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if worker is not None:
         directories = {str(Path(module).parent) for module in modules}
         precollect = sorted(modules) if state.settings.precollect else []
-        worker.precollect(sorted(directories), precollect)
+        worker.precollect(sorted(directories), precollect, _compat.initial_paths(session))
 
 
 @pytest.hookimpl(trylast=True)

@@ -168,7 +168,9 @@ class ChildPlugin:
         # process started cold imports torch with the test module). The test's objects are
         # collected as ever.
         freeze()
-        _compat.rewrite_for(session)  # pytest's own pytest_collection does, ours replaces it
+        # pytest's own pytest_collection does, ours replaces it: with pytest's initial paths,
+        # not this process's one file
+        _compat.rewrite_for(session, self.job.initial_paths)
         module = os.path.relpath(self.job.collect_arg.split("::", 1)[0])
         # A prewarmed process collects while it waits for its go (seeing no GPU), unless
         # CUDA is touched already: it would be replaced at its go anyway.

@@ -173,14 +173,18 @@ class ForkServer:
         tests', where it can be: spared by the sweep and reaped by ``close``)."""
         return self._answer(timeout, "fork")
 
-    def collect(self, directories: list[str], modules: list[str]) -> None:
+    def collect(
+        self, directories: list[str], modules: list[str], initial: tuple[str, ...] = ()
+    ) -> None:
         """Tell the server the isolated tests' directories and modules (best effort).
 
         It imports the directories' conftests and starts a template that collects
         the modules, so that most tests' processes only have to run their item.
+        ``initial``: the paths pytest's session started from (``_compat.initial_paths``).
         """
+        request = ("collect", directories, modules, list(initial))
         with contextlib.suppress(OSError):
-            send_request(self.sock, self.conn, ("collect", directories, modules))
+            send_request(self.sock, self.conn, request)
 
     def send_imports(
         self, names: list[Any], modules: int, nodeid: str = "", took: float = 0.0

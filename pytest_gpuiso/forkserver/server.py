@@ -214,9 +214,12 @@ class Server:
                 self.conn.send_bytes(wire.encode(answer))  # plain data for pytest
         return None
 
-    def collect(self, directories: list[str], modules: list[str]) -> None:
+    def collect(
+        self, directories: list[str], modules: list[str], initial: list[str] | None = None
+    ) -> None:
         """Import the test directories' conftests; start a template that collects ``modules``
-        (unless one started with the server, collecting the session's arguments)."""
+        (unless one started with the server, collecting the session's arguments);
+        ``initial``: the paths pytest's session started from."""
         for directory in directories:
             try:
                 load_conftests(self.config, Path(directory))
@@ -227,7 +230,7 @@ class Server:
         pools.step("importing conftests")
         freeze()
         if modules and self.template is None:
-            self.template = TemplateHandle.start(self, modules)
+            self.template = TemplateHandle.start(self, modules, tuple(initial or ()) or None)
 
     def queue_imports(
         self, names: list[tuple[str, str]], modules: int, teacher: str = "", took: float = 0.0

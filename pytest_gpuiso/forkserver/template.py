@@ -82,8 +82,14 @@ class TemplateHandle:
         self.deadline = time.monotonic() + patience  # fork requests wait until then
 
     @classmethod
-    def start(cls, server: TemplateHost, modules: list[str] | None) -> TemplateHandle | None:
-        """Fork the template, collecting ``modules`` (None: the session's arguments).
+    def start(
+        cls,
+        server: TemplateHost,
+        modules: list[str] | None,
+        initial: tuple[str, ...] | None = None,
+    ) -> TemplateHandle | None:
+        """Fork the template, collecting ``modules`` (None: the session's arguments);
+        ``initial``: the paths pytest's session started from (``_compat.rewrite_for``).
 
         It is pytest's child where ``fork_sibling`` works, like the tests' processes.
         """
@@ -107,7 +113,7 @@ class TemplateHandle:
                 die_with_parent(parent)
                 ours.close()
                 close_quietly(server.sock, server.conn)
-                _template_main(server, theirs, modules)
+                _template_main(server, theirs, modules, initial)
             finally:
                 os._exit(73)
         theirs.close()
@@ -183,7 +189,12 @@ class TemplateHandle:
                 os.waitpid(self.pid, 0)
 
 
-def _template_main(server: TemplateHost, sock: socket.socket, modules: list[str] | None) -> None:
+def _template_main(
+    server: TemplateHost,
+    sock: socket.socket,
+    modules: list[str] | None,
+    initial: tuple[str, ...] | None = None,
+) -> None:
     """The template process: configure, collect, then fork tests from inside the session."""
     boot = server.boot
     conn = Connection(os.dup(sock.fileno()))
@@ -229,7 +240,7 @@ def _template_main(server: TemplateHost, sock: socket.socket, modules: list[str]
         return forked
 
     try:
-        run_session(config, modules, await_fork, boot.options)
+        run_session(config, modules, await_fork, boot.options, initial)
     except BaseException as exc:  # noqa: BLE001 - the server then forks every test itself
         traceback.print_exc()
         with contextlib.suppress(OSError):

@@ -33,16 +33,23 @@ class TemplatePlugin(relay.ChildPlugin):
     """The template's session: collect, then wait for forks; in a test's process forked
     there, take its job and what is its own, and run its item from the collected session."""
 
-    def __init__(self, modules: list[str] | None, await_fork: Callable[[list[str]], Forked]):
+    def __init__(
+        self,
+        modules: list[str] | None,
+        await_fork: Callable[[list[str]], Forked],
+        initial: tuple[str, ...] | None = None,
+    ):
         super().__init__(None, None)  # type: ignore[arg-type] - given to each fork
         self.modules = modules
+        self.initial = initial  # pytest's session's initial paths, when ``modules`` differ
         self.await_fork = await_fork
         self.items: dict[str, Any] = {}
         self.seeded: list[Any] = [None, None, None]  # generator states the collection set
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_collection(self, session: Any) -> bool:
-        _compat.rewrite_for(session)  # pytest's own pytest_collection does, ours replaces it
+        # pytest's own pytest_collection does, ours replaces it (with pytest's initial paths)
+        _compat.rewrite_for(session, self.initial)
         before = _random_states()
         session.perform_collect(self.modules)  # None: the session's arguments, as pytest
         # A module that seeded a global generator at import: each test's process starts
@@ -87,9 +94,10 @@ def run_session(
     modules: list[str] | None,
     await_fork: Callable[[list[str]], Forked],
     options: tuple = (),
+    initial: tuple[str, ...] | None = None,
 ) -> None:
     """The template's pytest session; in a test's process forked from it, the test's end."""
-    plugin = TemplatePlugin(modules, await_fork)
+    plugin = TemplatePlugin(modules, await_fork, initial)
     config.pluginmanager.register(plugin, relay.CHILD_PLUGIN)
     relay.restart_capture(config)
     overrides.override_options(config.option, config.option.basetemp, options)

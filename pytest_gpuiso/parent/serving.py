@@ -99,11 +99,14 @@ class Serving:
             self.start_server()
         return self.server
 
-    def collect(self, directories: list[str], modules: list[str]) -> None:
+    def collect(
+        self, directories: list[str], modules: list[str], initial: tuple[str, ...] = ()
+    ) -> None:
         """Have the fork server load the conftests of ``directories`` and collect
-        ``modules`` (its template's session), when there is a server."""
+        ``modules`` (its template's session), when there is a server; ``initial``: the
+        paths pytest's session started from."""
         if self.server is not None:
-            self.server.collect(directories, modules)
+            self.server.collect(directories, modules, initial)
 
     def fall_back(self, reason: str) -> None:
         """The server cannot serve (``reason``): spawn from now on, said once."""

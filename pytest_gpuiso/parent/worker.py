@@ -136,10 +136,13 @@ class Worker:
         """Start the fork server now (it loads while pytest collects), if the session forks."""
         self.launcher.serving.start_server()
 
-    def precollect(self, directories: list[str], modules: list[str]) -> None:
+    def precollect(
+        self, directories: list[str], modules: list[str], initial: tuple[str, ...] = ()
+    ) -> None:
         """Have the fork server load the conftests of ``directories`` and its template
-        collect ``modules``, when there is a server."""
-        self.launcher.serving.collect(directories, modules)
+        collect ``modules``, when there is a server; ``initial``: the paths pytest's
+        session started from (what its rewrite hook takes for the command line's)."""
+        self.launcher.serving.collect(directories, modules, initial)
 
     def settle(self) -> None:
         """Reap the tests' processes the kernel still tears down, before test code runs

@@ -46,3 +46,7 @@ class ItemJob:
     options: tuple[tuple[str, Any], ...] = ()  # pytest_gpuiso_child_options: (dest, value)
     # item.location in pytest's process, computed there already (it reads the source)
     location: tuple[str, int | None, str] | None = None
+    # The files and folders pytest's own session started from (its arguments, testpaths or
+    # the rootdir): the assertion rewriter's "named on the command line", which the test's
+    # process, collecting only its test's file, must not take for its own (None: its own)
+    initial_paths: tuple[str, ...] | None = None

@@ -102,6 +102,23 @@ def test_a_named_file_python_files_does_not_match_is_rewritten(gpuiso) -> None:
     result.stdout.fnmatch_lines(["E       assert 1 == 2"])
 
 
+def test_a_doctest_modules_plain_asserts_stay_plain_as_in_process(gpuiso) -> None:
+    """--doctest-modules on a package: pytest starts from the package, so its modules keep
+    their plain asserts (each doctest expects assert's own message); the test's process,
+    which collects only its test's file, must not take that file for one pytest started
+    from. A module named on the command line is rewritten, in-process and isolated."""
+    gpuiso.copy("doctest_plain_asserts")
+    package = ("-p", "no:randomly", "doctest_plain_asserts/pkg")
+    gpuiso.run("--no-gpu-isolate", *package).assert_outcomes(passed=2)
+    gpuiso.run("--gpu-isolate", *package).assert_outcomes(passed=2)
+    named = ("-p", "no:randomly", "doctest_plain_asserts/pkg/checked.py")
+    in_process = gpuiso.run("--no-gpu-isolate", *named)
+    in_process.assert_outcomes(failed=1)
+    result = gpuiso.run("--gpu-isolate", *named)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*AssertionError: empty", "*assert ''"])
+
+
 def test_a_plugins_error_at_the_sessions_end_is_not_a_tests(gpuiso) -> None:
     """A warning a plugin gives in pytest_unconfigure, an error by filterwarnings: after
     the tests in-process, and after each test in its process, where it is not the test's
