@@ -27,6 +27,7 @@ from _pytest.skipping import evaluate_xfail_marks  # noqa: F401 - re-exported
 
 # pytest.TerminalReporter is public only from pytest 8.4 on.
 from _pytest.terminal import TerminalReporter  # noqa: F401 - re-exported
+from pytest import StashKey
 
 
 def prepare_config(args: list[str], plugins: list[Any]) -> Any:
@@ -167,10 +168,17 @@ def rewrite_for(session: Any, initial_paths: tuple[str, ...] | None = None) -> N
         state.hook.set_session(seen)
 
 
+_INITIAL_PATHS = StashKey[tuple[str, ...]]()
+
+
 def initial_paths(session: Any) -> tuple[str, ...]:
     """The files and folders ``session`` started from, once it collected (its arguments,
-    ``testpaths`` or the rootdir), as the assertion rewriter reads them."""
-    return tuple(sorted(str(path) for path in getattr(session, "_initialpaths", ())))
+    ``testpaths`` or the rootdir), as the assertion rewriter reads them; read once."""
+    paths = session.stash.get(_INITIAL_PATHS, None)
+    if paths is None:
+        found = getattr(session, "_initialpaths", ())
+        paths = session.stash[_INITIAL_PATHS] = tuple(sorted(str(path) for path in found))
+    return paths
 
 
 class _StartedFrom:

@@ -230,7 +230,7 @@ class Server:
         pools.step("importing conftests")
         freeze()
         if modules and self.template is None:
-            self.template = TemplateHandle.start(self, modules, tuple(initial or ()) or None)
+            self.template = TemplateHandle.start(self, modules, tuple(initial) if initial else None)
 
     def queue_imports(
         self, names: list[tuple[str, str]], modules: int, teacher: str = "", took: float = 0.0

@@ -108,19 +108,8 @@ def item_job(
         torch_check=settings.torch_check,
         options=options,
         location=item.location,
-        initial_paths=started_from(item.session),
+        initial_paths=_compat.initial_paths(item.session),
     )
-
-
-STARTED_FROM = pytest.StashKey[tuple[str, ...]]()
-
-
-def started_from(session: pytest.Session) -> tuple[str, ...]:
-    """The paths the session started from (``_compat.initial_paths``), read once."""
-    paths = session.stash.get(STARTED_FROM, None)
-    if paths is None:
-        paths = session.stash[STARTED_FROM] = _compat.initial_paths(session)
-    return paths
 
 
 def collect_arg(item: pytest.Item) -> str:
